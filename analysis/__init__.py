@@ -1,0 +1,1 @@
+"""kvbench.analysis: tables, plots and run comparison from recorded results."""

@@ -1,0 +1,20 @@
+"""The `kvbench` command line: thin click wrappers over the kvbench packages."""
+
+from __future__ import annotations
+
+import click
+
+from kvbench import __version__
+from kvbench.cli.model import model_group
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kvbench")
+def main() -> None:
+    """Benchmark cross-agent KV-cache sharing methods inside a real vLLM server.
+
+    Data flows one way: gen-trace -> replay -> report.
+    """
+
+
+main.add_command(model_group)

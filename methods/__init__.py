@@ -1,0 +1,1 @@
+"""kvbench.methods: cross-agent KV sharing methods running inside vLLM workers."""

@@ -1,0 +1,1 @@
+"""kvbench.replay: fire traces at vLLM servers and record every request."""

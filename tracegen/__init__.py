@@ -1,0 +1,1 @@
+"""kvbench.tracegen: controlled multi-agent workflow traces (the kvbench-trace format)."""

@@ -1,0 +1,172 @@
+"""`kvbench gen-trace`: build controlled multi-agent workflow traces in the kvbench-trace format."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from kvbench import __version__
+from kvbench.tracegen.arrivals import arrival_times
+from kvbench.tracegen.roles import MAX_AGENTS, Role, roles_for
+from kvbench.tracegen.schema import (OUT_PREFIX, TRACE_FORMAT, TRACE_VERSION, Agent, Segment, SharedText,
+                                     TraceHeader, Trajectory, Turn)
+from kvbench.tracegen.text import document_words, question
+from kvbench.tracegen.tokenizer import TraceTokenizer
+from kvbench.tracegen.workflows import workflow_turns
+
+MAX_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """Every parameter of a generated trace (recorded verbatim in its header)."""
+
+    num_agents: int = 4
+    rounds: int = 1
+    workflow: str = "sequential"
+    shared_tokens: int = 2048
+    output_len: int = 128
+    num_trajectories: int = 10
+    seed: int = 0
+    roles: str = "math"
+    qps: float = 1.0
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+
+    def validate(self) -> None:
+        if not 2 <= self.num_agents <= MAX_AGENTS:
+            raise ValueError(f"--agents must be in 2..{MAX_AGENTS}, got {self.num_agents}")
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise ValueError(f"--rounds must be in 1..{MAX_ROUNDS}, got {self.rounds}")
+        if self.shared_tokens < 1:
+            raise ValueError(f"--shared-tokens must be >= 1, got {self.shared_tokens}")
+        if self.output_len < 1:
+            raise ValueError(f"--output-len must be >= 1, got {self.output_len}")
+        if self.num_trajectories < 1:
+            raise ValueError(f"--num-trajectories must be >= 1, got {self.num_trajectories}")
+        roles_for(self.roles, self.num_agents)  # raises on an unknown preset
+        arrival_times(0, self.qps, self.arrival, self.burstiness)  # raises on bad arrival settings
+        workflow_turns(self.workflow, self.num_agents, self.rounds)  # raises on an unknown workflow
+
+
+class TokenCounter:
+    """Exact token counts of text pieces, cached: the generator's hot path."""
+
+    def __init__(self, tokenizer: TraceTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[str, int] = {}
+
+    def count(self, text: str) -> int:
+        if text not in self._cache:
+            self._cache[text] = len(self.tokenizer.encode(text))
+        return self._cache[text]
+
+    def counts(self, pieces: list[str]) -> list[int]:
+        missing = list({p for p in pieces if p not in self._cache})
+        for piece, ids in zip(missing, self.tokenizer.encode_batch(missing)):
+            self._cache[piece] = len(ids)
+        return [self._cache[p] for p in pieces]
+
+    def fit(self, pieces: list[str], num_tokens: int, filler: Callable[[], str]) -> str:
+        """Concatenate a prefix of `pieces` plus filler words into text of exactly `num_tokens` tokens.
+
+        Byte-level BPE pre-tokenizes at word boundaries, so counts of space-led words add up and one
+        verifying encode suffices. Tokenizers where they do not (e.g. SentencePiece) are corrected
+        word by word, each step re-verified.
+        """
+        counts = self.counts(pieces)
+        total, cut = 0, 0
+        while cut < len(pieces) and total + counts[cut] <= num_tokens:
+            total += counts[cut]
+            cut += 1
+        chosen = pieces[:cut] + [filler() for _ in range(num_tokens - total)]
+        if chosen and cut == 0:  # text must not start with a space
+            chosen[0] = chosen[0].lstrip()
+        for _ in range(64):
+            text = "".join(chosen)
+            actual = len(self.tokenizer.encode(text)) if chosen else 0
+            if actual == num_tokens:
+                return text
+            if actual > num_tokens:
+                excess = actual - num_tokens
+                while chosen and excess > 0:
+                    excess -= self.count(chosen.pop())
+            else:
+                chosen += [filler() for _ in range(num_tokens - actual)]
+                if chosen and len(chosen) == num_tokens - actual:  # text must not start with a space
+                    chosen[0] = chosen[0].lstrip()
+        raise ValueError(f"could not build text of exactly {num_tokens} tokens with {self.tokenizer.name}")
+
+
+def _single_token_filler(counter: TokenCounter, rng: random.Random) -> Callable[[], str]:
+    candidates = [w for w in (" the", " a", " and", " of", " to", " in", " it", " is") if counter.count(w) == 1]
+    if not candidates:
+        candidates = [" the"]
+    return lambda: rng.choice(candidates)
+
+
+def shared_context(counter: TokenCounter, rng: random.Random, num_tokens: int) -> str:
+    """The PH query segment: a question followed by a report, exactly `num_tokens` tokens long."""
+    pieces = [question(rng)]
+    budget = num_tokens
+    while True:
+        pieces += document_words(rng, max(16, budget))
+        if sum(counter.counts(pieces)) >= num_tokens:
+            break
+        budget = num_tokens - sum(counter.counts(pieces))
+    return counter.fit(pieces, num_tokens, _single_token_filler(counter, rng))
+
+
+def _turn_segments(role: Role, visible: list[tuple[str, Role]], counter: TokenCounter) -> list[Segment]:
+    def pf_text(text: str) -> Segment:
+        return Segment(pf="text", text=text, num_tokens=counter.count(text))
+
+    segments = [Segment(pf="system"), pf_text(role.task_intro), Segment(ph="q")]
+    for k, (turn_id, source_role) in enumerate(visible):
+        glue = role.peer_glue.format(agent=turn_id.split(".")[0], role=source_role.name)
+        segments.append(pf_text((role.peer_intro if k == 0 else "") + glue))
+        segments.append(Segment(ph=OUT_PREFIX + turn_id))
+    segments.append(pf_text(role.answer_prefix))
+    return segments
+
+
+def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: TokenCounter) -> Trajectory:
+    # A string seed goes through SHA-512: stable across Python versions and platforms.
+    rng = random.Random(f"kvbench-trace:{spec.seed}:{index}")
+    roles = roles_for(spec.roles, spec.num_agents)
+    agents = {f"A{i}": Agent(role=r.name, system=r.system, system_tokens=counter.count(r.system))
+              for i, r in enumerate(roles)}
+    nodes = workflow_turns(spec.workflow, spec.num_agents, spec.rounds)
+    order = {n.turn_id: i for i, n in enumerate(nodes)}
+    ancestors: dict[str, set[str]] = {}
+    turns = []
+    for node in nodes:
+        ancestors[node.turn_id] = set(node.after).union(*(ancestors[a] for a in node.after))
+        visible = [(t, roles[int(t[1:].split(".")[0])]) for t in sorted(ancestors[node.turn_id], key=order.get)]
+        turns.append(Turn(turn_id=node.turn_id, agent=f"A{node.agent_index}", after=list(node.after),
+                          max_tokens=spec.output_len,
+                          segments=_turn_segments(roles[node.agent_index], visible, counter)))
+    q = SharedText(text=shared_context(counter, rng, spec.shared_tokens), num_tokens=spec.shared_tokens)
+    return Trajectory(trajectory_id=f"t{index:06d}", arrival_s=arrival_s, agents=agents, shared={"q": q},
+                      turns=turns)
+
+
+def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
+                   on_trajectory: Callable[[int], None] | None = None) -> tuple[TraceHeader, list[Trajectory]]:
+    spec.validate()
+    header = TraceHeader(
+        format=TRACE_FORMAT, version=TRACE_VERSION,
+        generator={"name": "kvbench gen-trace", "kvbench_version": __version__, **asdict(spec)},
+        tokenizer=tokenizer.name, tokenizer_sha256=tokenizer.sha256,
+        prompt_prefix_ids=tokenizer.prompt_prefix_ids,
+    )
+    arrivals = arrival_times(spec.num_trajectories, spec.qps, spec.arrival,  # type: ignore[arg-type]
+                             spec.burstiness, seed=spec.seed)
+    counter = TokenCounter(tokenizer)
+    trajectories = []
+    for index, arrival_s in enumerate(arrivals):
+        trajectories.append(generate_trajectory(spec, index, arrival_s, counter))
+        if on_trajectory is not None:
+            on_trajectory(index)
+    return header, trajectories
