@@ -6,6 +6,7 @@ import click
 
 from kvbench import __version__
 from kvbench.cli.model import model_group
+from kvbench.cli.trace import gen_trace_command, trace_group
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -18,3 +19,5 @@ def main() -> None:
 
 
 main.add_command(model_group)
+main.add_command(gen_trace_command)
+main.add_command(trace_group)

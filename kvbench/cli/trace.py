@@ -1,0 +1,149 @@
+"""`kvbench gen-trace` and `kvbench trace ...`: make, check, describe and export workflow traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
+from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
+from kvbench.tracegen.workflows import WORKFLOWS
+
+
+def _trace_error(exc: Exception) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+@click.command("gen-trace")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where to write the trace (kvbench-trace v1, JSON Lines).")
+@click.option("--agents", "num_agents", type=click.IntRange(2, MAX_AGENTS), default=4, show_default=True,
+              help="Number of prompt-specialized agents.")
+@click.option("--rounds", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="Times the workflow runs; each round waits for the previous one.")
+@click.option("--workflow", type=click.Choice(WORKFLOWS), default="sequential", show_default=True,
+              help="sequential: A0->A1->...; loop: A0 then A1..An-1 repeated per round; "
+                   "fan-out: A0->{A1..}; fan-in: {A0..}->An-1.")
+@click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens of the non-generated shared context q (user query + observation), exact.")
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens each agent generates (replayed with ignore_eos) and passes on.")
+@click.option("--num-trajectories", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Workflow instances, each with its own shared context.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
+@click.option("--roles", type=click.Choice(sorted(ROLE_PRESETS)), default="math", show_default=True,
+              help="Role preset: system prompts and glue text of the agents.")
+@click.option("--qps", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Trajectory (workflow) arrivals per second recorded in the trace; 0 = single stream.")
+@click.option("--arrival", type=click.Choice(ARRIVAL_PROCESSES), default="poisson", show_default=True,
+              help="Arrival process of trajectories.")
+@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Gamma shape for --arrival gamma (1 = Poisson, <1 burstier, >1 smoother).")
+@click.option("--model", "--tokenizer", "model", default=None,
+              help="Model (or tokenizer) whose tokenizer counts tokens [default: the embedded model].")
+def gen_trace_command(output: Path, model: str | None, **params: object) -> None:
+    """Generate a controlled multi-agent workflow trace."""
+    from rich.progress import Progress
+
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.schema import write_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    spec = TraceSpec(**params)  # type: ignore[arg-type]
+    try:
+        spec.validate()
+        tokenizer = load_tokenizer(model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    with Progress(transient=True, console=_stderr_console()) as progress:
+        task = progress.add_task("generating trajectories", total=spec.num_trajectories)
+        header, trajectories = generate_trace(spec, tokenizer, lambda i: progress.update(task, completed=i + 1))
+    size = write_trace(output, header, trajectories)
+    turns = sum(len(t.turns) for t in trajectories)
+    click.echo(f"wrote {output}: {len(trajectories)} trajectories, {turns} turns, {size:,} bytes")
+
+
+def _stderr_console():  # noqa: ANN202
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@click.group("trace")
+def trace_group() -> None:
+    """Validate, describe and export kvbench-trace files."""
+
+
+@trace_group.command("validate")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+def validate_command(file: Path) -> None:
+    """Check a trace; every problem is reported with its line and field (exit 1 if any)."""
+    from kvbench.tracegen.schema import TraceError, read_trace
+
+    try:
+        trace = read_trace(file)
+    except TraceError as exc:
+        raise _trace_error(exc) from None
+    turns = sum(len(t.turns) for t in trace.trajectories)
+    click.echo(f"{file}: valid kvbench-trace v{trace.header.version}, {len(trace.trajectories)} trajectories, "
+               f"{turns} turns, tokenizer {trace.header.tokenizer}")
+
+
+@trace_group.command("stats")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
+def stats_command(file: Path, as_json: bool) -> None:
+    """Sizes, prompt-length percentiles, shared tokens per edge, maximum reuse per agent."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvbench.tracegen.schema import TraceError, read_trace
+    from kvbench.tracegen.stats import trace_stats
+
+    try:
+        stats = trace_stats(read_trace(file))
+    except TraceError as exc:
+        raise _trace_error(exc) from None
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+        return
+    console = Console()
+    prompt = stats["prompt_tokens"]
+    console.print(f"[bold]{file}[/]: {stats['trajectories']} trajectories, {stats['turns']} turns; prompt tokens "
+                  + ", ".join(f"{k} {v:,.0f}" for k, v in prompt.items()))
+    edges = Table("edge", "mean shared tokens", title="Shared tokens per workflow edge")
+    for edge, tokens in stats["shared_tokens_per_edge"].items():
+        edges.add_row(edge, f"{tokens:,.0f}")
+    console.print(edges)
+    agents = Table("agent", "turns", "max reuse fraction", title="Theoretical maximum reuse (PH tokens held by "
+                   "an earlier cache / prompt tokens)")
+    for agent, fraction in stats["max_reuse_fraction_per_agent"].items():
+        agents.add_row(agent, str(stats["turns_per_agent"][agent]), f"{fraction:.3f}")
+    console.print(agents)
+    console.print(f"overall maximum reuse fraction: {stats['max_reuse_fraction']:.3f}")
+
+
+@trace_group.command("export")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["mooncake"]), default="mooncake", show_default=True,
+              help="Target format: Mooncake JSONL (timestamp ms, input_length, output_length, "
+                   "hash_ids of 512-token blocks, session_id, agent_id, parent).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Output file [default: standard output].")
+def export_command(file: Path, fmt: str, output: Path | None) -> None:
+    """Export a trace, one line per turn, for other replay tools."""
+    from kvbench.tracegen.export import mooncake_records
+    from kvbench.tracegen.schema import TraceError, read_trace
+
+    try:
+        trace = read_trace(file)
+    except TraceError as exc:
+        raise _trace_error(exc) from None
+    lines = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in mooncake_records(trace))
+    if output is None:
+        click.echo(lines, nl=False)
+    else:
+        output.write_text(lines)
+        click.echo(f"wrote {output}: {lines.count(chr(10))} {fmt} records", err=True)

@@ -1,0 +1,57 @@
+"""Descriptive statistics of a trace: sizes, prompt lengths, and how much could be reused."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from kvbench.tracegen.schema import Trace
+
+
+def trace_stats(trace: Trace, percentiles: tuple[float, ...] = (50, 90, 99)) -> dict[str, Any]:
+    """Shared tokens per workflow edge and the theoretical maximum reuse fraction per agent.
+
+    The reusable part of a prompt is every PH token some earlier turn's cache already holds
+    (`Trajectory.source_of`); PF tokens and first-seen PH tokens must be prefilled by any method.
+    """
+    prompt_lengths: list[int] = []
+    edge_shared: dict[str, list[int]] = defaultdict(list)
+    agent_prompt: dict[str, int] = defaultdict(int)
+    agent_reusable: dict[str, int] = defaultdict(int)
+    agent_turns: dict[str, int] = defaultdict(int)
+    total_shared = total_reusable = 0
+    for trajectory in trace.trajectories:
+        for turn in trajectory.turns:
+            prompt = trajectory.prompt_tokens(turn)
+            prompt_lengths.append(prompt)
+            reusable = 0
+            for segment in turn.segments:
+                if segment.ph is None:
+                    continue
+                tokens = trajectory.segment_tokens(segment, turn)
+                total_shared += tokens
+                if trajectory.source_of(turn, segment.ph) is not None:
+                    reusable += tokens
+            for source in turn.after:
+                held = trajectory.cache_keys(trajectory.turn_by_id[source])
+                shared = sum(trajectory.segment_tokens(s, turn) for s in turn.segments if s.ph in held)
+                edge_shared[f"{trajectory.turn_by_id[source].agent}->{turn.agent}"].append(shared)
+            total_reusable += reusable
+            agent_prompt[turn.agent] += prompt
+            agent_reusable[turn.agent] += reusable
+            agent_turns[turn.agent] += 1
+    lengths = np.asarray(prompt_lengths)
+    return {
+        "trajectories": len(trace.trajectories),
+        "turns": len(prompt_lengths),
+        "prompt_tokens": {"mean": float(lengths.mean()), "max": int(lengths.max()),
+                          **{f"p{p:g}": float(np.percentile(lengths, p)) for p in percentiles}},
+        "shared_tokens_per_edge": {edge: float(np.mean(v)) for edge, v in sorted(edge_shared.items())},
+        "max_reuse_fraction_per_agent": {agent: agent_reusable[agent] / agent_prompt[agent]
+                                         for agent in sorted(agent_prompt)},
+        "turns_per_agent": dict(sorted(agent_turns.items())),
+        "max_reuse_fraction": total_reusable / max(1, int(lengths.sum())),
+        "reusable_fraction_of_shared": total_reusable / max(1, total_shared),
+    }
