@@ -92,6 +92,7 @@ class VLLMServer:
             "--max-logprobs", str(cfg.max_logprobs),
             "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log",
+            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens per request
         ]
         if cfg.max_model_len is not None:
             cmd += ["--max-model-len", str(cfg.max_model_len)]

@@ -6,6 +6,7 @@ import click
 
 from kvbench import __version__
 from kvbench.cli.model import model_group
+from kvbench.cli.replay import methods_command, replay_command, serve_command
 from kvbench.cli.trace import gen_trace_command, trace_group
 
 
@@ -21,3 +22,6 @@ def main() -> None:
 main.add_command(model_group)
 main.add_command(gen_trace_command)
 main.add_command(trace_group)
+main.add_command(replay_command)
+main.add_command(serve_command)
+main.add_command(methods_command)

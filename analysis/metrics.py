@@ -1,0 +1,102 @@
+"""Metric definitions shared by the replayer's summary.json and every report.
+
+Follows `vllm bench serve`: latency aggregates over successful requests only, in ms; ITL pools
+every inter-chunk gap; TPOT is per request. Adds the paper's trajectory-averaged TTFT.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def percentile_key(p: float) -> str:
+    """vLLM's naming: p99, p99.9."""
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
+
+
+def parse_percentiles(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles must be comma-separated numbers, got {text!r}") from None
+    if not values or any(not 0 < v < 100 for v in values):
+        raise ValueError(f"--metric-percentiles must lie strictly between 0 and 100, got {text!r}")
+    return values
+
+
+def _stats(values: np.ndarray, name: str, percentiles: list[float]) -> dict[str, float]:
+    if len(values) == 0:
+        nan = float("nan")
+        return {f"mean_{name}_ms": nan, f"median_{name}_ms": nan, f"std_{name}_ms": nan,
+                **{f"{percentile_key(p)}_{name}_ms": nan for p in percentiles}}
+    return {
+        f"mean_{name}_ms": float(np.mean(values)),
+        f"median_{name}_ms": float(np.median(values)),
+        f"std_{name}_ms": float(np.std(values)),
+        **{f"{percentile_key(p)}_{name}_ms": float(np.percentile(values, p)) for p in percentiles},
+    }
+
+
+def trajectory_table(requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per trajectory whose turns all succeeded: mean TTFT, E2E and token throughput."""
+    ok = requests.groupby("trajectory_id")["success"].transform("all")
+    done = requests[ok]
+    if done.empty:
+        return pd.DataFrame(columns=["trajectory_id", "mean_ttft_ms", "e2e_ms", "tokens", "token_throughput"])
+    grouped = done.groupby("trajectory_id")
+    table = pd.DataFrame({
+        "mean_ttft_ms": grouped["ttft_ms"].mean(),
+        "e2e_ms": (grouped["end_ns"].max() - grouped["scheduled_ns"].min()) / 1e6,
+        "tokens": grouped["prompt_tokens"].sum() + grouped["output_tokens"].sum(),
+    })
+    table["token_throughput"] = table["tokens"] / (table["e2e_ms"] / 1e3)
+    return table.reset_index()
+
+
+def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float]) -> dict[str, Any]:
+    """vLLM's summary keys plus kvbench's trajectory-level and reuse figures."""
+    ok = requests[requests["success"]] if len(requests) else requests
+    completed, failed = int(len(ok)), int(len(requests) - len(ok))
+    total_input = int(ok["prompt_tokens"].sum()) if completed else 0
+    total_output = int(ok["output_tokens"].sum()) if completed else 0
+    duration_s = max(duration_s, 1e-9)
+    itls = np.concatenate([np.asarray(x, dtype=float) for x in ok["itl_ms"]]) if completed else np.array([])
+    summary: dict[str, Any] = {
+        "completed": completed,
+        "failed": failed,
+        "duration": duration_s,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": completed / duration_s,
+        "output_throughput": total_output / duration_s,
+        "total_token_throughput": (total_input + total_output) / duration_s,
+    }
+    for name in ("ttft", "tpot", "e2el"):
+        column = ok[f"{name}_ms"].dropna().to_numpy(dtype=float) if completed else np.array([])
+        summary |= _stats(column, name, percentiles)
+    summary |= _stats(itls, "itl", percentiles)
+
+    trajectories = trajectory_table(requests) if len(requests) else trajectory_table(
+        pd.DataFrame(columns=["trajectory_id", "success"]))
+    summary["completed_trajectories"] = int(len(trajectories))
+    summary["failed_trajectories"] = int(requests["trajectory_id"].nunique() - len(trajectories)) if len(requests) else 0
+    summary |= _stats(trajectories["mean_ttft_ms"].to_numpy(dtype=float), "trajectory_ttft", percentiles)
+    summary["mean_trajectory_e2e_ms"] = float(trajectories["e2e_ms"].mean()) if len(trajectories) else math.nan
+    summary["mean_trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
+                                                   if len(trajectories) else math.nan)
+    shared = int(ok["shared_tokens"].sum()) if completed else 0
+    reusable = int(ok["reusable_tokens"].sum()) if completed else 0
+    summary["shared_tokens"] = shared
+    summary["reusable_tokens"] = reusable
+    reused = ok["reused_tokens"].dropna() if completed else pd.Series(dtype=float)
+    # Realized rho (tokens): shared tokens served by reuse / shared tokens of reuse-eligible turns.
+    summary["realized_rho"] = float(reused.sum() / reusable) if len(reused) and reusable else None
+    cached = ok["cached_tokens"].dropna() if completed else pd.Series(dtype=float)
+    summary["cached_tokens"] = int(cached.sum()) if len(cached) else None
+    return summary

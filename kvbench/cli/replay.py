@@ -1,0 +1,280 @@
+"""`kvbench replay` and `kvbench serve`: run traces against vLLM with a chosen sharing method."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
+
+
+def _server_options(func):  # noqa: ANN001, ANN202
+    options = [
+        click.option("--model", default=None,
+                     help="Model to serve (path or hub name) [default: the trace's model, else the embedded one]."),
+        click.option("--max-model-len", type=click.IntRange(min=16), default=None, help="vLLM --max-model-len."),
+        click.option("--cpu-kv-cache-gib", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+                     help="KV pool of vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."),
+        click.option("--server-startup-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+                     help="Seconds to wait for the server's /health."),
+        click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
+                     help="Extra argument passed to the vLLM server verbatim (repeatable), e.g. "
+                          "--vllm-arg=--gpu-memory-utilization=0.8."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _server_config(method_name: str, model: str, port: int | None, host: str, max_model_len: int | None,
+                   cpu_kv_cache_gib: float, startup_timeout: float, vllm_args: tuple[str, ...],
+                   log_path: Path | None) -> Any:
+    from kvbench.methods.registry import get_method
+    from kvbench.replay.server import ServerConfig
+
+    method = get_method(method_name)
+    return ServerConfig(model=model, host=host, port=port, max_model_len=max_model_len,
+                        cpu_kv_cache_gib=cpu_kv_cache_gib, kv_transfer_config=method.kv_transfer_config,
+                        worker_extension_cls=method.worker_extension_cls, extra_args=list(vllm_args),
+                        startup_timeout_s=startup_timeout, log_path=log_path)
+
+
+def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
+    metadata = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--metadata")
+        metadata[key] = value
+    return metadata
+
+
+@click.command("replay")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="kvbench-trace file [default: a four-agent trace generated in memory].")
+@click.option("--method", default="nonshared", show_default=True, help="KV sharing method (see `kvbench methods`).")
+@click.option("--qps", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Trajectory (whole workflow) arrivals per second, as in the paper's serving traces; "
+                   "turns inside a trajectory start when their inputs are ready. 0 = single stream.")
+@click.option("--arrival", type=click.Choice(ARRIVAL_PROCESSES), default="poisson", show_default=True,
+              help="Arrival process for --qps.")
+@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Gamma shape for --arrival gamma (1 = Poisson).")
+@click.option("--use-trace-timestamps", is_flag=True, help="Replay the trace's own arrival_s (ignores --qps).")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
+              help="At most this many requests in flight (client-side queue time is recorded).")
+@click.option("--num-trajectories", type=click.IntRange(min=1), default=None,
+              help="Replay only the first N trajectories (after warm-ups) [default: all; 10 for the "
+                   "in-memory trace].")
+@click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Trajectories run first, single stream, and left out of the results.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the arrival schedule.")
+@click.option("--metric-percentiles", default="50,90,99", show_default=True,
+              help="Comma-separated percentiles reported as p{N}_{metric}_ms.")
+@click.option("--result-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where results go [default: results/<label|method>-<qps>qps-<time>].")
+@click.option("--label", default=None, help="Name of this run in reports.")
+@click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="Recorded in summary.json (repeatable).")
+@click.option("--base-url", "base_urls", multiple=True, metavar="URL",
+              help="Use running servers instead of starting one (repeatable; each trajectory sticks to one).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port of the started server [default: free].")
+@click.option("--resume", is_flag=True, help="Finish an interrupted run in --result-dir.")
+@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True,
+              help="Seconds before a request counts as failed.")
+@click.option("--save-prompt-ids", is_flag=True, help="Store every prompt's token ids in requests.parquet.")
+@click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Shared context of the in-memory trace (ignored with --trace).")
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Agent output length of the in-memory trace (ignored with --trace).")
+@_server_options
+def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
+                   use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
+                   num_warmups: int, seed: int, metric_percentiles: str, result_dir: Path | None, label: str | None,
+                   metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
+                   request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
+                   model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
+                   server_startup_timeout: float, vllm_args: tuple[str, ...]) -> None:
+    """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
+    from kvbench.analysis.metrics import parse_percentiles
+    from kvbench.methods.registry import get_method
+    from kvbench.replay.runner import ReplayConfig, ReplayError, run_replay
+    from kvbench.replay.server import ServerError
+
+    try:
+        percentiles = parse_percentiles(metric_percentiles)
+        method_info = get_method(method)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if resume and result_dir is None:
+        raise click.UsageError("--resume needs the --result-dir of the run to finish")
+    trace, tokenizer, model = _load_trace(trace_path, model, num_trajectories, num_warmups, shared_tokens,
+                                          output_len, seed)
+    if result_dir is None:
+        result_dir = Path("results") / f"{label or method}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
+    config = ReplayConfig(
+        trace=trace, tokenizer=tokenizer, method=method, base_urls=[u.rstrip("/") for u in base_urls],
+        result_dir=result_dir, qps=qps, arrival=arrival, burstiness=burstiness,
+        use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
+        num_warmups=num_warmups, metric_percentiles=percentiles, label=label, metadata=_parse_metadata(metadata),
+        request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
+        extra_config={"model": model, "method_params": method_info.params,
+                      "trace_path": str(trace_path) if trace_path else None},
+    )
+    try:
+        with _servers(config, method, model, port, max_model_len, cpu_kv_cache_gib, server_startup_timeout,
+                      vllm_args):
+            summary = run_replay(config)
+    except (ServerError, ReplayError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException(f"interrupted; finished requests are in {result_dir} (finish with --resume)") from None
+    print_summary(summary)
+    click.echo(f"results: {result_dir}")
+    _report_failures(result_dir, summary)
+
+
+def _report_failures(result_dir: Path, summary: dict[str, Any]) -> None:
+    """Like `vllm bench serve`: show the first errors; a run where nothing succeeded fails."""
+    if not summary["failed"]:
+        return
+    import pandas as pd
+
+    requests = pd.read_parquet(result_dir / "requests.parquet")
+    failed = requests[~requests["success"]]
+    click.echo(f"{summary['failed']} requests failed; by type: {failed['error_type'].value_counts().to_dict()}", err=True)
+    for _, row in failed[failed["error_type"] != "dependency_failed"].head(10).iterrows():
+        click.echo(f"  {row['trajectory_id']}/{row['turn_id']}: {row['error_type']}: {row['error_message']}", err=True)
+    if summary["completed"] == 0:
+        raise click.ClickException("every request failed (see the errors above)")
+
+
+def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: int | None, num_warmups: int,
+                shared_tokens: int, output_len: int, seed: int) -> tuple[Any, Any, str]:
+    from kvbench.model.store import resolve_model
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.schema import Trace, TraceError, read_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    try:
+        if trace_path is None:
+            tokenizer = load_tokenizer(model)
+            spec = TraceSpec(num_trajectories=(num_trajectories or 10) + num_warmups, shared_tokens=shared_tokens,
+                             output_len=output_len, seed=seed)
+            header, trajectories = generate_trace(spec, tokenizer)
+            trace = Trace(header=header, trajectories=trajectories)
+        else:
+            trace = read_trace(trace_path)
+            tokenizer = load_tokenizer(model if model is not None else trace.header.tokenizer)
+            if trace.header.tokenizer_sha256 and tokenizer.sha256 != trace.header.tokenizer_sha256:
+                raise click.ClickException(
+                    f"{trace_path} was generated with tokenizer {trace.header.tokenizer}, which differs from "
+                    f"{model}'s; regenerate it with `kvbench gen-trace --model {model}`")
+            if num_trajectories is not None:
+                trace = Trace(header=trace.header,
+                              trajectories=trace.trajectories[: num_trajectories + num_warmups])
+    except TraceError as exc:
+        raise click.ClickException(str(exc)) from None
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    served = resolve_model(model if model is not None else trace.header.tokenizer)
+    return trace, tokenizer, served
+
+
+@contextlib.contextmanager
+def _servers(config: Any, method: str, model: str, port: int | None, max_model_len: int | None,
+             cpu_kv_cache_gib: float, startup_timeout: float, vllm_args: tuple[str, ...]) -> Iterator[None]:
+    """Start a server unless --base-url was given; it is stopped however the run ends."""
+    from kvbench.replay.server import VLLMServer
+
+    if config.base_urls:
+        yield
+        return
+    config.result_dir.mkdir(parents=True, exist_ok=True)
+    server_config = _server_config(method, model, port, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
+                                   startup_timeout, vllm_args, config.result_dir / "server.log")
+    click.echo(f"starting vLLM ({method}) for {model} ... log: {server_config.log_path}", err=True)
+    with VLLMServer(server_config) as server:
+        config.base_urls = [server.base_url]
+        config.server_pids = {server.base_url: server.process.pid}
+
+        def failure() -> str | None:
+            if server.is_running():
+                return None
+            return f"the vLLM server exited with code {server.process.returncode} (log: {server.log_path})"
+
+        config.server_failure = failure
+        config.extra_config["server_command"] = server.command()
+        yield
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvbench replay: {summary['method']} @ {summary['request_rate']:g} QPS", show_header=False)
+    rows = [("Completed / failed requests", f"{summary['completed']} / {summary['failed']}"),
+            ("Completed / failed trajectories",
+             f"{summary['completed_trajectories']} / {summary['failed_trajectories']}"),
+            ("Duration (s)", f"{summary['duration']:.2f}"),
+            ("Request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{summary['output_throughput']:.1f}")]
+    from kvbench.analysis.metrics import percentile_key
+
+    stats = ["mean", "median", *(percentile_key(p) for p in summary["config"]["metric_percentiles"])]
+    for metric in ("ttft", "trajectory_ttft", "tpot", "itl", "e2el"):
+        rows += [(f"{stat}_{metric}_ms", f"{summary[f'{stat}_{metric}_ms']:.2f}") for stat in stats
+                 if f"{stat}_{metric}_ms" in summary]
+    if summary.get("peak_server_rss_bytes"):
+        rows.append(("Peak server RSS (MiB)", f"{summary['peak_server_rss_bytes'] / 2**20:.0f}"))
+    if summary.get("peak_kv_cache_usage_perc") is not None:
+        rows.append(("Peak KV cache usage", f"{summary['peak_kv_cache_usage_perc']:.1%}"))
+    for label, value in rows:
+        table.add_row(label, value)
+    Console().print(table)
+
+
+@click.command("serve")
+@click.option("--method", default="nonshared", show_default=True, help="KV sharing method the server runs.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@_server_options
+def serve_command(method: str, host: str, port: int, model: str | None, max_model_len: int | None,
+                  cpu_kv_cache_gib: float, server_startup_timeout: float, vllm_args: tuple[str, ...]) -> None:
+    """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
+    import time
+
+    from kvbench.model.store import resolve_model
+    from kvbench.replay.server import ServerError, VLLMServer
+
+    try:
+        config = _server_config(method, resolve_model(model), port, host, max_model_len, cpu_kv_cache_gib,
+                                server_startup_timeout, vllm_args, None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--method") from None
+    try:
+        with VLLMServer(config) as server:
+            click.echo(json.dumps({"base_url": server.base_url, "method": method, "model": config.model,
+                                   "log": str(server.log_path)}))
+            while server.is_running():
+                time.sleep(1)
+            raise click.ClickException(f"the vLLM server exited with code {server.process.returncode}; "
+                                       f"log: {server.log_path}")
+    except ServerError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)
+
+
+@click.command("methods")
+def methods_command() -> None:
+    """List the KV sharing methods and what each does."""
+    from kvbench.methods.registry import METHODS
+
+    for name, info in sorted(METHODS.items()):
+        click.echo(f"{name:20s} {info.summary}")

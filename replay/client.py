@@ -1,0 +1,95 @@
+"""One streaming `/v1/completions` request, timed the way `vllm bench serve` times it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+@dataclass
+class CompletionResult:
+    sent_ns: int = 0
+    first_token_ns: int | None = None
+    end_ns: int | None = None
+    chunk_ns: list[int] = field(default_factory=list)  # arrival of every chunk that carried tokens
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    prompt_token_ids: list[int] | None = None  # as the server saw them (echoed with return_token_ids)
+    usage: dict[str, Any] | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.error_type is None
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                            timeout_s: float, request_id: str) -> CompletionResult:
+    """POST `body` with `stream: true`; a non-200 answer, an in-band error event, a broken or
+    truncated stream, or a timeout is a failure whose type and message are kept."""
+    result = CompletionResult()
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    result.sent_ns = time.perf_counter_ns()
+    try:
+        await _post(session, url, body, timeout, request_id, result)
+    except asyncio.TimeoutError:
+        result.error_type, result.error_message = "timeout", f"no complete answer within {timeout_s:g}s"
+    except aiohttp.ClientConnectorError as exc:
+        result.error_type, result.error_message = "connection_refused", f"cannot reach {url}: {exc}"
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        result.error_type, result.error_message = "connection_error", f"{type(exc).__name__}: {exc}"
+    except json.JSONDecodeError as exc:
+        result.error_type, result.error_message = "bad_stream", f"unparseable event: {exc}"
+    if result.end_ns is None or not result.success:
+        result.end_ns = time.perf_counter_ns()
+    return result
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout,
+                request_id: str, result: CompletionResult) -> None:
+    async with session.post(url, json=body, timeout=timeout, headers={"x-request-id": request_id}) as response:
+        if response.status != 200:
+            text = (await response.text())[:1000]
+            result.error_type, result.error_message = f"http_{response.status}", text
+            return
+        finished = False
+        async for raw_line in response.content:
+            line = raw_line.strip()
+            if not line or line.startswith(b":"):
+                continue  # SSE separators and keep-alive comments
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                finished = True
+                break
+            now = time.perf_counter_ns()
+            event = json.loads(data)
+            if "error" in event:  # vLLM reports failures after the 200 status in-band
+                error = event["error"]
+                result.error_type = "stream_error"
+                result.error_message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+                return
+            if event.get("usage"):
+                result.usage = event["usage"]
+            for choice in event.get("choices") or []:
+                if choice.get("prompt_token_ids") is not None:
+                    result.prompt_token_ids = choice["prompt_token_ids"]
+                token_ids = choice.get("token_ids") or []
+                if token_ids or choice.get("text"):
+                    if result.first_token_ns is None:
+                        result.first_token_ns = now
+                    result.chunk_ns.append(now)
+                    result.end_ns = now
+                    result.output_token_ids.extend(token_ids)
+                    result.output_text += choice.get("text") or ""
+        if not finished:
+            result.error_type, result.error_message = "truncated_stream", "stream ended before [DONE]"
+        elif result.first_token_ns is None:
+            result.error_type, result.error_message = "no_tokens", "never received a token chunk"

@@ -1,0 +1,116 @@
+"""Token-id prompts built segment by segment, and the per-request `kv_transfer_params` plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbench.tracegen.schema import OUT_PREFIX, Segment, Trajectory, Turn
+from kvbench.tracegen.tokenizer import TraceTokenizer
+
+PLAN_KEY = "kvbench"
+PLAN_VERSION = 1
+
+
+@dataclass
+class SegmentSpan:
+    kind: str  # "pf" or "ph"
+    id: str  # "system", "text", or the ph key ("q", "out:A0.r0")
+    start: int
+    length: int
+
+
+@dataclass
+class TurnPrompt:
+    token_ids: list[int]
+    spans: list[SegmentSpan]
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shared_tokens(self) -> int:
+        return sum(s.length for s in self.spans if s.kind == "ph")
+
+
+def cache_key(run_id: str, trajectory_id: str, turn_id: str) -> str:
+    """Where a finished turn's K/V is saved on the server; run-scoped so reruns never collide."""
+    return f"{run_id}/{trajectory_id}/{turn_id}"
+
+
+class PromptBuilder:
+    """Builds each turn's prompt from the trace and the real outputs of earlier turns."""
+
+    def __init__(self, tokenizer: TraceTokenizer, prefix_ids: list[int], run_id: str) -> None:
+        self.tokenizer = tokenizer
+        self.prefix_ids = list(prefix_ids)
+        self.run_id = run_id
+        self._text_ids: dict[str, list[int]] = {}
+
+    def _ids_of_text(self, text: str) -> list[int]:
+        if text not in self._text_ids:
+            self._text_ids[text] = self.tokenizer.encode(text)
+        return self._text_ids[text]
+
+    def segment_ids(self, trajectory: Trajectory, turn: Turn, segment: Segment,
+                    outputs: dict[str, list[int]]) -> list[int]:
+        if segment.pf == "system":
+            return self._ids_of_text(trajectory.agents[turn.agent].system)
+        if segment.pf == "text":
+            return self._ids_of_text(segment.text or "")
+        assert segment.ph is not None
+        if segment.ph.startswith(OUT_PREFIX):
+            return outputs[segment.ph[len(OUT_PREFIX):]]
+        ids = self._ids_of_text(trajectory.shared[segment.ph].text)
+        expected = trajectory.shared[segment.ph].num_tokens
+        if len(ids) != expected:
+            raise ValueError(f"trajectory {trajectory.trajectory_id}: shared segment {segment.ph!r} has "
+                             f"{len(ids)} tokens under {self.tokenizer.name}, the trace says {expected}; "
+                             "was it generated for another tokenizer?")
+        return ids
+
+    def build(self, trajectory: Trajectory, turn: Turn, outputs: dict[str, list[int]],
+              prompts: dict[str, TurnPrompt]) -> TurnPrompt:
+        """`outputs`/`prompts`: generated ids and prompts of the trajectory's finished turns."""
+        token_ids = list(self.prefix_ids)
+        spans: list[SegmentSpan] = []
+        for segment in turn.segments:
+            ids = self.segment_ids(trajectory, turn, segment, outputs)
+            kind, key = ("ph", segment.ph) if segment.ph is not None else ("pf", segment.pf or "")
+            spans.append(SegmentSpan(kind, key, len(token_ids), len(ids)))
+            token_ids += ids
+        prompt = TurnPrompt(token_ids, spans)
+        prompt.plan = self.plan(trajectory, turn, prompt, outputs, prompts)
+        return prompt
+
+    def plan(self, trajectory: Trajectory, turn: Turn, prompt: TurnPrompt, outputs: dict[str, list[int]],
+             prompts: dict[str, TurnPrompt]) -> dict[str, Any]:
+        """Workload facts only (method parameters live in the server's connector config), so one
+        trace replays against every method unchanged."""
+        segments = []
+        for span in prompt.spans:
+            entry: dict[str, Any] = {"kind": span.kind, "id": span.id, "start": span.start, "length": span.length}
+            if span.kind == "ph":
+                source = trajectory.source_of(turn, span.id)
+                entry["source"] = None
+                if source is not None:
+                    entry["source"] = cache_key(self.run_id, trajectory.trajectory_id, source)
+                    entry["source_turn"] = source
+                    entry["source_start"] = _start_in_cache(span.id, source, prompts[source])
+            segments.append(entry)
+        return {PLAN_KEY: {
+            "version": PLAN_VERSION,
+            "trajectory": trajectory.trajectory_id,
+            "turn": turn.turn_id,
+            "agent": turn.agent,
+            "save_as": cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id),
+            "segments": segments,
+        }}
+
+
+def _start_in_cache(ph: str, source_turn: str, source_prompt: TurnPrompt) -> int:
+    """Offset of segment `ph` in the source turn's cache (its prompt followed by its output)."""
+    if ph == OUT_PREFIX + source_turn:
+        return len(source_prompt.token_ids)
+    for span in source_prompt.spans:
+        if span.kind == "ph" and span.id == ph:
+            return span.start
+    raise KeyError(f"segment {ph!r} is not in the cache of {source_turn!r}")

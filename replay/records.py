@@ -1,0 +1,126 @@
+"""Per-request records on disk: an append-only journal, and requests.parquet snapshotted from it.
+
+A crash (of the client or the server) never loses a finished request: every record is appended
+and flushed to `requests.jsonl` when it completes, and `requests.parquet` is rewritten atomically
+(temp file + rename) every few seconds and at the end, so it is always readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+JOURNAL_NAME = "requests.jsonl"
+PARQUET_NAME = "requests.parquet"
+
+
+@dataclass
+class RequestRecord:
+    """One request. Times are monotonic nanoseconds since the run started; latencies in ms."""
+
+    run_id: str
+    method: str
+    trajectory_id: str
+    turn_id: str
+    agent: str
+    edge_source: str | None  # the turns this one waited for, comma-separated
+    server_url: str
+    request_id: str
+    prompt_tokens: int
+    shared_tokens: int  # PH tokens in the prompt
+    reusable_tokens: int  # PH tokens some earlier cache holds (upper bound on reuse)
+    scheduled_ns: int  # arrival (first turns) or when the last dependency finished
+    sent_ns: int | None = None
+    first_token_ns: int | None = None
+    end_ns: int | None = None
+    client_queue_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_tokens: int | None = None  # server-reported prefix-cache hits
+    reused_tokens: int | None = None  # method-reported
+    recomputed_tokens: int | None = None  # method-reported
+    method_stats: str | None = None  # JSON from the connector
+    success: bool = False
+    error_type: str | None = None
+    error_message: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None  # only with --save-prompt-ids
+
+
+SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("method", pa.string()), ("trajectory_id", pa.string()), ("turn_id", pa.string()),
+    ("agent", pa.string()), ("edge_source", pa.string()), ("server_url", pa.string()), ("request_id", pa.string()),
+    ("prompt_tokens", pa.int64()), ("shared_tokens", pa.int64()), ("reusable_tokens", pa.int64()),
+    ("scheduled_ns", pa.int64()), ("sent_ns", pa.int64()), ("first_token_ns", pa.int64()), ("end_ns", pa.int64()),
+    ("client_queue_ms", pa.float64()), ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()),
+    ("e2el_ms", pa.float64()), ("itl_ms", pa.list_(pa.float64())), ("output_tokens", pa.int64()),
+    ("cached_tokens", pa.int64()), ("reused_tokens", pa.int64()), ("recomputed_tokens", pa.int64()),
+    ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),
+    ("error_message", pa.string()), ("output_token_ids", pa.list_(pa.int64())),
+    ("prompt_token_ids", pa.list_(pa.int64())),
+])
+
+
+def read_journal(result_dir: Path) -> list[dict[str, Any]]:
+    """Records of an earlier (possibly interrupted) run; a torn last line is ignored."""
+    path = result_dir / JOURNAL_NAME
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the process died mid-write; that request is re-run on --resume
+    return records
+
+
+def write_parquet(records: list[dict[str, Any]], path: Path) -> None:
+    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+class ResultsWriter:
+    """Appends records to the journal as they finish and snapshots them to Parquet."""
+
+    def __init__(self, result_dir: Path, existing: list[dict[str, Any]] | None = None,
+                 snapshot_every_s: float = 5.0) -> None:
+        self.result_dir = result_dir
+        self.records: list[dict[str, Any]] = list(existing or [])
+        self.snapshot_every_s = snapshot_every_s
+        self._last_snapshot = time.monotonic()
+        result_dir.mkdir(parents=True, exist_ok=True)
+        # Rewrite the journal so that records dropped for a resume are gone from it too.
+        journal = result_dir / JOURNAL_NAME
+        journal.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self._journal = open(journal, "a", encoding="utf-8")
+        self.snapshot()
+
+    def add(self, record: RequestRecord) -> None:
+        row = asdict(record)
+        self.records.append(row)
+        self._journal.write(json.dumps(row) + "\n")
+        self._journal.flush()
+        if time.monotonic() - self._last_snapshot >= self.snapshot_every_s:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        write_parquet(self.records, self.result_dir / PARQUET_NAME)
+        self._last_snapshot = time.monotonic()
+
+    def close(self) -> None:
+        if not self._journal.closed:
+            self.snapshot()
+            self._journal.close()

@@ -1,0 +1,405 @@
+"""The replay loop: schedule trajectories, run each one's turns as their inputs become known,
+and record every request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import secrets
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pandas as pd
+
+from kvbench import __version__
+from kvbench.analysis.metrics import summarize
+from kvbench.replay.client import stream_completion
+from kvbench.replay.prompts import PromptBuilder, TurnPrompt
+from kvbench.replay.records import ResultsWriter, RequestRecord, read_journal
+from kvbench.replay.server import ServerError
+from kvbench.replay.server_metrics import MetricsSampler
+from kvbench.tracegen.arrivals import arrival_times
+from kvbench.tracegen.schema import Trace, Trajectory, Turn
+from kvbench.tracegen.tokenizer import TraceTokenizer
+
+CONFIG_NAME = "config.json"
+SUMMARY_NAME = "summary.json"
+SERVER_METRICS_NAME = "server_metrics.jsonl"
+
+
+class ReplayError(RuntimeError):
+    """A replay could not run or finish; finished requests are on disk regardless."""
+
+
+@dataclass
+class ReplayConfig:
+    trace: Trace
+    tokenizer: TraceTokenizer
+    method: str
+    base_urls: list[str]
+    result_dir: Path
+    qps: float = 1.0
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    use_trace_timestamps: bool = False
+    seed: int = 0
+    max_concurrency: int | None = None
+    num_warmups: int = 0
+    metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    label: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    request_timeout_s: float = 600.0
+    save_prompt_ids: bool = False
+    resume: bool = False
+    server_pids: dict[str, int] = field(default_factory=dict)
+    # Returns a reason when a server kvbench manages has died (then no new work is started).
+    server_failure: Callable[[], str | None] = lambda: None
+    extra_config: dict[str, Any] = field(default_factory=dict)  # model, method parameters, server args
+    show_progress: bool = True
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class Replayer:
+    def __init__(self, config: ReplayConfig) -> None:
+        self.config = config
+        self.abort_reason: str | None = None
+        self.semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+        self.t0_ns = 0
+        self._consecutive_unreachable = 0
+        self._ttfts: list[float] = []
+        self._completed = 0
+        self._failed = 0
+        self._progress: Any = None
+        self._task_id: Any = None
+
+    # -- set-up ------------------------------------------------------------------------------
+    def prepare(self) -> tuple[list[Trajectory], list[Trajectory], list[dict[str, Any]], dict[str, Any]]:
+        """Warm-ups, trajectories still to run, records kept from an earlier run, and the config."""
+        cfg = self.config
+        result_dir = cfg.result_dir
+        existing = read_journal(result_dir)
+        config_path = result_dir / CONFIG_NAME
+        if cfg.resume:
+            if not config_path.exists():
+                raise ReplayError(f"--resume: no earlier run in {result_dir} (no {CONFIG_NAME})")
+            run_config = json.loads(config_path.read_text())
+            if run_config["method"] != cfg.method:
+                raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method!r}")
+        else:
+            if existing or config_path.exists():
+                raise ReplayError(f"{result_dir} already holds results; pass --resume to finish that run or "
+                                  "choose another --result-dir (nothing is overwritten)")
+            run_config = self._new_run_config()
+        trajectories = cfg.trace.trajectories
+        warmups = trajectories[: cfg.num_warmups]
+        measured = trajectories[cfg.num_warmups:]
+        if not measured:
+            raise ReplayError(f"nothing to measure: {len(trajectories)} trajectories, {cfg.num_warmups} warm-ups")
+        expected = {t.trajectory_id: len(t.turns) for t in measured}
+        by_trajectory: dict[str, list[dict[str, Any]]] = {}
+        for record in existing:
+            by_trajectory.setdefault(record["trajectory_id"], []).append(record)
+        # A trajectory is done when every turn succeeded; others re-run whole (outputs chain).
+        done = {tid for tid, recs in by_trajectory.items()
+                if tid in expected and len(recs) == expected[tid] and all(r["success"] for r in recs)}
+        kept = [r for r in existing if r["trajectory_id"] in done]
+        todo = [t for t in measured if t.trajectory_id not in done]
+        return warmups, todo, kept, run_config
+
+    def _new_run_config(self) -> dict[str, Any]:
+        cfg = self.config
+        stamp = datetime.now(timezone.utc)
+        return {
+            "run_id": f"{cfg.label or cfg.method}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
+            "date": f"{stamp:%Y%m%d-%H%M%S}",
+            "method": cfg.method,
+            "label": cfg.label,
+            "metadata": cfg.metadata,
+            "base_urls": cfg.base_urls,
+            "request_rate": cfg.qps,
+            "arrival": cfg.arrival,
+            "burstiness": cfg.burstiness,
+            "use_trace_timestamps": cfg.use_trace_timestamps,
+            "max_concurrency": cfg.max_concurrency,
+            "num_warmups": cfg.num_warmups,
+            "num_trajectories": len(cfg.trace.trajectories) - cfg.num_warmups,
+            "seed": cfg.seed,
+            "metric_percentiles": cfg.metric_percentiles,
+            "request_timeout_s": cfg.request_timeout_s,
+            "trace_header": cfg.trace.header.model_dump(mode="json"),
+            "tokenizer": cfg.tokenizer.name,
+            "kvbench_version": __version__,
+            "git_sha": _git_sha(),
+            "python": platform.python_version(),
+            "host": platform.node(),
+            "segments": [],
+            **cfg.extra_config,
+        }
+
+    # -- the run -----------------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        cfg = self.config
+        warmups, todo, kept, run_config = self.prepare()
+        cfg.result_dir.mkdir(parents=True, exist_ok=True)
+        segment = len(run_config["segments"])
+        builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
+                                run_id=f"{run_config['run_id']}/s{segment}")
+        writer = ResultsWriter(cfg.result_dir, kept)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        started_wall = time.time()
+        duration = 0.0
+        sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as session:
+                await self._check_servers(session, run_config)
+                (cfg.result_dir / CONFIG_NAME).write_text(json.dumps(run_config, indent=2) + "\n")
+                if warmups:
+                    await self._warm_up(session, warmups, builder)
+                await self._reset_caches(session)
+                offsets = self._schedule(todo)
+                await sampler.start(session)
+                self._start_progress(sum(len(t.turns) for t in todo), len(kept))
+                self.t0_ns = time.perf_counter_ns()
+                try:
+                    await self._run_all(session, todo, offsets, builder, writer)
+                finally:
+                    duration = (time.perf_counter_ns() - self.t0_ns) / 1e9
+                    self._stop_progress()
+                    await sampler.stop(session)
+        finally:
+            writer.close()
+            run_config["segments"].append({"started": started_wall, "duration_s": duration,
+                                           "trajectories": len(todo), "aborted": self.abort_reason})
+            (cfg.result_dir / CONFIG_NAME).write_text(json.dumps(run_config, indent=2) + "\n")
+            with open(cfg.result_dir / SERVER_METRICS_NAME, "a") as handle:
+                handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
+        summary = self.write_summary(writer.records, run_config, sampler)
+        if self.abort_reason:
+            raise ReplayError(f"run aborted: {self.abort_reason}. {summary['completed']} requests completed and "
+                              f"{summary['failed']} failed are saved in {cfg.result_dir}; finish it with --resume")
+        return summary
+
+    async def _check_servers(self, session: aiohttp.ClientSession, run_config: dict[str, Any]) -> None:
+        models, versions = {}, {}
+        for url in self.config.base_urls:
+            try:
+                async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    response.raise_for_status()
+                    models[url] = (await response.json())["data"][0]["id"]
+                async with session.get(f"{url}/version", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    versions[url] = (await response.json()).get("version") if response.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as exc:
+                raise ServerError(f"cannot reach a vLLM server at {url}: {type(exc).__name__}: {exc}") from None
+        self.served_models = models
+        run_config["served_models"] = models
+        run_config["vllm_version"] = next(iter(versions.values()), None)
+
+    async def _reset_caches(self, session: aiohttp.ClientSession) -> None:
+        """Start every run from cold caches (needs VLLM_SERVER_DEV_MODE=1 on the server)."""
+        for url in self.config.base_urls:
+            try:
+                async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)):
+                    pass
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass  # servers without dev mode keep their cache; recorded cached_tokens show it
+
+    async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
+                       builder: PromptBuilder) -> None:
+        for trajectory in warmups:  # single stream, not recorded
+            await self._run_trajectory(session, trajectory, self.config.base_urls[0], 0, builder, writer=None)
+
+    def _schedule(self, trajectories: list[Trajectory]) -> list[float]:
+        cfg = self.config
+        if cfg.use_trace_timestamps:
+            first = min((t.arrival_s for t in trajectories), default=0.0)
+            return [t.arrival_s - first for t in trajectories]
+        return arrival_times(len(trajectories), cfg.qps, cfg.arrival, cfg.burstiness, seed=cfg.seed)  # type: ignore[arg-type]
+
+    async def _run_all(self, session: aiohttp.ClientSession, trajectories: list[Trajectory], offsets: list[float],
+                       builder: PromptBuilder, writer: ResultsWriter) -> None:
+        urls = self.config.base_urls
+        single_stream = self.config.qps == 0 and not self.config.use_trace_timestamps
+        tasks = []
+        for index, (trajectory, offset) in enumerate(zip(trajectories, offsets)):
+            url = urls[index % len(urls)]  # sticky: a trajectory's method state lives on one server
+            if self._should_stop():
+                break
+            if single_stream:
+                await self._run_trajectory(session, trajectory, url, time.perf_counter_ns(), builder, writer)
+                continue
+            target_ns = self.t0_ns + int(offset * 1e9)
+            delay = (target_ns - time.perf_counter_ns()) / 1e9
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(
+                self._run_trajectory(session, trajectory, url, target_ns, builder, writer)))
+        if tasks:
+            await asyncio.gather(*tasks)
+
+    def _should_stop(self) -> bool:
+        if self.abort_reason is None:
+            self.abort_reason = self.config.server_failure()
+        return self.abort_reason is not None
+
+    async def _run_trajectory(self, session: aiohttp.ClientSession, trajectory: Trajectory, url: str,
+                              arrival_ns: int, builder: PromptBuilder, writer: ResultsWriter | None) -> None:
+        loop = asyncio.get_running_loop()
+        finished: dict[str, asyncio.Future[bool]] = {t.turn_id: loop.create_future() for t in trajectory.turns}
+        outputs: dict[str, list[int]] = {}
+        prompts: dict[str, TurnPrompt] = {}
+
+        async def run_turn(turn: Turn) -> None:
+            ok = True
+            for dep in turn.after:
+                ok = await finished[dep] and ok
+            ready_ns = arrival_ns if not turn.after else time.perf_counter_ns()
+            try:
+                if self._should_stop():
+                    return  # not started: no record, --resume runs it
+                record = RequestRecord(
+                    run_id=builder.run_id, method=self.config.method, trajectory_id=trajectory.trajectory_id,
+                    turn_id=turn.turn_id, agent=turn.agent, edge_source=",".join(turn.after) or None,
+                    server_url=url, request_id=f"{builder.run_id}/{trajectory.trajectory_id}/{turn.turn_id}",
+                    prompt_tokens=trajectory.prompt_tokens(turn),
+                    shared_tokens=sum(trajectory.segment_tokens(s, turn) for s in turn.segments if s.ph),
+                    reusable_tokens=sum(trajectory.segment_tokens(s, turn) for s in turn.segments
+                                        if s.ph and trajectory.source_of(turn, s.ph)),
+                    scheduled_ns=ready_ns - self.t0_ns,
+                )
+                if not ok:
+                    record.error_type, record.error_message = "dependency_failed", "an upstream turn failed"
+                    self._record(record, writer)
+                    return
+                prompt = builder.build(trajectory, turn, outputs, prompts)
+                record.prompt_tokens = len(prompt.token_ids)  # real outputs may differ from max_tokens
+                ok = await self._send(session, url, turn, prompt, record, writer, outputs)
+                prompts[turn.turn_id] = prompt
+            finally:
+                if not finished[turn.turn_id].done():
+                    finished[turn.turn_id].set_result(ok and turn.turn_id in outputs)
+
+        await asyncio.gather(*(run_turn(t) for t in trajectory.turns))
+
+    async def _send(self, session: aiohttp.ClientSession, url: str, turn: Turn, prompt: TurnPrompt,
+                    record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
+        body = {
+            "model": self.served_models[url], "prompt": prompt.token_ids, "max_tokens": turn.max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "kv_transfer_params": prompt.plan,
+        }
+        queued_ns = time.perf_counter_ns()
+        if self.semaphore is not None:
+            async with self.semaphore:
+                result = await stream_completion(session, f"{url}/v1/completions", body,
+                                                 self.config.request_timeout_s, record.request_id)
+        else:
+            result = await stream_completion(session, f"{url}/v1/completions", body,
+                                             self.config.request_timeout_s, record.request_id)
+        record.client_queue_ms = (result.sent_ns - queued_ns) / 1e6
+        record.sent_ns = result.sent_ns - self.t0_ns
+        record.end_ns = (result.end_ns or result.sent_ns) - self.t0_ns
+        record.error_type, record.error_message = result.error_type, result.error_message
+        if self.config.save_prompt_ids:
+            record.prompt_token_ids = result.prompt_token_ids if result.prompt_token_ids is not None else prompt.token_ids
+        if result.usage:
+            record.cached_tokens = ((result.usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+        if result.success:
+            output_ids = result.output_token_ids or self.config.tokenizer.encode(result.output_text)
+            record.success = True
+            record.first_token_ns = (result.first_token_ns or 0) - self.t0_ns
+            record.ttft_ms = ((result.first_token_ns or 0) - result.sent_ns) / 1e6
+            record.e2el_ms = ((result.end_ns or 0) - result.sent_ns) / 1e6
+            record.output_tokens = int((result.usage or {}).get("completion_tokens") or len(output_ids))
+            if record.output_tokens > 1:
+                record.tpot_ms = (record.e2el_ms - record.ttft_ms) / (record.output_tokens - 1)
+            record.itl_ms = [(b - a) / 1e6 for a, b in zip(result.chunk_ns, result.chunk_ns[1:])]
+            record.output_token_ids = list(output_ids)
+            outputs[turn.turn_id] = list(output_ids)
+            self._consecutive_unreachable = 0
+        elif result.error_type == "connection_refused":
+            self._consecutive_unreachable += 1
+            if self._consecutive_unreachable >= 3:
+                self.abort_reason = f"server {url} is unreachable ({result.error_message})"
+        self._record(record, writer)
+        return result.success
+
+    # -- output --------------------------------------------------------------------------------
+    def _record(self, record: RequestRecord, writer: ResultsWriter | None) -> None:
+        if writer is None:
+            return
+        writer.add(record)
+        if record.success:
+            self._completed += 1
+            self._ttfts.append(record.ttft_ms or 0.0)
+        else:
+            self._failed += 1
+        if self._progress is not None:
+            self._progress.update(self._task_id, advance=1, completed_n=self._completed, failed_n=self._failed,
+                                  p50=float(np.median(self._ttfts)) if self._ttfts else float("nan"))
+
+    def _start_progress(self, total: int, already: int) -> None:
+        if not self.config.show_progress:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn(f"replay {self.config.method}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("ok {task.fields[completed_n]}  failed {task.fields[failed_n]}  p50 TTFT {task.fields[p50]:.0f} ms"),
+            TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+        )
+        self._progress.start()
+        self._task_id = self._progress.add_task("replay", total=total, completed_n=0, failed_n=0, p50=float("nan"))
+
+    def _stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def write_summary(self, records: list[dict[str, Any]], run_config: dict[str, Any],
+                      sampler: MetricsSampler) -> dict[str, Any]:
+        cfg = self.config
+        requests = pd.DataFrame(records) if records else pd.DataFrame(
+            columns=list(RequestRecord.__dataclass_fields__))
+        if len(requests):
+            requests["success"] = requests["success"].astype(bool)
+        duration = sum(s["duration_s"] for s in run_config["segments"])
+        summary = {
+            "date": run_config["date"], "run_id": run_config["run_id"], "backend": "vllm", "method": cfg.method,
+            "label": cfg.label, "model_id": run_config.get("model"), "tokenizer_id": cfg.tokenizer.name,
+            "num_prompts": int(len(requests)), "request_rate": cfg.qps, "burstiness": cfg.burstiness,
+            "max_concurrency": cfg.max_concurrency, **cfg.metadata,
+            **summarize(requests, duration, cfg.metric_percentiles),
+            **sampler.summary(),
+            "aborted": self.abort_reason,
+            "config": run_config,
+        }
+        (cfg.result_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+        return summary
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def run_replay(config: ReplayConfig) -> dict[str, Any]:
+    return asyncio.run(Replayer(config).run())

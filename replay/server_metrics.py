@@ -1,0 +1,114 @@
+"""Sample each server's Prometheus `/metrics` (before, ~3 Hz during, after) and its memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+# The vLLM series kvbench keeps (samples are named with their _total suffix for counters).
+KEPT_SAMPLES = (
+    "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Kept vLLM samples, summed over label sets (one engine per server here)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in KEPT_SAMPLES:
+                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values
+
+
+def process_tree_rss(pid: int) -> int:
+    """Resident memory of a process and all its descendants (API server, engine core, workers)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+@dataclass
+class MetricsSampler:
+    servers: list[str]
+    pids: dict[str, int]  # server URL -> process id, for servers kvbench started
+    interval_s: float = 1 / 3
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    peak_rss: dict[str, int] = field(default_factory=dict)
+    _task: asyncio.Task | None = None
+    _started: float = 0.0
+
+    async def sample(self, session: aiohttp.ClientSession, phase: str) -> None:
+        now = time.monotonic() - self._started
+        for url in self.servers:
+            try:
+                async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as response:
+                    values = parse_metrics(await response.text()) if response.status == 200 else {}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+                values = {}
+            if url in self.pids:
+                rss = process_tree_rss(self.pids[url])
+                values["process_tree_rss_bytes"] = rss
+                self.peak_rss[url] = max(self.peak_rss.get(url, 0), rss)
+            if values:
+                self.samples.append({"server_url": url, "phase": phase, "t_s": round(now, 3), **values})
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._started = time.monotonic()
+        await self.sample(session, "before")
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                await self.sample(session, "during")
+
+        self._task = asyncio.create_task(loop())
+
+    async def stop(self, session: aiohttp.ClientSession) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.sample(session, "after")
+
+    def summary(self) -> dict[str, Any]:
+        """Peaks and run deltas of the kept series, over all servers."""
+        out: dict[str, Any] = {"peak_server_rss_bytes": max(self.peak_rss.values()) if self.peak_rss else None}
+        usage = [s["vllm:kv_cache_usage_perc"] for s in self.samples if "vllm:kv_cache_usage_perc" in s]
+        out["peak_kv_cache_usage_perc"] = max(usage) if usage else None
+        for name, key in (("vllm:prefix_cache_hits_total", "prefix_cache_hits"),
+                          ("vllm:prefix_cache_queries_total", "prefix_cache_queries"),
+                          ("vllm:num_preemptions_total", "num_preemptions")):
+            delta = 0.0
+            seen = False
+            for url in self.servers:
+                series = [s[name] for s in self.samples if s["server_url"] == url and name in s]
+                if series:
+                    seen = True
+                    delta += series[-1] - series[0]
+            out[key] = delta if seen else None
+        return out
+
+    def write(self, path: Path) -> None:
+        path.write_text("".join(json.dumps(s) + "\n" for s in self.samples))

@@ -1,0 +1,116 @@
+"""A stand-in for vLLM's OpenAI completions API on loopback: streams immediately, or misbehaves
+on purpose. For testing and for measuring the replayer's own overhead, never for results."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+
+StubMode = Literal["ok", "hang", "stream_error", "http_500", "truncate"]
+
+
+@dataclass
+class StubServer:
+    mode: StubMode = "ok"
+    token_delay_s: float = 0.0  # pause between streamed tokens
+    host: str = "127.0.0.1"
+    port: int = 0
+    # request id -> (received, first chunk written) in time.perf_counter_ns(), for overhead checks
+    timings: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    _thread: threading.Thread | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        received = time.perf_counter_ns()
+        body: dict[str, Any] = await request.json()
+        request_id = request.headers.get("x-request-id", "")
+        self.prompts[request_id] = body.get("prompt", [])
+        if self.mode == "http_500":
+            return web.json_response({"error": {"message": "stub failure"}}, status=500)
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        max_tokens = int(body.get("max_tokens", 1))
+        prompt = body.get("prompt", [])
+        for index in range(max_tokens):
+            token = (len(prompt) + index) % 1000 + 3
+            choice: dict[str, Any] = {"index": 0, "text": f" t{token}", "token_ids": [token]}
+            if index == 0:
+                choice["prompt_token_ids"] = prompt
+            await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            if index == 0:
+                self.timings[request_id] = (received, time.perf_counter_ns())
+                if self.mode == "stream_error":
+                    await response.write(b'data: {"error": {"message": "stub in-band error", "code": 500}}\n\n')
+                    return response
+                if self.mode == "truncate":
+                    return response
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
+                 "total_tokens": len(prompt) + max_tokens}
+        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def _app(self) -> web.Application:
+        def fixed(make: Any):  # noqa: ANN202
+            async def handler(_: web.Request) -> web.Response:
+                return make()  # a fresh response each time: one can be sent only once
+            return handler
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", fixed(lambda: web.json_response({"data": [{"id": "stub-model"}]})))
+        app.router.add_get("/version", fixed(lambda: web.json_response({"version": "stub"})))
+        app.router.add_get("/health", fixed(lambda: web.Response(text="")))
+        app.router.add_get("/metrics", fixed(lambda: web.Response(text="vllm:num_requests_running 0\n")))
+        app.router.add_post("/reset_prefix_cache", fixed(lambda: web.Response(text="")))
+        return app
+
+    def start(self) -> "StubServer":
+        ready = threading.Event()
+
+        def serve() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True,
+                                         shutdown_timeout=1.0)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("stub server did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self) -> "StubServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,175 @@
+"""The replayer against a stub server on loopback: scheduling, chaining, failures, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from kvbench.cli import main
+from kvbench.replay.records import JOURNAL_NAME
+from kvbench.replay.stub import StubServer
+
+SMALL = ["--shared-tokens", "64", "--output-len", "4"]
+
+
+def _replay(*args: str):
+    return CliRunner().invoke(main, ["replay", *args], prog_name="kvbench")
+
+
+@pytest.fixture
+def stub():
+    with StubServer() as server:
+        yield server
+
+
+def test_requests_chain_outputs_into_prompts(default_model: str, stub: StubServer, tmp_path: Path) -> None:
+    result = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "2", *SMALL,
+                     "--save-prompt-ids", "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    assert len(requests) == 8 and requests["success"].all()
+    for trajectory_id, turns in requests.groupby("trajectory_id"):
+        by_turn = turns.set_index("turn_id")
+        a0_output = list(by_turn.loc["A0.r0", "output_token_ids"])
+        assert len(a0_output) == 4
+        for later in ("A1.r0", "A2.r0", "A3.r0"):
+            prompt = list(by_turn.loc[later, "prompt_token_ids"])
+            assert _contains(prompt, a0_output)  # A0's real output is inside every later prompt
+            assert stub.prompts[by_turn.loc[later, "request_id"]] == prompt  # what the server received
+        # The plan's spans point at the same tokens.
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["completed"] == 8 and summary["failed"] == 0 and summary["completed_trajectories"] == 2
+
+
+def _contains(haystack: list[int], needle: list[int]) -> bool:
+    return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
+
+
+def test_plan_spans_match_prompt_tokens(default_model: str) -> None:
+    from kvbench.replay.prompts import PromptBuilder
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    _, (trajectory,) = generate_trace(TraceSpec(shared_tokens=200, output_len=5, num_trajectories=1), tokenizer)
+    builder = PromptBuilder(tokenizer, [], run_id="run")
+    outputs, prompts = {}, {}
+    for k, turn in enumerate(trajectory.turns):
+        prompt = builder.build(trajectory, turn, outputs, prompts)
+        plan = prompt.plan["kvbench"]
+        assert plan["save_as"] == f"run/{trajectory.trajectory_id}/{turn.turn_id}"
+        q = next(s for s in plan["segments"] if s["id"] == "q")
+        assert prompt.token_ids[q["start"]:q["start"] + q["length"]] == tokenizer.encode(trajectory.shared["q"].text)
+        for segment in plan["segments"]:
+            if segment["kind"] == "ph" and segment.get("source"):
+                source = prompts[segment["source_turn"]]
+                source_cache = source.token_ids + outputs[segment["source_turn"]]
+                start, n = segment["source_start"], segment["length"]
+                mine = prompt.token_ids[segment["start"]:segment["start"] + n]
+                assert source_cache[start:start + n] == mine  # the source span holds the same tokens
+                assert segment["source_turn"] in turn.after  # chained along the workflow edge
+        outputs[turn.turn_id] = [100 + k] * 5
+        prompts[turn.turn_id] = prompt
+    assert plan["segments"][2]["source"] is not None  # A3 reuses q from A2
+
+
+def test_arrivals_follow_the_schedule(default_model: str, stub: StubServer, tmp_path: Path) -> None:
+    result = _replay("--base-url", stub.base_url, "--qps", "10", "--arrival", "constant", "--num-trajectories", "20",
+                     *SMALL, "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    first = requests[requests["turn_id"] == "A0.r0"].sort_values("scheduled_ns")
+    assert list((first["scheduled_ns"] / 1e6).round().astype(int)) == [100 * i for i in range(20)]
+    lag_ms = (first["sent_ns"] - first["scheduled_ns"]) / 1e6
+    assert lag_ms.max() < 50  # loose here; benchmarks/bench_replay_overhead.py measures it properly
+
+
+def test_fan_out_turns_run_concurrently(default_model: str, tmp_path: Path) -> None:
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.schema import write_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    header, trajectories = generate_trace(TraceSpec(workflow="fan-out", shared_tokens=32, output_len=8,
+                                                    num_trajectories=1), load_tokenizer(None))
+    write_trace(tmp_path / "t.jsonl", header, trajectories)
+    with StubServer(token_delay_s=0.02) as slow:
+        result = _replay("--trace", str(tmp_path / "t.jsonl"), "--base-url", slow.base_url, "--qps", "0",
+                         "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    leaves = pd.read_parquet(tmp_path / "r" / "requests.parquet").query("turn_id != 'A0.r0'")
+    assert leaves["sent_ns"].max() < leaves["end_ns"].min()  # all three in flight together
+
+
+@pytest.mark.parametrize("mode,error_type", [("stream_error", "stream_error"), ("http_500", "http_500"),
+                                             ("truncate", "truncated_stream"), ("hang", "timeout")])
+def test_request_failures_are_recorded(default_model: str, tmp_path: Path, mode: str, error_type: str) -> None:
+    with StubServer(mode=mode) as bad:
+        result = _replay("--base-url", bad.base_url, "--qps", "0", "--num-trajectories", "2", *SMALL,
+                         "--request-timeout", "1", "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 1 and "every request failed" in result.output
+    assert error_type in result.output
+    requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    assert len(requests) == 8 and not requests["success"].any()
+    assert requests["error_type"].value_counts().to_dict() == {"dependency_failed": 6, error_type: 2}
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["failed"] == 8 and summary["completed"] == 0 and summary["failed_trajectories"] == 2
+
+
+def test_resume_finishes_an_interrupted_run(default_model: str, stub: StubServer, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    assert _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,
+                   "--result-dir", str(out)).exit_code == 0
+    journal = out / JOURNAL_NAME
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:6]) + "\n{\"torn")  # killed mid-way through trajectory 2
+    refused = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,
+                      "--result-dir", str(out))
+    assert refused.exit_code == 1 and "--resume" in refused.output  # never overwrites
+    resumed = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,
+                      "--result-dir", str(out), "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert len(requests) == 12 and requests["success"].all()
+    assert not requests.duplicated(["trajectory_id", "turn_id"]).any()
+    config = json.loads((out / "config.json").read_text())
+    assert len(config["segments"]) == 2 and config["segments"][1]["trajectories"] == 2
+
+
+def test_unknown_method_is_a_usage_error(tmp_path: Path) -> None:
+    result = _replay("--method", "telepathy", "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "unknown method 'telepathy'" in result.output
+
+
+def test_unreachable_server_is_a_clear_error(default_model: str, tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = _replay("--base-url", f"http://127.0.0.1:{port}", *SMALL, "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 1 and "cannot reach a vLLM server" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_malformed_trace_is_a_clear_error(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"format": "kvbench-trace", "version": 1, "generator": {}, "tokenizer": "x"}\n{oops\n')
+    result = _replay("--trace", str(trace), "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 1 and "line 2: not JSON" in result.output
+
+
+def test_port_in_use_is_a_clear_error(default_model: str, tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _replay("--port", str(port), *SMALL, "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 1 and f"port {port}" in result.output and "already in use" in result.output
+
+
+def test_bad_metric_percentiles(tmp_path: Path) -> None:
+    result = _replay("--metric-percentiles", "50,abc", "--result-dir", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "--metric-percentiles" in result.output
