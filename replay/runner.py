@@ -4,6 +4,7 @@ and record every request."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import platform
 import secrets
@@ -33,6 +34,19 @@ from kvbench.tracegen.tokenizer import TraceTokenizer
 CONFIG_NAME = "config.json"
 SUMMARY_NAME = "summary.json"
 SERVER_METRICS_NAME = "server_metrics.jsonl"
+
+
+# Trajectory tasks start this early and then wait precisely: asyncio timers are only ms-accurate.
+EARLY_START_S = 0.005
+
+
+async def _sleep_until(target_ns: int) -> None:
+    """Sleep to within a few microseconds of `target_ns` (perf_counter), yielding to other tasks."""
+    remaining = (target_ns - time.perf_counter_ns()) / 1e9
+    if remaining > 0.002:
+        await asyncio.sleep(remaining - 0.002)
+    while time.perf_counter_ns() < target_ns:
+        await asyncio.sleep(0)
 
 
 class ReplayError(RuntimeError):
@@ -176,9 +190,11 @@ class Replayer:
                 await sampler.start(session)
                 self._start_progress(sum(len(t.turns) for t in todo), len(kept))
                 self.t0_ns = time.perf_counter_ns()
+                gc.disable()  # collector pauses would show up as client-side latency
                 try:
                     await self._run_all(session, todo, offsets, builder, writer)
                 finally:
+                    gc.enable()
                     duration = (time.perf_counter_ns() - self.t0_ns) / 1e9
                     self._stop_progress()
                     await sampler.stop(session)
@@ -244,7 +260,8 @@ class Replayer:
                 await self._run_trajectory(session, trajectory, url, time.perf_counter_ns(), builder, writer)
                 continue
             target_ns = self.t0_ns + int(offset * 1e9)
-            delay = (target_ns - time.perf_counter_ns()) / 1e9
+            # Start the task early: it builds its first prompts, then waits for the exact time.
+            delay = (target_ns - time.perf_counter_ns()) / 1e9 - EARLY_START_S
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(
@@ -288,6 +305,8 @@ class Replayer:
                     return
                 prompt = builder.build(trajectory, turn, outputs, prompts)
                 record.prompt_tokens = len(prompt.token_ids)  # real outputs may differ from max_tokens
+                if not turn.after:
+                    await _sleep_until(arrival_ns)
                 ok = await self._send(session, url, turn, prompt, record, writer, outputs)
                 prompts[turn.turn_id] = prompt
             finally:

@@ -114,3 +114,28 @@ class StubServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main() -> None:
+    """`python -m kvbench.replay.stub --port N [--timings-out F]`: serve until SIGTERM/SIGINT."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", default="ok")
+    parser.add_argument("--timings-out", default=None, help="JSON file of per-request server timings, at exit")
+    args = parser.parse_args()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with StubServer(mode=args.mode, port=args.port) as stub:
+        print(f"stub serving on {stub.base_url}", flush=True)
+        stop.wait()
+    if args.timings_out:
+        with open(args.timings_out, "w") as handle:
+            json.dump(stub.timings, handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ import click
 
 from kvbench import __version__
 from kvbench.cli.model import model_group
+from kvbench.cli.quickstart import quickstart_command
 from kvbench.cli.replay import methods_command, replay_command, serve_command
 from kvbench.cli.trace import gen_trace_command, trace_group
 
@@ -25,3 +26,4 @@ main.add_command(trace_group)
 main.add_command(replay_command)
 main.add_command(serve_command)
 main.add_command(methods_command)
+main.add_command(quickstart_command)
