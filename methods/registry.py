@@ -1,27 +1,82 @@
-"""Method names accepted by `--method`, and what each needs from the vLLM server."""
+"""Method names accepted by `--method`, and what each needs from the vLLM server.
+
+Kept free of torch/vLLM imports so that the CLI can validate names cheaply; the implementation
+classes are imported by the connector inside the server.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+CONNECTOR_CLASS = "KVBenchConnector"
+CONNECTOR_MODULE = "kvbench.methods.connector"
+WORKER_EXTENSION = "kvbench.methods.worker_ext.KVBenchWorkerExtension"
 
 
 @dataclass(frozen=True)
 class MethodInfo:
     name: str
     summary: str
-    # None: plain vLLM (no connector). Otherwise the --kv-transfer-config for the server.
-    kv_transfer_config: dict[str, Any] | None = None
-    worker_extension_cls: str | None = None
-    params: dict[str, Any] = field(default_factory=dict)
+    impl: str | None = None  # "module.Class" of the SharingMethod; None = plain vLLM, no connector
+    approximate: bool = False  # placed K/V differ from dense: requests get a cache_salt
+
+    @property
+    def uses_connector(self) -> bool:
+        return self.impl is not None
 
 
-METHODS: dict[str, MethodInfo] = {
-    "nonshared": MethodInfo("nonshared", "plain vLLM prefill of every prompt (vLLM's own prefix cache on)"),
-}
+METHODS: dict[str, MethodInfo] = {m.name: m for m in [
+    MethodInfo("nonshared", "plain vLLM prefill of every prompt (vLLM's own prefix cache still reuses each "
+               "agent's own prefix)"),
+    MethodInfo("fullshared", "reuse the source agent's K/V of every shared segment, re-aligned, no correction",
+               impl="kvbench.methods.fullshared.FullShared", approximate=True),
+]}
 
 
 def get_method(name: str) -> MethodInfo:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     return METHODS[name]
+
+
+def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_store_bytes: int | None = None,
+                       fault_injection: str | None = None) -> dict[str, Any] | None:
+    """The server's --kv-transfer-config for a method (None for plain vLLM)."""
+    info = get_method(name)
+    if not info.uses_connector:
+        if params:
+            raise ValueError(f"method {name!r} takes no parameters")
+        return None
+    extra: dict[str, Any] = {"method": name, "params": dict(params or {})}
+    if max_store_bytes is not None:
+        extra["max_store_bytes"] = max_store_bytes
+    if fault_injection is not None:
+        extra["fault_injection"] = fault_injection
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        # On any connector failure vLLM recomputes the request's blocks itself (dense fallback).
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def method_class(name: str) -> type:
+    """The SharingMethod subclass implementing a connector method (imports torch)."""
+    import importlib
+
+    info = get_method(name)
+    if info.impl is None:
+        raise ValueError(f"method {name!r} runs without the connector")
+    module, _, cls = info.impl.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
+
+
+def validate_params(name: str, params: dict[str, Any]) -> None:
+    """Check a method's parameters before a server is started for it (raises ValueError)."""
+    if get_method(name).uses_connector:
+        method_class(name)(params)
+    elif params:
+        raise ValueError(f"method {name!r} takes no parameters")

@@ -116,6 +116,16 @@ class ResultsWriter:
         if time.monotonic() - self._last_snapshot >= self.snapshot_every_s:
             self.snapshot()
 
+    def rewrite(self) -> None:
+        """Rewrite journal and Parquet after records were updated in place (method stats)."""
+        self._journal.close()
+        journal = self.result_dir / JOURNAL_NAME
+        tmp = journal.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, journal)
+        self._journal = open(journal, "a", encoding="utf-8")
+        self.snapshot()
+
     def snapshot(self) -> None:
         write_parquet(self.records, self.result_dir / PARQUET_NAME)
         self._last_snapshot = time.monotonic()

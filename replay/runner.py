@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
 import platform
 import secrets
@@ -76,6 +77,7 @@ class ReplayConfig:
     server_pids: dict[str, int] = field(default_factory=dict)
     # Returns a reason when a server kvbench manages has died (then no new work is started).
     server_failure: Callable[[], str | None] = lambda: None
+    method_params: dict[str, Any] = field(default_factory=dict)
     extra_config: dict[str, Any] = field(default_factory=dict)  # model, method parameters, server args
     show_progress: bool = True
 
@@ -91,7 +93,10 @@ def _git_sha() -> str | None:
 
 class Replayer:
     def __init__(self, config: ReplayConfig) -> None:
+        from kvbench.methods.registry import get_method
+
         self.config = config
+        self.method_info = get_method(config.method)
         self.abort_reason: str | None = None
         self.semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         self.t0_ns = 0
@@ -101,6 +106,7 @@ class Replayer:
         self._failed = 0
         self._progress: Any = None
         self._task_id: Any = None
+        self.method_state: dict[str, Any] = {}
 
     # -- set-up ------------------------------------------------------------------------------
     def prepare(self) -> tuple[list[Trajectory], list[Trajectory], list[dict[str, Any]], dict[str, Any]]:
@@ -198,6 +204,8 @@ class Replayer:
                     duration = (time.perf_counter_ns() - self.t0_ns) / 1e9
                     self._stop_progress()
                     await sampler.stop(session)
+                if self.method_info.uses_connector and self.abort_reason is None:
+                    self.method_state = await self._collect_method_stats(writer)
         finally:
             writer.close()
             run_config["segments"].append({"started": started_wall, "duration_s": duration,
@@ -226,9 +234,17 @@ class Replayer:
         run_config["served_models"] = models
         run_config["vllm_version"] = next(iter(versions.values()), None)
 
+    async def _rpc(self, url: str, method: str, **kwargs: str) -> list[Any]:
+        from kvbench.replay.server import collective_rpc
+
+        return await asyncio.to_thread(collective_rpc, url, method, **kwargs)
+
     async def _reset_caches(self, session: aiohttp.ClientSession) -> None:
         """Start every run from cold caches (needs VLLM_SERVER_DEV_MODE=1 on the server)."""
         for url in self.config.base_urls:
+            if self.method_info.uses_connector:
+                await self._rpc(url, "kvbench_attach_model")  # idempotent; servers not started by kvbench
+                await self._rpc(url, "kvbench_reset")
             try:
                 async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)):
                     pass
@@ -322,6 +338,9 @@ class Replayer:
             "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, "kv_transfer_params": prompt.plan,
         }
+        if self.method_info.approximate and record.reusable_tokens:
+            # Approximate K/V must never serve a later exact request from vLLM's prefix cache.
+            body["cache_salt"] = hashlib.sha256(record.request_id.encode()).hexdigest()[:32]
         queued_ns = time.perf_counter_ns()
         if self.semaphore is not None:
             async with self.semaphore:
@@ -357,6 +376,29 @@ class Replayer:
                 self.abort_reason = f"server {url} is unreachable ({result.error_message})"
         self._record(record, writer)
         return result.success
+
+    async def _collect_method_stats(self, writer: ResultsWriter) -> dict[str, Any]:
+        """Merge the connector's per-request stats (keyed by request id) into the records."""
+        by_request: dict[str, dict[str, Any]] = {}
+        state: dict[str, Any] = {"store_peak_bytes": 0, "method_state_bytes": {}}
+        for url in self.config.base_urls:
+            for worker in await self._rpc(url, "kvbench_stats", clear="true"):
+                if not isinstance(worker, dict):
+                    continue
+                by_request.update(worker["requests"])
+                state["store_peak_bytes"] = max(state["store_peak_bytes"], worker["store_peak_bytes"])
+                state["store_evictions"] = state.get("store_evictions", 0) + worker["store_evictions"]
+                for name, value in worker["method_state_bytes"].items():
+                    state["method_state_bytes"][name] = max(state["method_state_bytes"].get(name, 0), value)
+        for record in writer.records:
+            stats = by_request.get(record["request_id"])
+            if stats is None or "reused_tokens" not in stats:
+                continue
+            record["reused_tokens"] = stats["reused_tokens"]
+            record["recomputed_tokens"] = stats["recomputed_tokens"]
+            record["method_stats"] = json.dumps(stats)
+        writer.rewrite()
+        return state
 
     # -- output --------------------------------------------------------------------------------
     def _record(self, record: RequestRecord, writer: ResultsWriter | None) -> None:
@@ -405,6 +447,8 @@ class Replayer:
             "max_concurrency": cfg.max_concurrency, **cfg.metadata,
             **summarize(requests, duration, cfg.metric_percentiles),
             **sampler.summary(),
+            "method_store_peak_bytes": self.method_state.get("store_peak_bytes"),
+            "method_state_bytes": self.method_state.get("method_state_bytes"),
             "aborted": self.abort_reason,
             "config": run_config,
         }

@@ -37,6 +37,8 @@ class ServerConfig:
     kv_transfer_config: dict[str, Any] | None = None
     worker_extension_cls: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    # Worker-extension methods called over /collective_rpc once the server is healthy.
+    post_start_rpcs: list[str] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     log_path: Path | None = None
 
@@ -131,6 +133,8 @@ class VLLMServer:
         )
         try:
             self.wait_until_healthy()
+            for method in self.config.post_start_rpcs:
+                collective_rpc(self.base_url, method)
         except BaseException:
             self.stop()
             raise
@@ -185,3 +189,19 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
             return response.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def collective_rpc(base_url: str, method: str, timeout_s: float = 120.0, **kwargs: str) -> list[Any]:
+    """Call a worker-extension method in every worker (needs VLLM_SERVER_DEV_MODE=1)."""
+    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
+    request = urllib.request.Request(f"{base_url}/collective_rpc", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.load(response).get("results", [])
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise ServerError(f"collective_rpc {method} on {base_url} failed ({exc.code}): {detail}; is the server "
+                          "started with VLLM_SERVER_DEV_MODE=1 and kvbench's --worker-extension-cls?") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ServerError(f"collective_rpc {method} on {base_url} failed: {exc}") from None

@@ -23,6 +23,9 @@ def _server_options(func):  # noqa: ANN001, ANN202
                      help="KV pool of vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."),
         click.option("--server-startup-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
                      help="Seconds to wait for the server's /health."),
+        click.option("--method-param", "method_params", multiple=True, metavar="KEY=VALUE",
+                     help="Method parameter (repeatable; VALUE is parsed as JSON when it can be), passed to "
+                          "the server's kv_connector_extra_config."),
         click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
                      help="Extra argument passed to the vLLM server verbatim (repeatable), e.g. "
                           "--vllm-arg=--gpu-memory-utilization=0.8."),
@@ -32,17 +35,43 @@ def _server_options(func):  # noqa: ANN001, ANN202
     return func
 
 
-def _server_config(method_name: str, model: str, port: int | None, host: str, max_model_len: int | None,
-                   cpu_kv_cache_gib: float, startup_timeout: float, vllm_args: tuple[str, ...],
-                   log_path: Path | None) -> Any:
-    from kvbench.methods.registry import get_method
+def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--method-param")
+        try:
+            params[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key] = raw
+    return params
+
+
+def _server_config(method_name: str, params: dict[str, Any], model: str, port: int | None, host: str,
+                   max_model_len: int | None, cpu_kv_cache_gib: float, startup_timeout: float,
+                   vllm_args: tuple[str, ...], log_path: Path | None) -> Any:
+    from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
     from kvbench.replay.server import ServerConfig
 
     method = get_method(method_name)
     return ServerConfig(model=model, host=host, port=port, max_model_len=max_model_len,
-                        cpu_kv_cache_gib=cpu_kv_cache_gib, kv_transfer_config=method.kv_transfer_config,
-                        worker_extension_cls=method.worker_extension_cls, extra_args=list(vllm_args),
-                        startup_timeout_s=startup_timeout, log_path=log_path)
+                        cpu_kv_cache_gib=cpu_kv_cache_gib, kv_transfer_config=kv_transfer_config(method_name, params),
+                        worker_extension_cls=WORKER_EXTENSION if method.uses_connector else None,
+                        post_start_rpcs=["kvbench_attach_model"] if method.uses_connector else [],
+                        extra_args=list(vllm_args), startup_timeout_s=startup_timeout, log_path=log_path)
+
+
+def _check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
+    from kvbench.methods.registry import get_method, validate_params
+
+    params = parse_method_params(method_params)
+    try:
+        get_method(method)
+        validate_params(method, params)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--method/--method-param") from None
+    return params
 
 
 def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
@@ -99,18 +128,17 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
                    model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
-                   server_startup_timeout: float, vllm_args: tuple[str, ...]) -> None:
+                   server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...]) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
-    from kvbench.methods.registry import get_method
     from kvbench.replay.runner import ReplayConfig, ReplayError, run_replay
     from kvbench.replay.server import ServerError
 
     try:
         percentiles = parse_percentiles(metric_percentiles)
-        method_info = get_method(method)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint="--metric-percentiles") from None
+    params = _check_method(method, method_params)
     if resume and result_dir is None:
         raise click.UsageError("--resume needs the --result-dir of the run to finish")
     trace, tokenizer, model = _load_trace(trace_path, model, num_trajectories, num_warmups, shared_tokens,
@@ -123,11 +151,12 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
         num_warmups=num_warmups, metric_percentiles=percentiles, label=label, metadata=_parse_metadata(metadata),
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
-        extra_config={"model": model, "method_params": method_info.params,
+        method_params=params,
+        extra_config={"model": model, "method_params": params,
                       "trace_path": str(trace_path) if trace_path else None},
     )
     try:
-        with _servers(config, method, model, port, max_model_len, cpu_kv_cache_gib, server_startup_timeout,
+        with _servers(config, method, params, model, port, max_model_len, cpu_kv_cache_gib, server_startup_timeout,
                       vllm_args):
             summary = run_replay(config)
     except (ServerError, ReplayError) as exc:
@@ -187,7 +216,8 @@ def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: in
 
 
 @contextlib.contextmanager
-def _servers(config: Any, method: str, model: str, port: int | None, max_model_len: int | None,
+def _servers(config: Any, method: str, params: dict[str, Any], model: str, port: int | None,
+             max_model_len: int | None,
              cpu_kv_cache_gib: float, startup_timeout: float, vllm_args: tuple[str, ...]) -> Iterator[None]:
     """Start a server unless --base-url was given; it is stopped however the run ends."""
     from kvbench.replay.server import VLLMServer
@@ -196,7 +226,7 @@ def _servers(config: Any, method: str, model: str, port: int | None, max_model_l
         yield
         return
     config.result_dir.mkdir(parents=True, exist_ok=True)
-    server_config = _server_config(method, model, port, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
+    server_config = _server_config(method, params, model, port, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
                                    startup_timeout, vllm_args, config.result_dir / "server.log")
     click.echo(f"starting vLLM ({method}) for {model} ... log: {server_config.log_path}", err=True)
     with VLLMServer(server_config) as server:
@@ -245,18 +275,17 @@ def print_summary(summary: dict[str, Any]) -> None:
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @_server_options
 def serve_command(method: str, host: str, port: int, model: str | None, max_model_len: int | None,
-                  cpu_kv_cache_gib: float, server_startup_timeout: float, vllm_args: tuple[str, ...]) -> None:
+                  cpu_kv_cache_gib: float, server_startup_timeout: float, method_params: tuple[str, ...],
+                  vllm_args: tuple[str, ...]) -> None:
     """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
     import time
 
     from kvbench.model.store import resolve_model
     from kvbench.replay.server import ServerError, VLLMServer
 
-    try:
-        config = _server_config(method, resolve_model(model), port, host, max_model_len, cpu_kv_cache_gib,
-                                server_startup_timeout, vllm_args, None)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--method") from None
+    params = _check_method(method, method_params)
+    config = _server_config(method, params, resolve_model(model), port, host, max_model_len, cpu_kv_cache_gib,
+                            server_startup_timeout, vllm_args, None)
     try:
         with VLLMServer(config) as server:
             click.echo(json.dumps({"base_url": server.base_url, "method": method, "model": config.model,

@@ -1,0 +1,75 @@
+"""The method interface: a sharing method decides *what* K/V to place; the connector core
+(`kvbench.methods.connector`) does the placing. A new method is one file with one subclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.methods.plan import Plan, PlanSegment
+from kvbench.methods.store import SavedKV
+
+
+class MethodConfigError(ValueError):
+    """Bad method parameters in kv_connector_extra_config (raised at server start)."""
+
+
+@dataclass
+class SegmentReuse:
+    """Rows of one PH segment that a saved source cache holds with identical tokens."""
+
+    segment: PlanSegment
+    source: SavedKV
+    dst: torch.Tensor  # row indices in the target request
+    src: torch.Tensor  # row indices in the source cache
+
+
+@dataclass
+class LoadContext:
+    request_key: str
+    plan: Plan
+    tokens: torch.Tensor  # [n] ids of the rows to materialize (prompt minus its last token)
+    num_local: int  # rows 0..num_local-1 are already valid (vLLM prefix-cache hit)
+    candidates: list[SegmentReuse]
+    stats: dict[str, Any] = field(default_factory=dict)  # the method adds its own entries
+
+
+class SharingMethod:
+    name: ClassVar[str] = "base"
+    # Placed K/V differ from a dense prefill: such requests get a cache_salt so that vLLM's prefix
+    # cache never serves their blocks to an exact request.
+    approximate: ClassVar[bool] = True
+    # Parameter names and defaults; kv_connector_extra_config["params"] may override them.
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        unknown = set(params) - set(self.defaults)
+        if unknown:
+            raise MethodConfigError(f"method {self.name!r} has no parameter(s) {', '.join(sorted(unknown))}; "
+                                    f"known: {', '.join(sorted(self.defaults)) or 'none'}")
+        self.params = {**self.defaults, **params}
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise MethodConfigError on bad parameter values."""
+
+    def select(self, ctx: LoadContext) -> list[SegmentReuse]:
+        """Which candidate rows to serve from reuse; the rest are computed. Default: all."""
+        return ctx.candidates
+
+    def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
+                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adjust reused K (already re-aligned to target positions) and V of one layer."""
+        return keys, values
+
+    def after_load(self, ctx: LoadContext) -> None:
+        """Called once the request's cache is materialized (e.g. to update method state)."""
+
+    def state_bytes(self) -> dict[str, int]:
+        """Exact tensor bytes of the method's own state (anchor pools, references...)."""
+        return {}
+
+    def reset(self) -> None:
+        """Drop learned state between runs."""

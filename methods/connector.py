@@ -1,0 +1,432 @@
+"""KVBenchConnector: the one vLLM V1 KV connector through which every sharing method runs.
+
+Scheduler side (engine process): for a request with a kvbench plan, claim every prompt token but
+the last as a synchronous external hit, so the worker loads them before the forward; wait (return
+None) while a source cache is still being produced; hold finished requests' blocks until the
+worker has copied them into the segment store.
+
+Worker side (each worker process): before the forward, materialize K/V for every claimed row:
+rows the method reuses come from the source cache, keys re-rotated to the new positions, plus the
+method's correction; every other row is computed by a partial forward over the model's own
+modules. Any internal error reports the request's blocks as failed, and vLLM (load failure policy
+"recompute") recomputes them itself: a dense fallback that never returns wrong K/V.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.plan import Plan, parse_plan
+from kvbench.methods.store import SavedKV, SegmentStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvbench.connector")
+
+DEFAULT_MAX_STORE_BYTES = 4 << 30
+MAX_KEPT_REQUEST_STATS = 100_000
+
+
+def load_method(name: str, params: dict[str, Any]) -> SharingMethod:
+    from kvbench.methods.registry import method_class
+
+    try:
+        return method_class(name)(params)
+    except ValueError as exc:  # unknown name, or a method that runs without the connector
+        raise MethodConfigError(str(exc)) from None
+
+
+@dataclass
+class ConnectorSettings:
+    method: str
+    params: dict[str, Any]
+    max_store_bytes: int
+    # Tests of the dense fallback: "all" raises inside every load, "flagged" inside loads whose
+    # plan has inject_fault.
+    fault_injection: str | None
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
+        known = {"method", "params", "max_store_bytes", "fault_injection"}
+        if unknown := set(extra) - known:
+            raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
+        if "method" not in extra:
+            raise MethodConfigError("kv_connector_extra_config needs 'method'")
+        max_bytes = int(extra.get("max_store_bytes", DEFAULT_MAX_STORE_BYTES))
+        if max_bytes <= 0:
+            raise MethodConfigError(f"max_store_bytes must be > 0, got {max_bytes}")
+        fault = extra.get("fault_injection")
+        if fault not in (None, "all", "flagged"):
+            raise MethodConfigError(f"fault_injection must be 'all', 'flagged' or absent, got {fault!r}")
+        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault)
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_local: int  # rows already valid (vLLM prefix-cache hit)
+    num_target: int  # rows valid after the load: prompt length - 1
+    plan: Plan
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    key: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KVBenchMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVBenchWorkerMetadata(KVConnectorWorkerMetadata):
+    saved_keys: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVBenchWorkerMetadata":
+        assert isinstance(other, KVBenchWorkerMetadata)
+        # Tensor-parallel ranks save their own heads under the same key.
+        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys)
+
+
+class KVBenchConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.method = load_method(self.settings.method, self.settings.params)  # validates the parameters
+        self.block_size = vllm_config.cache_config.block_size
+        # scheduler side
+        self._pending_loads: dict[str, LoadSpec] = {}
+        self._pending_saves: list[SaveSpec] = []
+        self._unsaved_keys: set[str] = set()  # a producer is running or its save is unconfirmed
+        # worker side
+        self.store = SegmentStore(self.settings.max_store_bytes)
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layouts: dict[str, Any] = {}
+        self.forward: Any = None
+        self.aligner: Any = None
+        self.request_stats: dict[str, dict[str, Any]] = {}
+        self._saved_this_step: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._saves_done_for: KVConnectorMetadata | None = None
+        logger.info("kvbench connector (%s) for method %s, params %s", role.name, self.settings.method,
+                    self.method.params)
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = parse_plan(request.kv_transfer_params)
+        if plan is None or not plan.claim:
+            return 0, False
+        if plan.sources & self._unsaved_keys:
+            return None, False  # a source is still being produced: ask again next step
+        return max(0, request.num_prompt_tokens - 1 - num_computed_tokens), False
+
+    def on_new_request(self, request: "Request") -> None:
+        plan = parse_plan(request.kv_transfer_params)
+        if plan is not None and plan.save_as:
+            self._unsaved_keys.add(plan.save_as)  # consumers arriving now must wait for it
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        plan = parse_plan(request.kv_transfer_params)
+        assert plan is not None
+        num_target = request.num_prompt_tokens - 1
+        self._pending_loads[request.request_id] = LoadSpec(
+            req_id=request.request_id, token_ids=list(request.prompt_token_ids or []),
+            block_ids=list(blocks.get_block_ids()[0]), num_local=num_target - num_external_tokens,
+            num_target=num_target, plan=plan)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KVBenchMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            if (spec := self._pending_loads.pop(new.req_id, None)) is not None:
+                spec.block_ids = list(new.block_ids[0])
+                meta.loads.append(spec)
+        # A preempted request comes back through get_num_new_matched_tokens and is listed among the
+        # cached requests as resumed, with all its block ids: materialize it again.
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids and (spec := self._pending_loads.pop(req_id, None)) is not None:
+                spec.block_ids = list(cached.new_block_ids[index][0])
+                meta.loads.append(spec)
+        self._pending_loads.clear()
+        meta.saves, self._pending_saves = self._pending_saves, []
+        return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, KVBenchWorkerMetadata):
+            self._unsaved_keys -= worker_meta.saved_keys
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        plan = parse_plan(request.kv_transfer_params)
+        if plan is None or not plan.save_as:
+            return False, None
+        if request.status == RequestStatus.FINISHED_ABORTED or request.num_computed_tokens == 0:
+            self._unsaved_keys.discard(plan.save_as)  # never saved; do not block consumers
+            return False, None
+        # K/V exists for every computed token: the prompt and all generated tokens but the last.
+        tokens = list(request.all_token_ids[: request.num_computed_tokens])
+        self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids)))
+        return True, {"kvbench": {"save_as": plan.save_as, "num_tokens": len(tokens)}}
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvbench.methods.paged import layout_for
+
+        self.kv_caches = kv_caches
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        by_kind: dict[tuple, Any] = {}
+        for name, cache in kv_caches.items():
+            isa = getattr(forward_context[name], "isa", None)
+            kind = (cache.device.type, isa, tuple(cache.shape[1:]), cache.dtype)
+            if kind not in by_kind:
+                by_kind[kind] = layout_for(cache, isa)
+            self.layouts[name] = by_kind[kind]
+
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Called once per worker (kvbench's worker extension, over collective_rpc)."""
+        from kvbench.methods.forward import PartialForward
+        from kvbench.methods.rope import RopeAligner
+
+        inner = model.model
+        layers = list(inner.layers)[inner.start_layer:inner.end_layer]
+        names = [layer.self_attn.attn.layer_name for layer in layers]
+        self.forward = PartialForward(model, names, self.layouts, self.kv_caches)
+        self.aligner = RopeAligner(self.forward.rotary_emb)
+        logger.info("kvbench connector: model attached (%d layers)", len(layers))
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBenchMetadata)
+        self._do_saves(meta)  # first: a load in this same step may read a source saved now
+        for spec in meta.loads:
+            started = time.perf_counter()
+            key = spec.plan.save_as or spec.req_id
+            try:
+                stats = self._materialize(spec)
+            except Exception as exc:  # noqa: BLE001 - any failure falls back to vLLM's own prefill
+                logger.exception("kvbench: load of %s failed; vLLM recomputes it densely", key)
+                first_block = spec.num_local // self.block_size
+                self._failed_blocks.update(spec.block_ids[first_block:])
+                stats = {"fallback": "dense", "error": f"{type(exc).__name__}: {exc}",
+                         "reused_tokens": 0, "recomputed_tokens": spec.num_target - spec.num_local}
+            stats["load_s"] = time.perf_counter() - started
+            stats.update(turn=spec.plan.turn, agent=spec.plan.agent, local_tokens=spec.num_local,
+                         claimed_tokens=spec.num_target - spec.num_local)
+            self._record_stats(key, stats)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # finished requests are copied once, from their held blocks
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBenchMetadata)
+        self._do_saves(meta)  # steps without loads (or without a forward) still save
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._finished_sending = self._finished_sending, set()
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._saved_this_step:
+            return None
+        meta, self._saved_this_step = KVBenchWorkerMetadata(self._saved_this_step), set()
+        return meta
+
+    # ---------------------------------------------------------------- internals
+    def _record_stats(self, key: str, stats: dict[str, Any]) -> None:
+        self.request_stats[key] = stats
+        while len(self.request_stats) > MAX_KEPT_REQUEST_STATS:
+            self.request_stats.pop(next(iter(self.request_stats)))
+
+    def _do_saves(self, meta: KVBenchMetadata) -> None:
+        if self._saves_done_for is meta:
+            return
+        self._saves_done_for = meta
+        for save in meta.saves:
+            started = time.perf_counter()
+            try:
+                n = len(save.token_ids)
+                block_ids = torch.tensor(save.block_ids, dtype=torch.long)
+                ks, vs = [], []
+                for name in self.forward_layer_names():
+                    k, v = self.layouts[name].read(self.kv_caches[name], block_ids, n)
+                    ks.append(k.clone())
+                    vs.append(v.clone())
+                self.store.put(save.key, SavedKV(torch.tensor(save.token_ids, dtype=torch.long),
+                                                 torch.stack(ks), torch.stack(vs)))
+                self.request_stats.setdefault(save.key, {})["save_s"] = time.perf_counter() - started
+            except Exception:  # noqa: BLE001 - a failed save only means later consumers compute
+                logger.exception("kvbench: saving %s failed", save.key)
+            self._saved_this_step.add(save.key)  # confirmed either way, so consumers never hang
+            self._finished_sending.add(save.req_id)
+
+    def forward_layer_names(self) -> list[str]:
+        if self.forward is not None:
+            return self.forward.layer_names
+        return list(self.kv_caches)
+
+    def _candidates(self, spec: LoadSpec, tokens: torch.Tensor) -> tuple[list[SegmentReuse], int]:
+        """PH rows a saved source holds with identical tokens; also counts PH rows without one."""
+        candidates, missing = [], 0
+        for segment in spec.plan.segments:
+            if segment.kind != "ph":
+                continue
+            start = max(segment.start, spec.num_local)
+            stop = min(segment.start + segment.length, spec.num_target)
+            if stop <= start:
+                continue
+            source = self.store.get(segment.source) if segment.source else None
+            if source is None or segment.source_start is None:
+                missing += stop - start
+                continue
+            dst = torch.arange(start, stop)
+            src = dst - segment.start + segment.source_start
+            inside = src < source.num_tokens  # the producer's last token never got K/V
+            dst, src = dst[inside], src[inside]
+            same = source.token_ids[src] == tokens[dst]  # never reuse rows of other tokens
+            missing += (stop - start) - int(same.sum())
+            if bool(same.any()):
+                candidates.append(SegmentReuse(segment, source, dst[same], src[same]))
+        return candidates, missing
+
+    @torch.inference_mode()
+    def _materialize(self, spec: LoadSpec) -> dict[str, Any]:
+        fault = self.settings.fault_injection
+        if fault == "all" or (fault == "flagged" and spec.plan.inject_fault):
+            raise RuntimeError("injected fault (kv_connector_extra_config.fault_injection)")
+        if self.forward is None:
+            raise RuntimeError("model not attached: call the worker extension's kvbench_attach_model "
+                               "(kvbench serve/replay do this after start-up)")
+        n = spec.num_target
+        tokens = torch.tensor(spec.token_ids[:n], dtype=torch.long)
+        block_ids = torch.tensor(spec.block_ids, dtype=torch.long)
+        positions = torch.arange(n, dtype=torch.long)
+        slots = block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
+        candidates, missing = self._candidates(spec, tokens)
+        ctx = LoadContext(spec.plan.save_as or spec.req_id, spec.plan, tokens, spec.num_local, candidates)
+        chosen = self.method.select(ctx)
+        reused = torch.zeros(n, dtype=torch.bool)
+        for reuse in chosen:
+            reused[reuse.dst] = True
+        reused[: spec.num_local] = False
+        compute = (~reused).nonzero().flatten()
+        compute = compute[compute >= spec.num_local]
+        rows = torch.cat([r.dst for r in chosen]) if chosen else torch.empty(0, dtype=torch.long)
+
+        def placed_rows(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            if not chosen:
+                return rows, torch.empty(0), torch.empty(0)
+            ks, vs = [], []
+            for reuse in chosen:
+                k = self.aligner.rotate(reuse.source.k[layer].index_select(0, reuse.src), reuse.dst - reuse.src)
+                v = reuse.source.v[layer].index_select(0, reuse.src)
+                k, v = self.method.correct(layer, reuse, k, v)
+                ks.append(k)
+                vs.append(v)
+            k_all, v_all = torch.cat(ks), torch.cat(vs)
+            if not (torch.isfinite(k_all).all() and torch.isfinite(v_all).all()):
+                raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
+            return rows, k_all, v_all
+
+        started = time.perf_counter()
+        forward = self.forward.run(tokens, block_ids, slots, compute, placed_rows)
+        stats: dict[str, Any] = {
+            "method": self.method.name,
+            "reused_tokens": int(reused.sum()),
+            "recomputed_tokens": int(len(compute)),
+            "ph_without_source_tokens": missing,
+            "materialize_s": time.perf_counter() - started,
+            "attention_s": forward.attention_s,
+            "segments": [{"id": r.segment.id, "source": r.segment.source, "reused": int(len(r.dst))} for r in chosen],
+            **ctx.stats,
+        }
+        ctx.stats = stats
+        self.method.after_load(ctx)
+        return stats
+
+    # ---------------------------------------------------------------- introspection (worker extension)
+    def stats_snapshot(self, clear: bool) -> dict[str, Any]:
+        method_bytes = self.method.state_bytes()
+        out = {
+            "method": self.method.name,
+            "params": self.method.params,
+            "requests": dict(self.request_stats),
+            "store_bytes": self.store.bytes,
+            "store_peak_bytes": self.store.peak_bytes,
+            "store_entries": len(self.store.entries),
+            "store_evictions": self.store.evictions,
+            "method_state_bytes": method_bytes,
+            "model_attached": self.forward is not None,
+        }
+        if clear:
+            self.request_stats.clear()
+        return out
+
+    def kv_error(self, key: str, reference: str, start: int = 0, stop: int | None = None) -> dict[str, Any]:
+        """Normalized error ||C - C_ref||_F / ||C_ref||_F per layer over rows [start, stop)."""
+        entry, ref = self.store.get(key), self.store.get(reference)
+        if entry is None or ref is None:
+            raise KeyError(f"not in the segment store: {key if entry is None else reference}")
+        n = min(entry.num_tokens, ref.num_tokens, stop if stop is not None else 1 << 62)
+        layers = []
+        rows = slice(start, n)
+        for layer in range(entry.k.shape[0]):
+            row = {}
+            for name, a, b in (("k", entry.k[layer, rows], ref.k[layer, rows]),
+                               ("v", entry.v[layer, rows], ref.v[layer, rows])):
+                diff = a.float() - b.float()
+                row[f"{name}_rel"] = float(diff.norm() / b.float().norm().clamp_min(1e-30))
+                row[f"{name}_max_abs"] = float(diff.abs().max())
+            layers.append(row)
+        identical = bool(torch.equal(entry.k[:, rows], ref.k[:, rows]) and torch.equal(entry.v[:, rows], ref.v[:, rows]))
+        return {"rows": n - start, "layers": layers, "bit_identical": identical,
+                "same_tokens": bool(torch.equal(entry.token_ids[rows], ref.token_ids[rows]))}
+
+    def saved_rows(self, key: str, layer: int, start: int, stop: int) -> dict[str, Any]:
+        entry = self.store.get(key)
+        if entry is None:
+            raise KeyError(f"not in the segment store: {key}")
+        return {"k": entry.k[layer, start:stop].float().tolist(), "v": entry.v[layer, start:stop].float().tolist()}
+
+    def reset_state(self) -> None:
+        self.store.clear()
+        self.method.reset()
+        self.request_stats.clear()

@@ -1,0 +1,162 @@
+"""Layer-by-layer partial forward over the loaded vLLM model's own modules.
+
+Computes K/V for chosen token rows of a request (PF glue, fallbacks, tokens chosen for
+recomputation) while the other rows' K/V come from elsewhere: every row is written into the
+request's paged blocks before attention, and attention runs over those blocks with the
+backend's own kernel (CPU) or torch SDPA (other devices). Follows the Llama decoder-layer
+structure (input_layernorm, self_attn.{qkv_proj, rotary_emb, o_proj}, post_attention_layernorm,
+mlp), shared by Llama, Mistral, Qwen2 and most vLLM decoder models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# layer index -> (row indices, K, V) of the rows not computed here, to place before attention
+RowsForLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ForwardStats:
+    computed_rows: int = 0  # rows computed at layer 0
+    computed_layer_rows: int = 0  # sum over layers
+    attention_s: float = 0.0
+
+
+class PartialForward:
+    def __init__(self, model: torch.nn.Module, layer_names: list[str], layouts: dict, kv_caches: dict) -> None:
+        inner = model.model
+        self.embed = inner.embed_input_ids
+        self.layers = list(inner.layers)[inner.start_layer:inner.end_layer]
+        self.layer_names = layer_names
+        self.layouts = layouts
+        self.kv_caches = kv_caches
+        if len(self.layers) != len(layer_names):
+            raise RuntimeError(f"{len(self.layers)} decoder layers but {len(layer_names)} KV caches")
+
+    @property
+    def rotary_emb(self) -> torch.nn.Module:
+        return self.layers[0].self_attn.rotary_emb
+
+    @torch.inference_mode()
+    def run(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
+            placed_rows: RowsForLayer) -> ForwardStats:
+        """`tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute."""
+        import time
+
+        stats = ForwardStats(computed_rows=len(compute))
+        positions = torch.arange(len(tokens), dtype=torch.long, device=tokens.device)
+        hidden = self.embed(tokens[compute]) if len(compute) else None
+        residual = None
+        for index, (layer, name) in enumerate(zip(self.layers, self.layer_names)):
+            rows, k_rows, v_rows = placed_rows(index)
+            layout, cache = self.layouts[name], self.kv_caches[name]
+            layout.write(cache, slots[rows], k_rows, v_rows)
+            if len(compute) == 0:
+                continue  # vLLM's CPU kernels crash (SIGFPE) on 0-row GEMMs and norms
+            attn = layer.self_attn
+            if residual is None:
+                residual = hidden
+                x = layer.input_layernorm(hidden)
+            else:
+                x, residual = layer.input_layernorm(hidden, residual)
+            qkv, _ = attn.qkv_proj(x)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q = self._rotate(attn.rotary_emb, positions[compute], q.reshape(len(compute), attn.num_heads, attn.head_dim))
+            k = self._rotate(attn.rotary_emb, positions[compute], k.reshape(len(compute), attn.num_kv_heads, attn.head_dim))
+            v = v.reshape(len(compute), attn.num_kv_heads, attn.head_dim)
+            layout.write(cache, slots[compute], k, v)
+            stats.computed_layer_rows += len(compute)
+            if index == len(self.layers) - 1:
+                break  # the last layer's K/V is all the cache needs
+            started = time.perf_counter()
+            out = self._attend(q, compute, attn, name, block_ids)
+            stats.attention_s += time.perf_counter() - started
+            o, _ = attn.o_proj(out.reshape(len(compute), -1))
+            hidden, residual = layer.post_attention_layernorm(o, residual)
+            hidden = self._mlp(layer.mlp, hidden)
+        return stats
+
+    # vLLM's compiled forward fuses pointwise ops and computes them in fp32 with one rounding at
+    # the end; calling the modules eagerly in bf16 rounds after every op, which shows up as
+    # ~0.03 of log-prob noise on a trained model. Rotary and SiLU-and-mul are redone in fp32 here.
+    @staticmethod
+    def _rotate(rotary: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos_sin = rotary.cos_sin_cache.to(x.dtype).float().index_select(0, positions)
+        cos, sin = (t.unsqueeze(1) for t in cos_sin.chunk(2, dim=-1))
+        rot_dim = int(rotary.rotary_dim)
+        xf = x.float()
+        rot = xf[..., :rot_dim]
+        if rotary.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        if rot_dim < xf.shape[-1]:
+            out = torch.cat((out, xf[..., rot_dim:]), dim=-1)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        from vllm.model_executor.layers.activation import SiluAndMul
+
+        if not (hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj") and isinstance(mlp.act_fn, SiluAndMul)):
+            return mlp(hidden)
+        gate_up, _ = mlp.gate_up_proj(hidden)
+        d = gate_up.shape[-1] // 2
+        act = (torch.nn.functional.silu(gate_up[..., :d].float()) * gate_up[..., d:].float()).to(gate_up.dtype)
+        out, _ = mlp.down_proj(act)
+        return out
+
+    def _attend(self, q: torch.Tensor, compute: torch.Tensor, attn: torch.nn.Module, name: str,
+                block_ids: torch.Tensor) -> torch.Tensor:
+        if q.device.type == "cpu":
+            return _cpu_paged_attention(q, compute, attn, self.kv_caches[name], self.layouts[name].isa, block_ids)
+        return self._sdpa_attention(q, compute, attn, name, block_ids)
+
+    def _sdpa_attention(self, q: torch.Tensor, compute: torch.Tensor, attn: torch.nn.Module, name: str,
+                        block_ids: torch.Tensor) -> torch.Tensor:
+        """Causal-by-position attention over the paged rows (devices without a CPU kernel)."""
+        n = int(compute.max()) + 1
+        k_all, v_all = self.layouts[name].read(self.kv_caches[name], block_ids, n)
+        mask = torch.arange(n, device=q.device)[None, :] <= compute.to(q.device)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v_all.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, scale=attn.attn.impl.scale,
+            enable_gqa=q.shape[1] != k_all.shape[1])
+        return out[0].transpose(0, 1)
+
+
+def _cpu_paged_attention(q: torch.Tensor, compute: torch.Tensor, attn: torch.nn.Module, kv_cache: torch.Tensor,
+                         isa: str, block_ids: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU attention kernel over the request's blocks. Each contiguous run [s, e) of computed
+    rows is posed as one chunked-prefill sub-request (query rows s..e-1, seq_len e, same block
+    table), which makes the mask causal by position without a dense mask."""
+    import vllm.envs as envs
+    from vllm import _custom_ops as ops
+
+    from kvbench.methods.paged import cpu_cache_halves
+
+    breaks = torch.nonzero(compute[1:] - compute[:-1] != 1).flatten() + 1
+    starts = torch.cat((torch.tensor([0]), breaks))
+    ends = torch.cat((breaks, torch.tensor([len(compute)])))
+    seq_lens = (compute[ends - 1] + 1).to(torch.int32)
+    query_start = torch.zeros(len(starts) + 1, dtype=torch.int32)
+    query_start[1:] = torch.cumsum(ends - starts, 0)
+    block_table = block_ids.to(torch.int32).unsqueeze(0).expand(len(starts), -1).contiguous()
+    k_half, v_half = cpu_cache_halves(kv_cache)
+    impl = attn.attn.impl
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(starts), num_heads=q.shape[1], num_kv_heads=kv_cache.shape[1], head_dim=q.shape[2],
+        seq_lens=seq_lens, dtype=q.dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1,
+        isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q.contiguous(), key_cache=k_half, value_cache=v_half, output=out, query_start_loc=query_start,
+        seq_lens=seq_lens, scale=impl.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table, softcap=0, scheduler_metadata=scheduler_metadata, s_aux=None)
+    return out

@@ -1,0 +1,107 @@
+"""Reading and writing arbitrary token rows of vLLM's paged KV cache, per backend layout."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class PagedLayout(Protocol):
+    def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n, Hkv, hd] of a request's tokens 0..n-1."""
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K, V [m, Hkv, hd] at flat slots (block_id * block_size + offset)."""
+
+
+def cpu_cache_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU_ATTN views [nb, Hkv, bs, 2*hd] as [nb, Hkv, 2*bs, hd]: K region, then V region."""
+    nb, heads, bs, two_hd = kv_cache.shape
+    return kv_cache.view(nb, heads, 2 * bs, two_hd // 2).chunk(2, dim=2)
+
+
+class CpuPackedLayout:
+    """vLLM's CPU attention backend stores each (block, head) region in an ISA-specific order
+    (transposed for vec ISAs, VNNI tiles for AMX). Rather than hard-code those orders, derive the
+    permutation once by writing index-encoded values through the backend's own
+    `cpu_attn_reshape_and_cache` and reading where they landed; writes always go through that op."""
+
+    def __init__(self, isa: str, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        from vllm import _custom_ops as ops
+
+        self.isa, self.block_size, self.head_dim = isa, block_size, head_dim
+        n = block_size * head_dim
+        if n > 65536:
+            raise ValueError(f"block_size * head_dim = {n} is too large for the layout probe")
+        index = torch.arange(n)
+        slots = torch.arange(block_size, dtype=torch.long)
+
+        def probe(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+            k_half, v_half = cpu_cache_halves(cache)
+            encoded = values.to(dtype).view(block_size, 1, head_dim)
+            ops.cpu_attn_reshape_and_cache(encoded, encoded, k_half, v_half, slots, isa)
+            flat = cache.view(2, n).float()
+            return flat[0], flat[1]
+
+        # Two bytes per index, each exactly representable in bf16/fp16.
+        k_lo, v_lo = probe(index % 256)
+        k_hi, v_hi = probe(index // 256)
+        self.k_perm = torch.empty(n, dtype=torch.long)
+        self.v_perm = torch.empty(n, dtype=torch.long)
+        self.k_perm[(k_hi * 256 + k_lo).long()] = torch.arange(n)  # logical (t*hd+d) -> physical
+        self.v_perm[(v_hi * 256 + v_lo).long()] = torch.arange(n)
+        for perm in (self.k_perm, self.v_perm):
+            if not torch.equal(perm.sort().values, torch.arange(n)):
+                raise RuntimeError(f"could not derive the CPU paged layout for isa={isa}")
+
+    def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nb, heads, bs, two_hd = kv_cache.shape
+        hd = two_hd // 2
+        num_blocks = (n + bs - 1) // bs
+        blocks = kv_cache.view(nb, heads, 2, bs * hd).index_select(0, block_ids[:num_blocks])
+        k = blocks[:, :, 0].index_select(-1, self.k_perm).view(num_blocks, heads, bs, hd)
+        v = blocks[:, :, 1].index_select(-1, self.v_perm).view(num_blocks, heads, bs, hd)
+        k = k.permute(0, 2, 1, 3).reshape(num_blocks * bs, heads, hd)[:n]
+        v = v.permute(0, 2, 1, 3).reshape(num_blocks * bs, heads, hd)[:n]
+        return k, v
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        if len(slots) == 0:
+            return
+        k_half, v_half = cpu_cache_halves(kv_cache)
+        ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_half, v_half, slots, self.isa)
+
+
+class PlainLayout:
+    """GPU (FlashAttention-style) layout: [2, num_blocks, block_size, Hkv, hd], K then V."""
+
+    def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, _, bs, heads, hd = kv_cache.shape
+        num_blocks = (n + bs - 1) // bs
+        rows = kv_cache[:, block_ids[:num_blocks].to(kv_cache.device)].reshape(2, num_blocks * bs, heads, hd)
+        return rows[0, :n], rows[1, :n]
+
+    def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if len(slots) == 0:
+            return
+        _, nb, bs, heads, hd = kv_cache.shape
+        flat = kv_cache.view(2, nb * bs, heads, hd)
+        slots = slots.to(kv_cache.device)
+        flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def layout_for(kv_cache: torch.Tensor, isa: str | None) -> PagedLayout:
+    """The layout of one layer's cache tensor as vLLM allocated it."""
+    if kv_cache.device.type == "cpu":
+        if isa is None:
+            raise RuntimeError("the CPU attention layer has no ISA set; is this the CPU_ATTN backend?")
+        _, _, bs, two_hd = kv_cache.shape
+        return CpuPackedLayout(isa, bs, two_hd // 2, kv_cache.dtype)
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        return PlainLayout()
+    raise NotImplementedError(f"unsupported KV cache layout {tuple(kv_cache.shape)} on {kv_cache.device}")

@@ -1,0 +1,57 @@
+"""Finished requests' K/V kept in worker memory, byte-capped, least recently used evicted first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SavedKV:
+    """One finished request's cache (this rank's KV heads): prompt and generated tokens."""
+
+    token_ids: torch.Tensor  # [n] int64
+    k: torch.Tensor  # [L, n, Hkv, hd], keys rotated at positions 0..n-1
+    v: torch.Tensor  # [L, n, Hkv, hd]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.token_ids.nbytes
+
+
+class SegmentStore:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, SavedKV] = OrderedDict()
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.evictions = 0
+
+    def put(self, key: str, entry: SavedKV) -> None:
+        if entry.nbytes > self.max_bytes:
+            return  # larger than the whole budget: keep nothing rather than evict everything
+        if key in self.entries:
+            self.bytes -= self.entries.pop(key).nbytes
+        self.entries[key] = entry
+        self.bytes += entry.nbytes
+        while self.bytes > self.max_bytes:
+            _, evicted = self.entries.popitem(last=False)
+            self.bytes -= evicted.nbytes
+            self.evictions += 1
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def get(self, key: str) -> SavedKV | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
