@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 from kvbench.model.store import resolve_model
 from kvbench.replay.server import ServerConfig, VLLMServer
+
+# KV slots of the connector server: small enough that concurrent long requests get preempted.
+FULLSHARED_BLOCKS = 56
 
 
 @pytest.fixture(scope="session")
@@ -22,4 +26,16 @@ def vllm_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) ->
     """One plain vLLM server (no connector) on the embedded model, shared by the whole session."""
     log = Path(tmp_path_factory.mktemp("vllm")) / "server.log"
     with VLLMServer(ServerConfig(model=default_model, log_path=log, max_model_len=8192)) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def fullshared_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A server running the kvbench connector with FullShared (faults injectable per request)."""
+    config = ServerConfig(
+        model=default_model, log_path=Path(tmp_path_factory.mktemp("fullshared")) / "server.log",
+        max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
+        worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=["kvbench_attach_model"],
+        extra_args=["--num-gpu-blocks-override", str(FULLSHARED_BLOCKS)])
+    with VLLMServer(config) as server:
         yield server

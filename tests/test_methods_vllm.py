@@ -7,7 +7,6 @@ import json
 import math
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,25 +16,15 @@ import torch
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
-from kvbench.replay.server import ServerConfig, VLLMServer, collective_rpc
+from kvbench.replay.server import VLLMServer, collective_rpc
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.engine
 
-BLOCKS = 56  # 7,168 token slots: small enough that concurrent long requests get preempted
-
-
 @pytest.fixture(scope="module")
-def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    config = ServerConfig(
-        model=default_model, log_path=Path(tmp_path_factory.mktemp("fullshared")) / "server.log",
-        max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
-        worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=["kvbench_attach_model"],
-        extra_args=["--num-gpu-blocks-override", str(BLOCKS)])
-    with VLLMServer(config) as running:
-        yield running
+def server(fullshared_server: VLLMServer) -> VLLMServer:
+    return fullshared_server
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +226,7 @@ def test_preemption_and_resume_rematerialize(server: VLLMServer, prompts: dict) 
     alone = [run(i) for i in range(4)]  # one at a time: no preemption
     before = _metric(server, "vllm:num_preemptions_total")
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(run, range(4)))  # 4 x ~2,000 tokens > 7,168 slots
+        together = list(pool.map(run, range(4)))  # 4 x ~2,000 tokens > FULLSHARED_BLOCKS x 128 slots
     assert _metric(server, "vllm:num_preemptions_total") > before, "the test did not cause a preemption"
     assert together == alone
 

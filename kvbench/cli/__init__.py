@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvbench import __version__
+from kvbench.cli.analysis import compare_command, report_command
 from kvbench.cli.model import model_group
 from kvbench.cli.quickstart import quickstart_command
 from kvbench.cli.replay import methods_command, replay_command, serve_command
@@ -27,3 +28,5 @@ main.add_command(replay_command)
 main.add_command(serve_command)
 main.add_command(methods_command)
 main.add_command(quickstart_command)
+main.add_command(report_command)
+main.add_command(compare_command)

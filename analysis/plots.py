@@ -1,0 +1,69 @@
+"""PNG plots of recorded runs (matplotlib/seaborn; headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from kvbench.analysis.runs import Run  # noqa: E402
+
+
+def ttft_cdf(runs: list[Run], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        ok = run.requests[run.requests["success"]]["ttft_ms"].sort_values()
+        if len(ok):
+            ax.plot(ok.to_numpy(), [(i + 1) / len(ok) for i in range(len(ok))], label=run.name)
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT distribution per run")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ttft_percentiles(table: pd.DataFrame, path: Path) -> Path:
+    data = table.melt(id_vars=["run"], value_vars=["p50_ttft_ms", "p90_ttft_ms"], var_name="percentile",
+                      value_name="TTFT (ms)")
+    data["percentile"] = data["percentile"].str.split("_").str[0]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sns.barplot(data=data, x="run", y="TTFT (ms)", hue="percentile", ax=ax)
+    ax.set(title="p50 / p90 TTFT per run (successful requests)", xlabel="")
+    for container in ax.containers:
+        ax.bar_label(container, fmt="%.0f", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def ttft_by_agent_plot(by_agent: pd.DataFrame, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_agent.plot(kind="bar", ax=ax, rot=0)
+    ax.set(title="p50 TTFT by agent position", xlabel="agent (workflow order)", ylabel="TTFT (ms)")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def memory_plot(table: pd.DataFrame, path: Path) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(11, 4))
+    for ax, column, title in zip(axes, ["method_state_mib", "peak_server_rss_mib", "peak_kv_cache_usage_perc"],
+                                 ["method state (MiB)", "server peak RSS (MiB)", "peak vLLM KV usage (%)"]):
+        sns.barplot(data=table, x="run", y=column, ax=ax)
+        ax.set(title=title, xlabel="", ylabel="")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

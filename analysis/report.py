@@ -1,0 +1,55 @@
+"""`kvbench report`: markdown and CSV tables plus PNG plots for a set of runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.analysis import plots
+from kvbench.analysis.runs import Run
+from kvbench.analysis.tables import method_table, ttft_by_agent
+
+COLUMN_NOTES = {
+    "pNN_ttft_ms": "request-level TTFT percentiles over successful requests (vLLM's definition)",
+    "pNN_trajectory_ttft_ms": "percentiles of the per-trajectory mean TTFT (the paper's definition)",
+    "trajectory_token_throughput": "trajectory tokens (prompt + output) / trajectory E2E, mean over trajectories",
+    "realized_rho": "shared PH tokens served by reuse / PH tokens some earlier cache held",
+    "method_state_mib": "method state: segment-store peak + method state (anchor pools, references)",
+    "peak_server_rss_mib": "peak RSS of the server process tree (CPU); vLLM pre-allocates its KV pool",
+    "peak_kv_cache_usage_perc": "peak of vllm:kv_cache_usage_perc during the run",
+}
+
+
+def _markdown(frame: pd.DataFrame, floatfmt: str = ".1f") -> str:
+    return frame.to_markdown(index=False, floatfmt=floatfmt)
+
+
+def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = method_table(runs)
+    by_agent = ttft_by_agent(runs)
+    table.to_csv(out_dir / "methods.csv", index=False)
+    by_agent.to_csv(out_dir / "ttft_by_agent.csv")
+    figures = {
+        "TTFT percentiles": plots.ttft_percentiles(table, out_dir / "ttft_percentiles.png"),
+        "TTFT distribution": plots.ttft_cdf(runs, out_dir / "ttft_cdf.png"),
+        "TTFT by agent position": plots.ttft_by_agent_plot(by_agent, out_dir / "ttft_by_agent.png"),
+        "Memory": plots.memory_plot(table, out_dir / "memory.png"),
+    }
+    latency = table[["run", "method", "qps", "shared_tokens", "completed", "failed", "failed_trajectories",
+                     *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms"]]
+    throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",
+                        "realized_rho"]]
+    memory = table[["run", "method_state_mib", "peak_server_rss_mib", "peak_kv_cache_usage_perc"]]
+    lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
+             "## Latency (failures beside every figure)", "", _markdown(latency), "",
+             "## Throughput and reuse", "", _markdown(throughput, ".3f"), "",
+             "## Memory", "", _markdown(memory), "",
+             "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",
+             "## Columns", "", *[f"- `{name}`: {note}" for name, note in COLUMN_NOTES.items()], "",
+             "## Figures", ""]
+    lines += [f"![{caption}]({path.name})" for caption, path in figures.items()]
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    return report

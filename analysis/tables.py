@@ -1,0 +1,62 @@
+"""Tables computed from recorded requests: latency, throughput, reuse, memory, failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from kvbench.analysis.metrics import percentile_key, trajectory_table
+from kvbench.analysis.runs import Run
+
+PERCENTILES = (50, 90, 99)
+
+
+def _pct(values: pd.Series, p: float) -> float:
+    values = values.dropna()
+    return float(np.percentile(values, p)) if len(values) else float("nan")
+
+
+def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) -> pd.DataFrame:
+    """One row per run; every latency column has the run's failure counts beside it."""
+    rows = []
+    for run in runs:
+        requests = run.requests
+        ok = requests[requests["success"]]
+        trajectories = trajectory_table(requests)
+        row = {
+            "run": run.name, "method": run.method, "qps": run.summary.get("request_rate"),
+            "shared_tokens": run.shared_tokens,
+            "completed": int(len(ok)), "failed": int((~requests["success"]).sum()),
+            "failed_trajectories": int(requests["trajectory_id"].nunique() - len(trajectories)),
+        }
+        for p in percentiles:
+            row[f"{percentile_key(p)}_ttft_ms"] = _pct(ok["ttft_ms"], p)
+        for p in percentiles:
+            row[f"{percentile_key(p)}_trajectory_ttft_ms"] = _pct(trajectories["mean_ttft_ms"], p)
+        row["mean_e2el_ms"] = float(ok["e2el_ms"].mean()) if len(ok) else float("nan")
+        row["mean_trajectory_e2e_ms"] = float(trajectories["e2e_ms"].mean()) if len(trajectories) else float("nan")
+        row["trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
+                                              if len(trajectories) else float("nan"))
+        reused = ok["reused_tokens"].dropna()
+        reusable = ok["reusable_tokens"].sum()
+        row["realized_rho"] = float(reused.sum() / reusable) if len(reused) and reusable else float("nan")
+        # The three memory figures, kept apart (vLLM pre-allocates its KV pool).
+        state = run.summary.get("method_state_bytes") or {}
+        row["method_state_mib"] = ((run.summary.get("method_store_peak_bytes") or 0) + sum(state.values())) / 2**20
+        rss = run.summary.get("peak_server_rss_bytes")
+        row["peak_server_rss_mib"] = rss / 2**20 if rss else float("nan")
+        usage = run.summary.get("peak_kv_cache_usage_perc")
+        row["peak_kv_cache_usage_perc"] = 100 * usage if usage is not None else float("nan")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def ttft_by_agent(runs: list[Run], percentile: float = 50) -> pd.DataFrame:
+    """TTFT percentile by agent position (A0 first): where reuse starts paying off."""
+    frames = []
+    for run in runs:
+        ok = run.requests[run.requests["success"]]
+        by_agent = ok.groupby("agent")["ttft_ms"].quantile(percentile / 100).rename(run.name)
+        frames.append(by_agent)
+    table = pd.concat(frames, axis=1) if frames else pd.DataFrame()
+    return table.sort_index(key=lambda index: index.str[1:].astype(int)) if len(table) else table

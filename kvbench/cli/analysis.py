@@ -1,0 +1,64 @@
+"""`kvbench report` and `kvbench compare`: every figure one command away from saved results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+DEFAULT_COMPARE_METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_trajectory_ttft_ms", "mean_e2el_ms",
+                           "mean_trajectory_token_throughput", "failed")
+
+
+@click.command("report")
+@click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports/latest"),
+              show_default=True, help="Directory for report.md, CSV tables and PNG plots.")
+@click.option("--title", default="kvbench report", show_default=True)
+def report_command(result_dirs: tuple[Path, ...], out: Path, title: str) -> None:
+    """Tables and plots for runs (each RESULT_DIR is a run, or a sweep holding runs)."""
+    from kvbench.analysis.report import write_report
+    from kvbench.analysis.runs import RunLoadError, find_runs
+
+    try:
+        runs = find_runs(list(result_dirs))
+    except RunLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    path = write_report(runs, out, title)
+    click.echo(path.read_text())
+    click.echo(f"report: {path}", err=True)
+
+
+@click.command("compare")
+@click.argument("baseline", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("candidate", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--gate", "gates", multiple=True, metavar="METRIC=+N%|METRIC:A/B=-N%",
+              help="Fail (exit 1) when the candidate is worse than the baseline by more than N%: "
+                   "p50_ttft_ms=+10% (a cost may grow 10%), or a ratio of two methods within each side, "
+                   "p50_ttft_ms:nonshared/fullshared=-10% (the speed-up may shrink 10%). Repeatable.")
+@click.option("--metric", "metrics", multiple=True, help="summary.json keys to show [default: TTFT, E2E, "
+              "throughput, failures].")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the comparison as markdown (e.g. for a CI comment).")
+def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], metrics: tuple[str, ...],
+                    markdown_path: Path | None) -> None:
+    """Compare two runs (or sweeps) side by side; exit 1 when a gated metric regressed."""
+    from kvbench.analysis.compare import Gate, compare_table, evaluate_gates, markdown_report
+    from kvbench.analysis.runs import RunLoadError, find_runs
+
+    try:
+        parsed = [Gate.parse(g) for g in gates]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gate") from None
+    try:
+        base_runs, cand_runs = find_runs([baseline]), find_runs([candidate])
+    except RunLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    table = compare_table(base_runs, cand_runs, list(metrics or DEFAULT_COMPARE_METRICS))
+    results = evaluate_gates(base_runs, cand_runs, parsed)
+    text = markdown_report(table, results)
+    click.echo(text)
+    if markdown_path is not None:
+        markdown_path.write_text(text)
+    if len(results) and (results["status"] == "FAIL").any():
+        raise SystemExit(1)

@@ -1,0 +1,118 @@
+"""Reports and comparisons on real replay results (NonShared and FullShared inside vLLM)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from kvbench.analysis.compare import Gate
+from kvbench.analysis.runs import find_runs
+from kvbench.analysis.tables import method_table, ttft_by_agent
+from kvbench.cli import main
+from kvbench.replay.server import VLLMServer
+
+pytestmark = pytest.mark.engine
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(main, list(args), prog_name="kvbench")
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(vllm_server: VLLMServer, fullshared_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory,
+              default_model: str) -> Path:
+    """One small trace replayed with both methods into one directory (like a sweep)."""
+    root = Path(tmp_path_factory.mktemp("sweep"))
+    trace = root / "trace.jsonl"
+    assert _invoke("gen-trace", "-o", str(trace), "--num-trajectories", "4", "--shared-tokens", "1024",
+                   "--output-len", "16", "--qps", "0").exit_code == 0
+    for method, server in (("nonshared", vllm_server), ("fullshared", fullshared_server)):
+        result = _invoke("replay", "--trace", str(trace), "--method", method, "--base-url", server.base_url,
+                         "--qps", "0", "--num-warmups", "1", "--result-dir", str(root / method))
+        assert result.exit_code == 0, result.output
+    return root
+
+
+def test_tables_agree_with_requests_recomputed(sweep_dir: Path) -> None:
+    runs = find_runs([sweep_dir])
+    assert {r.method for r in runs} == {"nonshared", "fullshared"}
+    table = method_table(runs).set_index("method")
+    for method in ("nonshared", "fullshared"):
+        requests = pd.read_parquet(sweep_dir / method / "requests.parquet")
+        ok = requests[requests["success"]]
+        assert table.loc[method, "completed"] == len(ok) == 12 and table.loc[method, "failed"] == 0
+        assert table.loc[method, "p50_ttft_ms"] == pytest.approx(np.percentile(ok["ttft_ms"], 50))
+        assert table.loc[method, "p90_ttft_ms"] == pytest.approx(np.percentile(ok["ttft_ms"], 90))
+        per_trajectory = ok.groupby("trajectory_id")["ttft_ms"].mean()
+        assert table.loc[method, "p50_trajectory_ttft_ms"] == pytest.approx(np.percentile(per_trajectory, 50))
+        e2e = (ok.groupby("trajectory_id")["end_ns"].max() - ok.groupby("trajectory_id")["scheduled_ns"].min()) / 1e9
+        tokens = ok.groupby("trajectory_id")["prompt_tokens"].sum() + ok.groupby("trajectory_id")["output_tokens"].sum()
+        assert table.loc[method, "trajectory_token_throughput"] == pytest.approx((tokens / e2e).mean())
+    assert table.loc["fullshared", "realized_rho"] > 0.9
+    assert np.isnan(table.loc["nonshared", "realized_rho"])
+    assert table.loc["fullshared", "method_state_mib"] > 0 == table.loc["nonshared", "method_state_mib"]
+    by_agent = ttft_by_agent(runs)
+    assert list(by_agent.index) == ["A0", "A1", "A2", "A3"]
+    # Reuse turns are where FullShared saves prefill time.
+    assert by_agent.loc["A3", "fullshared"] < by_agent.loc["A3", "nonshared"]
+
+
+def test_report_writes_tables_and_plots(sweep_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    result = _invoke("report", str(sweep_dir), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    text = (out / "report.md").read_text()
+    for heading in ("## Latency", "## Throughput and reuse", "## Memory", "by agent position"):
+        assert heading in text
+    csv = pd.read_csv(out / "methods.csv")
+    assert set(csv["method"]) == {"nonshared", "fullshared"} and "failed" in csv
+    for name in ("ttft_percentiles", "ttft_cdf", "ttft_by_agent", "memory"):
+        image = matplotlib.image.imread(out / f"{name}.png")
+        assert image.shape[0] > 200 and image.shape[1] > 300 and image.std() > 0.01  # a real picture
+        assert f"({name}.png)" in text
+
+
+def _regress(run_dir: Path, factor: float, metrics=("p50_ttft_ms", "p90_ttft_ms")) -> None:
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    for metric in metrics:
+        summary[metric] *= factor
+    summary_path.write_text(json.dumps(summary))
+
+
+def test_compare_gates_exit_codes(sweep_dir: Path, tmp_path: Path) -> None:
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    for copy in (baseline, candidate):
+        shutil.copytree(sweep_dir, copy, ignore=shutil.ignore_patterns("*.log", "trace.jsonl"))
+    same = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+10%",
+                   "--gate", "p50_ttft_ms:nonshared/fullshared=-10%", "--markdown", str(tmp_path / "c.md"))
+    assert same.exit_code == 0, same.output
+    assert "all gates passed" in (tmp_path / "c.md").read_text()
+    # A constructed regression: FullShared's TTFT grows by half.
+    _regress(candidate / "fullshared", 1.5)
+    absolute = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+10%")
+    assert absolute.exit_code == 1 and "REGRESSION" in absolute.output
+    ratio = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms:nonshared/fullshared=-10%")
+    assert ratio.exit_code == 1
+    # Both methods 50% slower (a slower machine): the within-run ratio gate does not flap.
+    _regress(candidate / "nonshared", 1.5)
+    assert _invoke("compare", str(baseline), str(candidate),
+                   "--gate", "p50_ttft_ms:nonshared/fullshared=-10%").exit_code == 0
+    # Within tolerance passes; a missing metric fails loudly.
+    assert _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+60%").exit_code == 0
+    assert _invoke("compare", str(baseline), str(candidate), "--gate", "no_such_metric=+10%").exit_code == 1
+
+
+def test_gate_parsing() -> None:
+    assert Gate.parse("p50_ttft_ms=+10%") == Gate("p50_ttft_ms", 0.10)
+    assert Gate.parse("p90_ttft_ms:nonshared/fullshared=-5%") == Gate("p90_ttft_ms", 0.05, ("nonshared", "fullshared"))
+    with pytest.raises(ValueError, match="bad gate"):
+        Gate.parse("p50_ttft_ms>10")
+    assert _invoke("compare", ".", ".", "--gate", "oops").exit_code == 2
