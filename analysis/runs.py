@@ -50,13 +50,13 @@ def load_run(path: Path) -> Run:
 
 
 def find_runs(paths: list[Path]) -> list[Run]:
-    """Runs in the given directories: each is a run, or holds runs one or two levels down (sweeps)."""
+    """Runs in the given directories: each is a run, or holds runs further down (sweeps)."""
     runs = []
     for path in paths:
         if (path / "summary.json").exists():
             runs.append(load_run(path))
             continue
-        found = sorted({p.parent for p in path.glob("*/summary.json")} | {p.parent for p in path.glob("*/*/summary.json")})
+        found = sorted({p.parent for p in path.rglob("summary.json")})
         if not found:
             raise RunLoadError(f"no kvbench runs in {path}")
         runs += [load_run(p) for p in found]

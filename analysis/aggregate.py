@@ -1,0 +1,62 @@
+"""One row per run of a sweep (its grid coordinates and headline metrics), and repeat averaging."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from kvbench.analysis.runs import Run
+
+DIMENSIONS = ["method_config", "method", "shared_tokens", "agents", "rounds", "qps"]
+METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "reuse_ttft_s", "throughput_tok_s", "method_state_mib",
+           "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed"]
+
+
+def run_row(run: Run) -> dict:
+    generator = run.config.get("trace_header", {}).get("generator", {})
+    requests = run.requests
+    ok = requests[requests["success"]]
+    reuse = ok[ok["reusable_tokens"] > 0]
+    state = run.summary.get("method_state_bytes") or {}
+    rss = run.summary.get("peak_server_rss_bytes")
+    usage = run.summary.get("peak_kv_cache_usage_perc")
+    return {
+        "method_config": run.config.get("method_config") or run.name,
+        "method": run.method,
+        "shared_tokens": generator.get("shared_tokens"),
+        "agents": generator.get("num_agents"),
+        "rounds": generator.get("rounds"),
+        "qps": run.summary.get("request_rate"),
+        "repeat": int(run.summary.get("repeat", 0)),
+        "p50_ttft_s": run.summary.get("p50_ttft_ms", math.nan) / 1e3,
+        "p90_ttft_s": run.summary.get("p90_ttft_ms", math.nan) / 1e3,
+        "mean_ttft_s": float(ok["ttft_ms"].mean()) / 1e3 if len(ok) else math.nan,
+        "reuse_ttft_s": float(reuse["ttft_ms"].mean()) / 1e3 if len(reuse) else math.nan,
+        "throughput_tok_s": run.summary.get("mean_trajectory_token_throughput", math.nan),
+        "method_state_mib": ((run.summary.get("method_store_peak_bytes") or 0) + sum(state.values())) / 2**20,
+        "peak_rss_mib": rss / 2**20 if rss else math.nan,
+        "peak_kv_usage_pct": 100 * usage if usage is not None else math.nan,
+        "realized_rho": run.summary.get("realized_rho") if run.summary.get("realized_rho") is not None else math.nan,
+        "failed": run.summary.get("failed", 0),
+    }
+
+
+def runs_frame(runs: list[Run]) -> pd.DataFrame:
+    return pd.DataFrame([run_row(run) for run in runs])
+
+
+def average_repeats(frame: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+    """Mean over repeats per grid point, with `<metric>_ci`: the half-width of the Student-t
+    confidence interval (NaN with a single repeat)."""
+    grouped = frame.groupby(DIMENSIONS, dropna=False)
+    out = grouped[METRICS].mean()
+    counts = grouped.size()
+    for metric in METRICS:
+        sem = grouped[metric].sem()
+        t = counts.map(lambda n: stats.t.ppf(0.5 + confidence / 2, n - 1) if n > 1 else np.nan)
+        out[f"{metric}_ci"] = sem * t
+    out["repeats"] = counts
+    return out.reset_index()

@@ -1,0 +1,181 @@
+"""The paper's tables and figures, rendered from sweep results (`kvbench paper TABLE`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from kvbench.analysis.aggregate import average_repeats, runs_frame  # noqa: E402
+from kvbench.analysis.paper_values import table7_values  # noqa: E402
+from kvbench.analysis.runs import find_runs  # noqa: E402
+
+DEFAULT_METHODS = ["nonshared", "fullshared"]
+
+
+@dataclass(frozen=True)
+class PaperTable:
+    name: str
+    title: str
+    # The default grid of `kvbench paper NAME --run` (scaled to what a 2-core CPU sustains).
+    grid: dict = field(default_factory=dict)
+    render: Callable[[pd.DataFrame, Path, bool], str] | None = None
+
+
+def _fmt(value: float, ci: float | None = None, digits: int = 2) -> str:
+    if pd.isna(value):
+        return "–"
+    text = f"{value:.{digits}f}"
+    return text + (f" ±{ci:.{digits}f}" if ci is not None and not pd.isna(ci) else "")
+
+
+def _pivot(frame: pd.DataFrame, rows: list[str], columns: list[str], metric: str, digits: int = 2) -> pd.DataFrame:
+    cells = frame.assign(cell=[_fmt(v, c, digits) for v, c in zip(frame[metric], frame[f"{metric}_ci"])])
+    return cells.pivot_table(index=rows, columns=columns, values="cell", aggfunc="first")
+
+
+def _flatten(table: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+    table = table.copy()
+    if isinstance(table.columns, pd.MultiIndex):
+        table.columns = [" ".join(f"{n}={v:g}" if isinstance(v, float) else f"{n}={v}" for n, v in zip(names, col))
+                         for col in table.columns]
+    else:
+        table.columns = [f"{names[0]}={c:g}" if isinstance(c, float) else f"{names[0]}={c}" for c in table.columns]
+    return table.reset_index()
+
+
+def render_table7(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
+    lines = ["p50 and p90 TTFT (s) of every request, by shared context and trajectory QPS.", ""]
+    for pct in ("p50", "p90"):
+        table = _flatten(_pivot(frame, ["method_config"], ["shared_tokens", "qps"], f"{pct}_ttft_s", 3), ["ctx", "qps"])
+        lines += [f"### {pct} TTFT (s), this machine", "", table.to_markdown(index=False), ""]
+        if with_paper:
+            lines += [f"### {pct} TTFT (s), the paper (Llama-3.1-8B, A100; rho = 0.8 columns)", "",
+                      _paper_table7(frame, pct).to_markdown(index=False), ""]
+    _lines_vs_qps(frame, "p50_ttft_s", out / "fig5_p50_ttft.png", "p50 TTFT vs QPS (cf. paper Fig. 5)")
+    _lines_vs_qps(frame, "p90_ttft_s", out / "fig8_p90_ttft.png", "p90 TTFT vs QPS (cf. paper Fig. 8)")
+    lines += ["![p50 TTFT vs QPS](fig5_p50_ttft.png)", "", "![p90 TTFT vs QPS](fig8_p90_ttft.png)"]
+    if {"kvcmas", "kvcmas-nonchained"} <= set(frame["method"]):
+        chained = frame[frame["method"].isin(["kvcmas", "kvcmas-nonchained"])]
+        _lines_vs_qps(chained, "p50_ttft_s", out / "fig6_chained.png", "chained vs non-chained (cf. paper Fig. 6)")
+        lines += ["", "![chained vs non-chained](fig6_chained.png)"]
+    return "\n".join(lines)
+
+
+def _paper_table7(frame: pd.DataFrame, pct: str) -> pd.DataFrame:
+    values = table7_values()
+    rows = []
+    for method in sorted(set(frame["method"])):
+        row = {"method": method}
+        for context in sorted(set(frame["shared_tokens"])):
+            for qps in sorted(set(frame["qps"])):
+                row[f"ctx={context} qps={qps:g}"] = _fmt(values.get((method, context, pct, 0.8, qps), float("nan")))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _lines_vs_qps(frame: pd.DataFrame, metric: str, path: Path, title: str) -> None:
+    contexts = sorted(set(frame["shared_tokens"]))
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for name, group in frame[frame["shared_tokens"] == context].groupby("method_config"):
+            group = group.sort_values("qps")
+            ax.errorbar(group["qps"], group[metric], yerr=group[f"{metric}_ci"].fillna(0), marker="o", label=name,
+                        capsize=3)
+        ax.set(title=f"{context // 1024}K shared tokens", xlabel="trajectory QPS (0 = single stream)",
+               ylabel=metric.replace("_s", " (s)"))
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render_single_stream(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
+    single = frame[frame["qps"] == 0]
+    lines = ["Single stream. TTFT averaged over reuse requests (turns with a reusable source), throughput = "
+             "trajectory tokens / trajectory E2E; memory figures kept apart (vLLM pre-allocates its KV pool).", ""]
+    for metric, label, digits in [("reuse_ttft_s", "reuse-request TTFT (s)", 3),
+                                  ("throughput_tok_s", "trajectory throughput (tokens/s)", 0),
+                                  ("method_state_mib", "method state (MiB)", 1), ("peak_rss_mib", "server peak RSS (MiB)", 0),
+                                  ("peak_kv_usage_pct", "peak vLLM KV usage (%)", 2)]:
+        table = _flatten(_pivot(single, ["method_config"], ["shared_tokens"], metric, digits), ["ctx"])
+        lines += [f"### {label}", "", table.to_markdown(index=False), ""]
+    _bars(single, out / "fig12_single_stream.png")
+    return "\n".join(lines + ["![single stream](fig12_single_stream.png)"])
+
+
+def _bars(frame: pd.DataFrame, path: Path) -> None:
+    metrics = [("reuse_ttft_s", "reuse TTFT (s)"), ("throughput_tok_s", "throughput (tok/s)"),
+               ("method_state_mib", "method state (MiB)")]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (metric, label) in zip(axes, metrics):
+        frame.pivot_table(index="shared_tokens", columns="method_config", values=metric).plot(kind="bar", ax=ax, rot=0)
+        ax.set(title=label, xlabel="shared tokens")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("Single-stream efficiency (cf. paper Fig. 12)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _render_scaling(dimension: str, label: str) -> Callable[[pd.DataFrame, Path, bool], str]:
+    def render(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
+        single = frame[frame["qps"] == 0]
+        lines = [f"Single stream by {label}: TTFT averaged over all agent requests, trajectory throughput, memory.", ""]
+        for metric, title, digits in [("mean_ttft_s", "TTFT (s)", 3), ("throughput_tok_s", "throughput (tokens/s)", 0),
+                                      ("method_state_mib", "method state (MiB)", 1),
+                                      ("peak_rss_mib", "server peak RSS (MiB)", 0)]:
+            table = _flatten(_pivot(single, ["method_config"], [dimension], metric, digits), [label])
+            lines += [f"### {title}", "", table.to_markdown(index=False), ""]
+        return "\n".join(lines)
+    return render
+
+
+def render_table13(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
+    single = frame[frame["qps"] == 0].set_index("method_config")
+    table = pd.DataFrame({
+        "TTFT (s)": [_fmt(v, c, 3) for v, c in zip(single["mean_ttft_s"], single["mean_ttft_s_ci"])],
+        "throughput (tok/s)": [_fmt(v, c, 0) for v, c in zip(single["throughput_tok_s"], single["throughput_tok_s_ci"])],
+        "method state (MiB)": [_fmt(v, c, 1) for v, c in zip(single["method_state_mib"], single["method_state_mib_ci"])],
+        "realized rho": [_fmt(v, None, 3) for v in single["realized_rho"]],
+    }, index=single.index)
+    return "Single stream by anchor-pool capacity V.\n\n" + table.reset_index().to_markdown(index=False)
+
+
+TABLES: dict[str, PaperTable] = {t.name: t for t in [
+    PaperTable("table7", "Table 7: p50/p90 TTFT under concurrent serving",
+               {"shared_tokens": [2048, 8192], "qps": [0.0, 0.25, 0.5, 1.0], "agents": [4]}, render_table7),
+    PaperTable("table11", "Table 11: peak memory, single stream",
+               {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [3]}, render_single_stream),
+    PaperTable("table12", "Table 12: single-stream reuse TTFT and throughput",
+               {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [3]}, render_single_stream),
+    PaperTable("table13", "Table 13: anchor-pool capacity V",
+               {"shared_tokens": [8192], "qps": [0.0], "agents": [3], "methods": ["kvcmas"],
+                "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13),
+    PaperTable("table14", "Table 14: scaling with the number of agents",
+               {"shared_tokens": [2048], "qps": [0.0], "agents": [2, 4, 8]}, _render_scaling("agents", "N")),
+    PaperTable("table15", "Table 15: scaling with the number of rounds",
+               {"shared_tokens": [2048], "qps": [0.0], "agents": [3], "rounds": [2, 4, 8]},
+               _render_scaling("rounds", "R")),
+]}
+
+
+def render(name: str, results: Path, out: Path, with_paper: bool = True) -> Path:
+    table = TABLES[name]
+    frame = average_repeats(runs_frame(find_runs([results])))
+    out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out / f"{name}.csv", index=False)
+    assert table.render is not None
+    body = table.render(frame, out, with_paper)
+    path = out / f"{name}.md"
+    path.write_text(f"# {table.title}\n\nFrom `{results}`.\n\n{body}\n")
+    return path

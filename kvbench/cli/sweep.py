@@ -1,0 +1,146 @@
+"""`kvbench sweep` and `kvbench paper`: grids of runs, and the paper's tables from them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _csv(kind: type):  # noqa: ANN202
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list | None:
+        if value is None:
+            return None
+        try:
+            return [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}, got {value!r}") from None
+    return parse
+
+
+def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[Any]:
+    """`kvcmas:V=5,10` (repeatable) -> one configuration per value combination of that method."""
+    from kvbench.methods.registry import get_method, validate_params
+    from kvbench.replay.sweep import MethodConfig
+
+    grids: dict[str, dict[str, list[Any]]] = {m: {} for m in methods}
+    for spec in param_specs:
+        method, sep, rest = spec.partition(":")
+        key, sep2, values = rest.partition("=")
+        if not sep or not sep2 or method not in grids:
+            raise click.BadParameter(f"expected METHOD:KEY=V1,V2 for a method in --methods, got {spec!r}",
+                                     param_hint="--method-param")
+        grids[method][key] = [json.loads(v) if v.strip().replace(".", "", 1).lstrip("-").isdigit() else v
+                              for v in values.split(",")]
+    configs = []
+    for method in methods:
+        try:
+            get_method(method)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--methods") from None
+        keys = sorted(grids[method])
+        for values in itertools.product(*(grids[method][k] for k in keys)):
+            params = dict(zip(keys, values))
+            try:
+                validate_params(method, params)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--method-param") from None
+            configs.append(MethodConfig(method, params))
+    return configs
+
+
+def _sweep_options(func):  # noqa: ANN001, ANN202
+    for option in reversed([
+        click.option("--methods", callback=_csv(str), default=None, help="Comma-separated methods."),
+        click.option("--method-param", "method_params", multiple=True, metavar="METHOD:KEY=V1,V2",
+                     help="A method parameter grid (repeatable), e.g. kvcmas:V=5,10,20."),
+        click.option("--shared-tokens", callback=_csv(int), default=None, help="Comma-separated shared contexts."),
+        click.option("--qps", callback=_csv(float), default=None, help="Comma-separated trajectory QPS (0 = single stream)."),
+        click.option("--agents", callback=_csv(int), default=None, help="Comma-separated agent counts."),
+        click.option("--rounds", callback=_csv(int), default=None, help="Comma-separated round counts."),
+        click.option("--workflow", default="sequential", show_default=True),
+        click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True),
+        click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="Measured trajectories per cell."),
+        click.option("--num-warmups", type=click.IntRange(min=0), default=1, show_default=True),
+        click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Runs per cell (other arrival seeds); tables show 95% confidence intervals."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--model", default=None, help="Model [default: the embedded one]."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvbench.replay.runner import ReplayError
+    from kvbench.replay.server import ServerError
+    from kvbench.replay.sweep import SweepSpec, run_sweep
+
+    methods = options.pop("methods") or defaults.get("methods", ["nonshared", "fullshared"])
+    param_specs = tuple(options.pop("method_params"))
+    for method, grid in defaults.get("method_params", {}).items():
+        if not any(p.startswith(method + ":") for p in param_specs):
+            param_specs += tuple(f"{method}:{key}={','.join(map(str, values))}" for key, values in grid.items())
+    spec = SweepSpec(
+        methods=_method_configs(methods, param_specs),
+        **{key: (options[key] if options[key] is not None else defaults.get(key, default))
+           for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
+        **{key: options[key] for key in ("workflow", "output_len", "num_trajectories", "num_warmups", "repeats",
+                                         "seed", "model")})
+    cells = spec.cells()
+    progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                        TimeElapsedColumn(), console=Console(stderr=True))
+    try:
+        with progress:
+            task = progress.add_task("", total=len(cells))
+            run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name))
+    except (ValueError, ServerError, ReplayError) as exc:
+        raise click.ClickException(f"{exc} (finished cells are kept; rerun the same command to resume)") from None
+    return out
+
+
+@click.command("sweep")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Sweep directory (rerun the same command to resume it).")
+@_sweep_options
+def sweep_command(out: Path, **options: Any) -> None:
+    """Replay a grid: methods x --shared-tokens x --qps x --agents x --rounds x repeats."""
+    _run_sweep(out, {}, **options)
+    click.echo(f"sweep done: {out}  (kvbench report {out}; kvbench paper table7 --results {out})")
+
+
+@click.command("paper")
+@click.argument("table", type=click.Choice(["table7", "table11", "table12", "table13", "table14", "table15"]))
+@click.option("--results", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Render from an existing sweep directory.")
+@click.option("--run", "run_sweep", is_flag=True, help="Run the table's sweep first (at --shared-tokens/--qps...).")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output directory [default: reports/<table>].")
+@click.option("--paper-values/--no-paper-values", default=True, show_default=True,
+              help="Show the paper's values beside ours where it has them.")
+@_sweep_options
+def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path | None, paper_values: bool,
+                  **options: Any) -> None:
+    """Render a table of the KVCMAS paper (Tables 7, 11-15 and Figs 5, 6, 8, 12) from sweep results."""
+    from kvbench.analysis import paper
+    from kvbench.analysis.runs import RunLoadError
+
+    out = out or Path("reports") / table
+    if run_sweep == (results is not None):
+        raise click.UsageError("give exactly one of --results DIR or --run")
+    if run_sweep:
+        results = _run_sweep(out / "sweep", paper.TABLES[table].grid, **options)
+    assert results is not None
+    try:
+        path = paper.render(table, results, out, paper_values)
+    except RunLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(path.read_text())
+    click.echo(f"written: {path}", err=True)
