@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -33,7 +34,19 @@ class LoadContext:
     tokens: torch.Tensor  # [n] ids of the rows to materialize (prompt minus its last token)
     num_local: int  # rows 0..num_local-1 are already valid (vLLM prefix-cache hit)
     candidates: list[SegmentReuse]
+    # Reads K, V [layers, len(rows), Hkv, hd] of this request's rows from the paged cache
+    # (after the load: the materialized cache).
+    read_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     stats: dict[str, Any] = field(default_factory=dict)  # the method adds its own entries
+
+
+class CoreServices(Protocol):
+    """What the connector core offers methods beyond placing rows."""
+
+    aligner: Any  # kvbench.methods.rope.RopeAligner
+
+    def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
+        """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference)."""
 
 
 class SharingMethod:
@@ -43,6 +56,12 @@ class SharingMethod:
     approximate: ClassVar[bool] = True
     # Parameter names and defaults; kv_connector_extra_config["params"] may override them.
     defaults: ClassVar[dict[str, Any]] = {}
+
+    core: CoreServices | None = None
+
+    def bind(self, core: CoreServices) -> None:
+        """Called in the worker once the model is attached."""
+        self.core = core
 
     def __init__(self, params: dict[str, Any]) -> None:
         unknown = set(params) - set(self.defaults)
@@ -66,6 +85,10 @@ class SharingMethod:
 
     def after_load(self, ctx: LoadContext) -> None:
         """Called once the request's cache is materialized (e.g. to update method state)."""
+
+    def run_deferred(self) -> None:
+        """Work queued by after_load, run at the start of the next engine step, i.e. after the
+        request's first token (outside its TTFT, inside E2E)."""
 
     def state_bytes(self) -> dict[str, int]:
         """Exact tensor bytes of the method's own state (anchor pools, references...)."""

@@ -223,12 +223,17 @@ class KVBenchConnector(KVConnectorBase_V1):
         names = [layer.self_attn.attn.layer_name for layer in layers]
         self.forward = PartialForward(model, names, self.layouts, self.kv_caches)
         self.aligner = RopeAligner(self.forward.rotary_emb)
+        self.method.bind(self)
         logger.info("kvbench connector: model attached (%d layers)", len(layers))
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBenchMetadata)
         self._do_saves(meta)  # first: a load in this same step may read a source saved now
+        try:
+            self.method.run_deferred()
+        except Exception:  # noqa: BLE001 - method state updates must never take the engine down
+            logger.exception("kvbench: deferred work of %s failed", self.method.name)
         for spec in meta.loads:
             started = time.perf_counter()
             key = spec.plan.save_as or spec.req_id
@@ -341,7 +346,17 @@ class KVBenchConnector(KVConnectorBase_V1):
         positions = torch.arange(n, dtype=torch.long)
         slots = block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
         candidates, missing = self._candidates(spec, tokens)
-        ctx = LoadContext(spec.plan.save_as or spec.req_id, spec.plan, tokens, spec.num_local, candidates)
+
+        def read_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            n_read = int(rows.max()) + 1 if len(rows) else 0
+            ks, vs = [], []
+            for name in self.forward.layer_names:
+                k, v = self.layouts[name].read(self.kv_caches[name], block_ids, n_read)
+                ks.append(k.index_select(0, rows))
+                vs.append(v.index_select(0, rows))
+            return torch.stack(ks), torch.stack(vs)
+
+        ctx = LoadContext(spec.plan.save_as or spec.req_id, spec.plan, tokens, spec.num_local, candidates, read_rows)
         chosen = self.method.select(ctx)
         reused = torch.zeros(n, dtype=torch.bool)
         for reuse in chosen:
@@ -373,6 +388,7 @@ class KVBenchConnector(KVConnectorBase_V1):
             "reused_tokens": int(reused.sum()),
             "recomputed_tokens": int(len(compute)),
             "ph_without_source_tokens": missing,
+            "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in candidates)),
             "materialize_s": time.perf_counter() - started,
             "attention_s": forward.attention_s,
             "segments": [{"id": r.segment.id, "source": r.segment.source, "reused": int(len(r.dst))} for r in chosen],
@@ -399,6 +415,11 @@ class KVBenchConnector(KVConnectorBase_V1):
         if clear:
             self.request_stats.clear()
         return out
+
+    @torch.inference_mode()
+    def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
+        k, v = self.forward.context_free(tokens)
+        return SavedKV(tokens.clone(), k, v)
 
     def kv_error(self, key: str, reference: str, start: int = 0, stop: int | None = None) -> dict[str, Any]:
         """Normalized error ||C - C_ref||_F / ||C_ref||_F per layer over rows [start, stop)."""

@@ -112,6 +112,38 @@ class PartialForward:
         out, _ = mlp.down_proj(act)
         return out
 
+    @torch.inference_mode()
+    def context_free(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [layers, n, Hkv, hd] of `tokens` prefilled alone at positions 0..n-1 (dense causal
+        attention over their own K/V, no paged cache): a context-free reference cache."""
+        n = len(tokens)
+        positions = torch.arange(n, dtype=torch.long)
+        hidden, residual = self.embed(tokens), None
+        keys, values = [], []
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if residual is None:
+                residual = hidden
+                x = layer.input_layernorm(hidden)
+            else:
+                x, residual = layer.input_layernorm(hidden, residual)
+            qkv, _ = attn.qkv_proj(x)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q = self._rotate(attn.rotary_emb, positions, q.reshape(n, attn.num_heads, attn.head_dim))
+            k = self._rotate(attn.rotary_emb, positions, k.reshape(n, attn.num_kv_heads, attn.head_dim))
+            v = v.reshape(n, attn.num_kv_heads, attn.head_dim)
+            keys.append(k)
+            values.append(v)
+            if index == len(self.layers) - 1:
+                break
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=attn.attn.impl.scale, enable_gqa=q.shape[1] != k.shape[1])
+            o, _ = attn.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+            hidden, residual = layer.post_attention_layernorm(o, residual)
+            hidden = self._mlp(layer.mlp, hidden)
+        return torch.stack(keys), torch.stack(values)
+
     def _attend(self, q: torch.Tensor, compute: torch.Tensor, attn: torch.nn.Module, name: str,
                 block_ids: torch.Tensor) -> torch.Tensor:
         if q.device.type == "cpu":

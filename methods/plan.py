@@ -16,6 +16,7 @@ class PlanSegment:
     length: int
     source: str | None = None  # cache key of the turn whose cache holds this PH segment
     source_start: int | None = None
+    source_agent: str | None = None  # the agent of that turn (the edge source_agent -> plan.agent)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ def parse_plan(kv_transfer_params: dict[str, Any] | None) -> Plan | None:
     segments = tuple(
         PlanSegment(kind=s["kind"], id=s["id"], start=int(s["start"]), length=int(s["length"]),
                     source=s.get("source"),
-                    source_start=None if s.get("source_start") is None else int(s["source_start"]))
+                    source_start=None if s.get("source_start") is None else int(s["source_start"]),
+                    source_agent=s.get("source_agent"))
         for s in raw.get("segments", [])
     )
     return Plan(trajectory=str(raw.get("trajectory", "")), turn=str(raw.get("turn", "")),

@@ -31,6 +31,14 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
                "agent's own prefix)"),
     MethodInfo("fullshared", "reuse the source agent's K/V of every shared segment, re-aligned, no correction",
                impl="kvbench.methods.fullshared.FullShared", approximate=True),
+    MethodInfo("kvcmas", "chained low-rank delta correction from an online anchor pool (V=10, r=32, tau=0.3)",
+               impl="kvbench.methods.kvcmas.KVCMAS", approximate=True),
+    MethodInfo("kvcmas-nonchained", "KVCMAS corrected from a context-free reference (Fig. 6 ablation)",
+               impl="kvbench.methods.kvcmas_nonchained.KVCMASNonChained", approximate=True),
+    MethodInfo("kvcomm", "non-chained full-dimensional anchors from a context-free reference (V=20, gamma=0.3)",
+               impl="kvbench.methods.kvcomm.KVComm", approximate=True),
+    MethodInfo("graphflow", "one calibrated correction per (slot, target agent), no online matching",
+               impl="kvbench.methods.graphflow.GraphFlow", approximate=True),
 ]}
 
 

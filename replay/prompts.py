@@ -94,6 +94,7 @@ class PromptBuilder:
                 if source is not None:
                     entry["source"] = cache_key(self.run_id, trajectory.trajectory_id, source)
                     entry["source_turn"] = source
+                    entry["source_agent"] = trajectory.turn_by_id[source].agent
                     entry["source_start"] = _start_in_cache(span.id, source, prompts[source])
             segments.append(entry)
         return {PLAN_KEY: {

@@ -1,0 +1,247 @@
+"""Delta correction over the connector core: reuse a cache of each shared segment and add a
+correction estimated from an online anchor pool (KVComm, KVCMAS and their variants).
+
+A subclass sets three switches: `chained` (correct the source agent's materialized cache along
+the workflow edge, KVCMAS) or not (correct a context-free reference prefilled on first sight,
+KVComm); `low_rank` (anchors as truncated-SVD factors) or full-dimensional; `matching` (online
+anchor matching with the entropy gate) or one fixed calibration per relation (GraphFlow).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.methods.anchors import AnchorPool, interpolated_delta, reliability_gate
+from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.plan import PlanSegment
+from kvbench.methods.store import SavedKV
+
+MAX_REFERENCES = 256
+
+
+@dataclass
+class PendingAnchor:
+    """A dense fallback's observation, turned into an anchor after the request's first token."""
+
+    slot: str
+    anchor_id: str
+    edge: str
+    source_k: torch.Tensor  # [layers, n, D] canonical
+    source_v: torch.Tensor
+    target_k: torch.Tensor
+    target_v: torch.Tensor
+
+
+@dataclass
+class Fallback:
+    segment: PlanSegment
+    reuse: SegmentReuse
+    edge: str
+    source_k: torch.Tensor
+    source_v: torch.Tensor
+
+
+class DeltaCorrection(SharingMethod):
+    chained: ClassVar[bool] = True
+    low_rank: ClassVar[bool] = True
+    matching: ClassVar[bool] = True
+    correct_layer0: ClassVar[bool] = True
+    threshold_name: ClassVar[str] = "tau"
+    defaults: ClassVar[dict[str, Any]] = {"V": 10, "tau": 0.3, "r_c": 32, "r_delta": 32, "gate_tokens": 0}
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        super().__init__(params)
+        self.pools: dict[str, AnchorPool] = {}
+        self.references: OrderedDict[tuple[str, str], SavedKV] = OrderedDict()
+        self.pending: list[PendingAnchor] = []
+        self._corrections: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._fallbacks: dict[str, list[Fallback]] = {}
+        self.peak_bytes: dict[str, int] = {}
+
+    def validate(self) -> None:
+        p = self.params
+        for name in ("V", "r_c", "r_delta"):
+            if name in p and (not isinstance(p[name], int) or isinstance(p[name], bool) or p[name] < 1):
+                raise MethodConfigError(f"{self.name}: {name} must be a positive integer, got {p[name]!r}")
+        if "gate_tokens" in p and (not isinstance(p["gate_tokens"], int) or p["gate_tokens"] < 0):
+            raise MethodConfigError(f"{self.name}: gate_tokens must be an integer >= 0, got {p['gate_tokens']!r}")
+        threshold = p.get(self.threshold_name)
+        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
+            raise MethodConfigError(f"{self.name}: {self.threshold_name} must be in [0, 1], got {threshold!r}")
+
+    # -------------------------------------------------------------- geometry
+    def _flat(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], x.shape[1], -1).float()
+
+    def _rotate_all(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Rotate [layers, n, H, hd] keys by `delta` positions."""
+        assert self.core is not None
+        return torch.stack([self.core.aligner.rotate(keys[layer], delta) for layer in range(keys.shape[0])])
+
+    def _source_rows(self, reuse: SegmentReuse) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reused rows, keys in canonical (segment-local) positions, as [layers, n, D]."""
+        k = reuse.source.k.index_select(1, reuse.src)
+        v = reuse.source.v.index_select(1, reuse.src)
+        canonical = reuse.dst - reuse.segment.start  # segment-local position of each row
+        return self._flat(self._rotate_all(k, canonical - reuse.src)), self._flat(v)
+
+    # -------------------------------------------------------------- sources
+    def _reference(self, ctx: LoadContext, segment: PlanSegment) -> SegmentReuse | None:
+        """Non-chained: the segment's context-free reference, prefilled on first sight."""
+        start, stop = max(segment.start, ctx.num_local), min(segment.start + segment.length, len(ctx.tokens))
+        if stop <= start or start != segment.start:
+            return None  # partly in vLLM's prefix cache or cut by the prompt end: leave to dense
+        key = (ctx.plan.trajectory, segment.id)
+        reference = self.references.get(key)
+        if reference is None:
+            assert self.core is not None
+            started = time.perf_counter()
+            reference = self.core.context_free_prefill(ctx.tokens[start:stop])
+            ctx.stats["reference_prefill_s"] = ctx.stats.get("reference_prefill_s", 0.0) + time.perf_counter() - started
+            ctx.stats["reference_tokens"] = ctx.stats.get("reference_tokens", 0) + (stop - start)
+            self.references[key] = reference
+            while len(self.references) > MAX_REFERENCES:
+                self.references.popitem(last=False)
+        else:
+            self.references.move_to_end(key)
+        dst = torch.arange(start, stop)
+        return SegmentReuse(segment, reference, dst, dst - segment.start)
+
+    # -------------------------------------------------------------- the method
+    def select(self, ctx: LoadContext) -> list[SegmentReuse]:
+        by_segment = {c.segment.id: c for c in ctx.candidates}
+        chosen, decisions, eligible = [], [], 0
+        # One load at a time: anything left from a load that failed midway is stale.
+        self._corrections.clear()
+        self._fallbacks = {ctx.request_key: []}
+        fallbacks = self._fallbacks[ctx.request_key]
+        for segment in ctx.plan.segments:
+            if segment.kind != "ph":
+                continue
+            reuse = by_segment.get(segment.id) if self.chained else self._reference(ctx, segment)
+            if reuse is None:
+                continue
+            eligible += len(reuse.dst)
+            started = time.perf_counter()
+            source = segment.source_agent if self.chained else "ref"
+            edge = f"{source}->{ctx.plan.agent}"
+            current_k, current_v = self._source_rows(reuse)
+            decision = self._decide(segment.id, edge, current_k, current_v)
+            decision["id"] = segment.id
+            if decision.pop("accept"):
+                delta_k, delta_v, covered = decision.pop("delta")
+                self._corrections[id(reuse)] = (delta_k, delta_v, covered, segment.start)
+                chosen.append(reuse)
+            else:
+                fallbacks.append(Fallback(segment, reuse, edge, current_k, current_v))
+            decision["decide_s"] = time.perf_counter() - started
+            decisions.append(decision)
+        ctx.stats["eligible_tokens"] = eligible
+        ctx.stats["decisions"] = decisions
+        return chosen
+
+    def threshold(self) -> float:
+        return float(self.params[self.threshold_name])
+
+    def _decide(self, slot: str, edge: str, current_k: torch.Tensor, current_v: torch.Tensor) -> dict[str, Any]:
+        pool = self.pools.setdefault(slot, AnchorPool(int(self.params.get("V", 1))))
+        n = current_v.shape[1]
+        k = min(n, int(self.params.get("gate_tokens") or n))
+        compatible = pool.compatible(edge, min_length=1)
+        if not self.matching:  # one calibrated correction per relation, applied without matching
+            if not compatible:
+                return {"accept": False, "decision": "calibrate"}
+            anchor = compatible[0]
+            covered = min(n, anchor.length)
+            anchor.uses += 1
+            return {"accept": True, "decision": "accepted", "anchors": 1,
+                    "delta": (anchor.deltas[edge][0].rows(covered), anchor.deltas[edge][1].rows(covered), covered)}
+        eligible = [a for a in compatible if a.length >= k]
+        gate = reliability_gate(current_v, eligible, k, self.threshold())
+        if len(eligible) < 2:
+            return {"accept": False, "decision": "dense_few_anchors", "anchors": len(eligible)}
+        if not gate.accept:
+            return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
+                    "anchors": len(eligible)}
+        # Correct with anchors covering the whole segment, else the longest covered prefix.
+        longest = max(a.length for a in eligible)
+        covered = min(n, longest)
+        users = [a for a in eligible if a.length >= covered]
+        delta_k, delta_v = interpolated_delta(current_k, current_v, users, edge, covered)
+        order = torch.argsort(gate.weights, descending=True)
+        mass = 0.0
+        for index in order.tolist():  # count a use for the anchors holding 90% of the gate mass
+            eligible[index].uses += 1
+            mass += float(gate.weights[index])
+            if mass >= 0.9:
+                break
+        return {"accept": True, "decision": "accepted", "entropy": gate.normalized_entropy, "anchors": len(users),
+                "covered": covered, "delta": (delta_k, delta_v, covered)}
+
+    def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
+                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self._corrections.get(id(reuse))
+        if entry is None or (layer == 0 and not self.correct_layer0):
+            return keys, values
+        delta_k, delta_v, covered, segment_start = entry
+        heads, head_dim = keys.shape[1], keys.shape[2]
+        dk = delta_k[layer].view(covered, heads, head_dim)
+        assert self.core is not None
+        # Corrections live in canonical positions: turn them to the target positions (RoPE is linear).
+        dk = self.core.aligner.rotate(dk, torch.full((covered,), segment_start, dtype=torch.long))
+        keys, values = keys.clone(), values.clone()
+        keys[:covered] = (keys[:covered].float() + dk).to(keys.dtype)
+        values[:covered] = (values[:covered].float() + delta_v[layer].view(covered, heads, head_dim)).to(values.dtype)
+        return keys, values
+
+    def after_load(self, ctx: LoadContext) -> None:
+        self._corrections.clear()
+        for fallback in self._fallbacks.pop(ctx.request_key, []):
+            # The segment was computed densely: its exact cache against the (aligned) source gives
+            # the correction this edge needed.
+            target_k, target_v = ctx.read_rows(fallback.reuse.dst)
+            canonical = fallback.reuse.dst - fallback.segment.start
+            target_k = self._flat(self._rotate_all(target_k, canonical - fallback.reuse.dst))
+            self.pending.append(PendingAnchor(fallback.segment.id, ctx.plan.trajectory, fallback.edge,
+                                              fallback.source_k, fallback.source_v, target_k, self._flat(target_v)))
+
+    def run_deferred(self) -> None:
+        rank_base = int(self.params["r_c"]) if self.low_rank else None
+        rank_delta = int(self.params["r_delta"]) if self.low_rank else None
+        jobs, self.pending = self.pending, []
+        for job in jobs:
+            pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
+            anchor_id = job.anchor_id
+            if not self.matching:
+                if pool.compatible(job.edge, 1):
+                    continue  # this relation is calibrated already
+                anchor_id = "calibration"  # one correction per (slot, target agent), whatever the content
+            pool.add(anchor_id, job.edge, job.source_k, job.source_v, job.target_k - job.source_k,
+                     job.target_v - job.source_v, rank_base, rank_delta, torch.bfloat16)
+        self._track_peak()
+
+    # -------------------------------------------------------------- accounting
+    def state_bytes(self) -> dict[str, int]:
+        current = {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
+                   "references": sum(r.nbytes for r in self.references.values())}
+        self._track_peak(current)
+        return {**current, **{f"peak_{k}": v for k, v in self.peak_bytes.items()}}
+
+    def _track_peak(self, current: dict[str, int] | None = None) -> None:
+        current = current or {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
+                              "references": sum(r.nbytes for r in self.references.values())}
+        for key, value in current.items():
+            self.peak_bytes[key] = max(self.peak_bytes.get(key, 0), value)
+
+    def reset(self) -> None:
+        self.pools.clear()
+        self.references.clear()
+        self.pending.clear()
+        self._corrections.clear()
+        self._fallbacks.clear()
+        self.peak_bytes.clear()

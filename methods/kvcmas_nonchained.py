@@ -1,0 +1,11 @@
+"""KVCMAS without chaining (the paper's Fig. 6 ablation): every agent, the first included, is
+corrected from a context-free reference of each segment, prefilled on first sight."""
+
+from __future__ import annotations
+
+from kvbench.methods.delta import DeltaCorrection
+
+
+class KVCMASNonChained(DeltaCorrection):
+    name = "kvcmas-nonchained"
+    chained = False

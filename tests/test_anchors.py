@@ -1,0 +1,182 @@
+"""Anchor pools and delta-correction methods, on tensors (no engine)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.methods.anchors import AnchorPool, LowRank, interpolated_delta, reliability_gate
+from kvbench.methods.base import LoadContext, SegmentReuse
+from kvbench.methods.plan import Plan, PlanSegment
+from kvbench.methods.registry import method_class
+from kvbench.methods.rope import RopeAligner
+from kvbench.methods.store import SavedKV
+
+LAYERS, HEADS, HEAD_DIM = 4, 4, 32
+D = HEADS * HEAD_DIM
+
+
+def _low_rank_plus_noise(n: int, rank: int, noise: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(LAYERS, n, rank, generator=g) @ torch.randn(LAYERS, rank, D, generator=g)
+            + noise * torch.randn(LAYERS, n, D, generator=g))
+
+
+def test_factorization_error_falls_with_rank() -> None:
+    z = _low_rank_plus_noise(300, 24, 0.05, seed=1)
+    errors = [float((LowRank(z, r, torch.float32).rows(300) - z).norm() / z.norm()) for r in (2, 8, 24, D)]
+    assert errors == sorted(errors, reverse=True) and errors[0] > 0.3
+    assert errors[2] < 0.05 and errors[3] < 1e-5  # rank 24 captures the signal; full rank is exact
+
+
+def _pool_with(contents: list[torch.Tensor], edge: str = "A0->A1", capacity: int = 10, rank: int | None = D,
+               dtype: torch.dtype = torch.float32) -> AnchorPool:
+    pool = AnchorPool(capacity)
+    for index, base in enumerate(contents):
+        delta = 0.1 * _low_rank_plus_noise(base.shape[1], 4, 0.0, seed=100 + index)
+        pool.add(f"t{index}", edge, base, base, delta, delta, rank, rank, dtype)
+    return pool
+
+
+def test_gate_rejects_with_fewer_than_two_anchors_and_accepts_a_distinctive_match() -> None:
+    contents = [_low_rank_plus_noise(64, 8, 0.1, seed=s) for s in range(3)]
+    one = _pool_with(contents[:1])
+    assert not reliability_gate(contents[0], one.compatible("A0->A1", 64), 64, tau=0.3).accept
+    pool = _pool_with(contents)
+    result = reliability_gate(contents[1], pool.compatible("A0->A1", 64), 64, tau=0.3)
+    assert result.accept and int(result.weights.argmax()) == 1 and result.normalized_entropy < 0.01
+    # Two equally distant anchors: maximal entropy, rejected.
+    twins = _pool_with([contents[0], contents[0]])
+    ambiguous = reliability_gate(contents[2], twins.compatible("A0->A1", 64), 64, tau=0.3)
+    assert not ambiguous.accept and ambiguous.normalized_entropy == pytest.approx(1.0)
+    # Anchors for another consumer, or shorter than the compared prefix, are not compatible.
+    assert pool.compatible("A1->A2", 64) == [] and pool.compatible("A0->A1", 65) == []
+
+
+def test_one_exact_anchor_reproduces_the_dense_cache() -> None:
+    source = _low_rank_plus_noise(128, 8, 0.1, seed=0)
+    dense = source + 0.2 * _low_rank_plus_noise(128, 4, 0.0, seed=50)
+    # Distractors: other contents, far from this one.
+    others = [5.0 + _low_rank_plus_noise(128, 8, 0.1, seed=s) for s in (1, 2)]
+    pool = AnchorPool(10)
+    for anchor_id, base, target in [("exact", source, dense), *[(f"o{i}", o, o + 0.3) for i, o in enumerate(others)]]:
+        pool.add(anchor_id, "A0->A1", base, base, target - base, target - base, 32, 32, torch.bfloat16)
+    uncorrected = float((source - dense).norm() / dense.norm())
+    for anchors in (pool.compatible("A0->A1", 128), [pool.anchors["exact"]]):
+        delta_k, delta_v = interpolated_delta(source, source, anchors, "A0->A1", 128)
+        for delta in (delta_k, delta_v):
+            relative = float((source + delta - dense).norm() / dense.norm())
+            assert relative < 2 ** -8  # bf16 storage of the factors: within bf16 noise
+            assert uncorrected > 20 * relative
+
+
+def test_eviction_is_least_frequently_used_among_the_five_oldest() -> None:
+    pool = _pool_with([_low_rank_plus_noise(16, 2, 0.1, seed=s) for s in range(7)], capacity=7)
+    for anchor_id, uses in {"t0": 5, "t1": 3, "t2": 1, "t3": 4, "t4": 2, "t5": 0, "t6": 0}.items():
+        pool.anchors[anchor_id].uses = uses
+    assert pool.evict() == "t2"  # t5 and t6 have fewer uses but are not among the 5 oldest
+    # Now t5 is among the five oldest (t0 t1 t3 t4 t5).
+    pool.anchors["t5"].uses = 9
+    pool.anchors["t4"].uses = 1
+    pool.anchors["t1"].uses = 1
+    assert pool.evict() == "t1"  # tie on uses: the older goes first
+    # Inserting past capacity evicts automatically.
+    small = _pool_with([_low_rank_plus_noise(16, 2, 0.1, seed=s) for s in range(3)], capacity=2)
+    assert list(small.anchors) == ["t1", "t2"]
+
+
+@pytest.mark.parametrize("length", [2048, 8192])
+def test_pool_bytes_match_the_memory_formulas(length: int) -> None:
+    consumers, capacity, rank = 3, 4, 32
+    bases = [torch.randn(LAYERS, length, D) for _ in range(capacity)]
+    low, full = AnchorPool(capacity), AnchorPool(capacity)
+    for index, base in enumerate(bases):
+        for consumer in range(consumers):
+            for pool, r in ((low, rank), (full, None)):
+                pool.add(f"t{index}", f"A{consumer}->A{consumer + 1}", base, base, base, base, r, r, torch.bfloat16)
+    bf16 = 2
+    # O(V (1 + N) r (L + D)) per layer for K and V, versus O(V (1 + N) L D).
+    assert low.nbytes == capacity * (1 + consumers) * 2 * LAYERS * rank * (length + D) * bf16
+    assert full.nbytes == capacity * (1 + consumers) * 2 * LAYERS * length * D * bf16
+    assert full.nbytes / low.nbytes == pytest.approx(length * D / (rank * (length + D)))
+
+
+class _Rotary(torch.nn.Module):
+    rotary_dim, is_neox_style = HEAD_DIM, True
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        inv = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+        freqs = torch.outer(torch.arange(20000).float(), inv)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class _FakeCore:
+    def __init__(self) -> None:
+        self.aligner = RopeAligner(_Rotary())
+        self.prefills = 0
+
+    def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
+        self.prefills += 1
+        g = torch.Generator().manual_seed(int(tokens.sum()))
+        return SavedKV(tokens.clone(), torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g),
+                       torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g))
+
+
+def _context(method_name: str, trajectory: str, seed: int):  # noqa: ANN202
+    """A1's load: q (64 tokens at position 10) reused from A0's cache (q at position 7)."""
+    g = torch.Generator().manual_seed(seed)
+    source = SavedKV(torch.arange(80), torch.randn(LAYERS, 80, HEADS, HEAD_DIM, generator=g),
+                     torch.randn(LAYERS, 80, HEADS, HEAD_DIM, generator=g))
+    segment = PlanSegment("ph", "q", 10, 64, source="run/t/A0.r0", source_start=7, source_agent="A0")
+    plan = Plan(trajectory, "A1.r0", "A1", f"run/{trajectory}/A1.r0", (PlanSegment("pf", "system", 0, 10), segment))
+    tokens = torch.arange(100) + 1000 * seed  # distinct content per trajectory
+    dst = torch.arange(10, 74)
+    reuse = SegmentReuse(segment, source, dst, dst - 10 + 7)
+    dense = (torch.randn(LAYERS, 100, HEADS, HEAD_DIM, generator=g), torch.randn(LAYERS, 100, HEADS, HEAD_DIM, generator=g))
+    ctx = LoadContext(plan.save_as, plan, tokens, 0, [reuse],
+                      read_rows=lambda rows: (dense[0][:, rows], dense[1][:, rows]))
+    return ctx, reuse, source
+
+
+@pytest.mark.parametrize("name", ["kvcmas", "kvcmas-nonchained"])
+def test_chaining_uses_the_source_cache_and_never_prefills_a_reference(name: str) -> None:
+    method = method_class(name)({"r_c": 64, "r_delta": 64})  # full rank of a 64-token segment: exact factors
+    core = _FakeCore()
+    method.bind(core)
+    for index in range(3):
+        ctx, reuse, source = _context(name, f"t{index}", seed=index)
+        chosen = method.select(ctx)
+        assert chosen == []  # fewer than two anchors: dense fallback
+        method.after_load(ctx)
+        method.run_deferred()
+    anchors = method.pools["q"].anchors
+    if name == "kvcmas":
+        assert core.prefills == 0  # no context-free reference is ever prefilled
+        assert set(anchors) == {"t0", "t1", "t2"} and all("A0->A1" in a.deltas for a in anchors.values())
+        # The anchor's base is the source agent's cache (keys in canonical positions), not a reference.
+        base_v = anchors["t2"].base_v.rows(64)
+        expected = source.v[:, 7:71].reshape(LAYERS, 64, D)
+        assert float((base_v - expected).norm() / expected.norm()) < 2 ** -7  # bf16 factors
+    else:
+        assert core.prefills == 3 and all("ref->A1" in a.deltas for a in anchors.values())
+    ctx, reuse, _ = _context(name, "t1", seed=1)  # content seen before: a distinctive match
+    chosen = method.select(ctx)
+    assert len(chosen) == 1 and ctx.stats["decisions"][0]["decision"] == "accepted"
+    keys, values = method.correct(2, chosen[0], chosen[0].source.k[2, chosen[0].src], chosen[0].source.v[2, chosen[0].src])
+    assert not torch.equal(values, chosen[0].source.v[2, chosen[0].src])  # a correction was applied
+    assert method.state_bytes()["anchor_pool"] > 0
+
+
+def test_method_parameters_are_validated() -> None:
+    from kvbench.methods.base import MethodConfigError
+
+    with pytest.raises(MethodConfigError, match="tau must be in"):
+        method_class("kvcmas")({"tau": 2})
+    with pytest.raises(MethodConfigError, match="r_c must be a positive integer"):
+        method_class("kvcmas")({"r_c": 0})
+    with pytest.raises(MethodConfigError, match="no parameter"):
+        method_class("graphflow")({"V": 3})
+    assert method_class("kvcomm")({}).params == {"V": 20, "gamma": 0.3, "gate_tokens": 0}
+    assert math.isclose(method_class("kvcmas")({"tau": 0.5}).threshold(), 0.5)
