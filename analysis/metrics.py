@@ -59,6 +59,18 @@ def trajectory_table(requests: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
+def realized_rho(requests: pd.DataFrame) -> float | None:
+    """Shared PH tokens served by reuse / shared PH tokens the method could have served (as the
+    method reports them; else those an earlier turn's cache held). None without method stats."""
+    if not len(requests) or "reused_tokens" not in requests or requests["reused_tokens"].isna().all():
+        return None
+    with_stats = requests[requests["reused_tokens"].notna()]
+    eligible = with_stats["eligible_tokens"] if "eligible_tokens" in with_stats else None
+    denominator = (eligible.fillna(with_stats["reusable_tokens"]).sum() if eligible is not None
+                   else with_stats["reusable_tokens"].sum())
+    return float(with_stats["reused_tokens"].sum() / denominator) if denominator else None
+
+
 def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float]) -> dict[str, Any]:
     """vLLM's summary keys plus kvbench's trajectory-level and reuse figures."""
     ok = requests[requests["success"]] if len(requests) else requests
@@ -94,9 +106,7 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     reusable = int(ok["reusable_tokens"].sum()) if completed else 0
     summary["shared_tokens"] = shared
     summary["reusable_tokens"] = reusable
-    reused = ok["reused_tokens"].dropna() if completed else pd.Series(dtype=float)
-    # Realized rho (tokens): shared tokens served by reuse / shared tokens of reuse-eligible turns.
-    summary["realized_rho"] = float(reused.sum() / reusable) if len(reused) and reusable else None
+    summary["realized_rho"] = realized_rho(ok)
     cached = ok["cached_tokens"].dropna() if completed else pd.Series(dtype=float)
     summary["cached_tokens"] = int(cached.sum()) if len(cached) else None
     return summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kvbench.analysis.metrics import percentile_key, trajectory_table
+from kvbench.analysis.metrics import percentile_key, realized_rho, trajectory_table
 from kvbench.analysis.runs import Run
 
 PERCENTILES = (50, 90, 99)
@@ -37,9 +37,8 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         row["mean_trajectory_e2e_ms"] = float(trajectories["e2e_ms"].mean()) if len(trajectories) else float("nan")
         row["trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
                                               if len(trajectories) else float("nan"))
-        reused = ok["reused_tokens"].dropna()
-        reusable = ok["reusable_tokens"].sum()
-        row["realized_rho"] = float(reused.sum() / reusable) if len(reused) and reusable else float("nan")
+        rho = realized_rho(ok)
+        row["realized_rho"] = rho if rho is not None else float("nan")
         # The three memory figures, kept apart (vLLM pre-allocates its KV pool).
         state = run.summary.get("method_state_bytes") or {}
         row["method_state_mib"] = ((run.summary.get("method_store_peak_bytes") or 0) + sum(state.values())) / 2**20

@@ -76,6 +76,10 @@ class Anchor:
     def length(self) -> int:
         return self.base_v.length
 
+    def covers(self, edge: str) -> int:
+        """Rows this anchor can compare and correct for an edge (its base and that correction)."""
+        return min(self.length, self.deltas[edge][1].length) if edge in self.deltas else 0
+
     @property
     def nbytes(self) -> int:
         return self.base_k.nbytes + self.base_v.nbytes + sum(k.nbytes + v.nbytes for k, v in self.deltas.values())
@@ -89,7 +93,7 @@ class AnchorPool:
         self.anchors: OrderedDict[str, Anchor] = OrderedDict()
 
     def compatible(self, edge: str, min_length: int) -> list[Anchor]:
-        return [a for a in self.anchors.values() if edge in a.deltas and a.length >= min_length]
+        return [a for a in self.anchors.values() if a.covers(edge) >= max(1, min_length)]
 
     def add(self, anchor_id: str, edge: str, base_k: torch.Tensor, base_v: torch.Tensor, delta_k: torch.Tensor,
             delta_v: torch.Tensor, rank_base: int | None, rank_delta: int | None, dtype: torch.dtype) -> None:

@@ -447,6 +447,15 @@ class KVBenchConnector(KVConnectorBase_V1):
             raise KeyError(f"not in the segment store: {key}")
         return {"k": entry.k[layer, start:stop].float().tolist(), "v": entry.v[layer, start:stop].float().tolist()}
 
+    def set_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Replace the method (same name, new parameters, empty state): e.g. to tune tau on one server."""
+        method = load_method(self.settings.method, {**self.method.params, **params})
+        if self.forward is not None:
+            method.bind(self)
+        self.method = method
+        self.settings.params = dict(method.params)
+        return dict(method.params)
+
     def reset_state(self) -> None:
         self.store.clear()
         self.method.reset()

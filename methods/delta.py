@@ -151,28 +151,28 @@ class DeltaCorrection(SharingMethod):
     def _decide(self, slot: str, edge: str, current_k: torch.Tensor, current_v: torch.Tensor) -> dict[str, Any]:
         pool = self.pools.setdefault(slot, AnchorPool(int(self.params.get("V", 1))))
         n = current_v.shape[1]
-        k = min(n, int(self.params.get("gate_tokens") or n))
         compatible = pool.compatible(edge, min_length=1)
         if not self.matching:  # one calibrated correction per relation, applied without matching
             if not compatible:
                 return {"accept": False, "decision": "calibrate"}
             anchor = compatible[0]
-            covered = min(n, anchor.length)
+            covered = min(n, anchor.covers(edge))
             anchor.uses += 1
-            return {"accept": True, "decision": "accepted", "anchors": 1,
+            return {"accept": True, "decision": "accepted", "anchors": 1, "covered": covered,
                     "delta": (anchor.deltas[edge][0].rows(covered), anchor.deltas[edge][1].rows(covered), covered)}
-        eligible = [a for a in compatible if a.length >= k]
-        gate = reliability_gate(current_v, eligible, k, self.threshold())
+        # The gate compares (and the correction covers) the longest prefix anchors hold; rows past
+        # it keep the re-aligned source cache rather than extrapolating a correction.
+        longest = max((a.covers(edge) for a in compatible), default=0)
+        k = min(n, int(self.params.get("gate_tokens") or n), longest)
+        eligible = [a for a in compatible if a.covers(edge) >= k]
         if len(eligible) < 2:
             return {"accept": False, "decision": "dense_few_anchors", "anchors": len(eligible)}
+        gate = reliability_gate(current_v, eligible, k, self.threshold())
         if not gate.accept:
             return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
                     "anchors": len(eligible)}
-        # Correct with anchors covering the whole segment, else the longest covered prefix.
-        longest = max(a.length for a in eligible)
-        covered = min(n, longest)
-        users = [a for a in eligible if a.length >= covered]
-        delta_k, delta_v = interpolated_delta(current_k, current_v, users, edge, covered)
+        covered = k
+        delta_k, delta_v = interpolated_delta(current_k, current_v, eligible, edge, covered)
         order = torch.argsort(gate.weights, descending=True)
         mass = 0.0
         for index in order.tolist():  # count a use for the anchors holding 90% of the gate mass
@@ -180,7 +180,7 @@ class DeltaCorrection(SharingMethod):
             mass += float(gate.weights[index])
             if mass >= 0.9:
                 break
-        return {"accept": True, "decision": "accepted", "entropy": gate.normalized_entropy, "anchors": len(users),
+        return {"accept": True, "decision": "accepted", "entropy": gate.normalized_entropy, "anchors": len(eligible),
                 "covered": covered, "delta": (delta_k, delta_v, covered)}
 
     def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,

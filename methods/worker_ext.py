@@ -28,6 +28,12 @@ class KVBenchWorkerExtension:
         """Per-request method stats, segment-store and method-state bytes of this worker."""
         return _connector().stats_snapshot(clear=str(clear).lower() == "true")
 
+    def kvbench_set_params(self, params: str) -> dict[str, Any]:
+        """Swap in the method with new parameters (a JSON object), dropping its learned state."""
+        import json
+
+        return _connector().set_params(json.loads(params))
+
     def kvbench_reset(self) -> bool:
         """Drop saved caches and learned method state (between runs)."""
         _connector().reset_state()

@@ -47,6 +47,7 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
     cached_tokens: int | None = None  # server-reported prefix-cache hits
+    eligible_tokens: int | None = None  # method-reported: PH tokens it could have served from a cache
     reused_tokens: int | None = None  # method-reported
     recomputed_tokens: int | None = None  # method-reported
     method_stats: str | None = None  # JSON from the connector
@@ -64,7 +65,7 @@ SCHEMA = pa.schema([
     ("scheduled_ns", pa.int64()), ("sent_ns", pa.int64()), ("first_token_ns", pa.int64()), ("end_ns", pa.int64()),
     ("client_queue_ms", pa.float64()), ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()),
     ("e2el_ms", pa.float64()), ("itl_ms", pa.list_(pa.float64())), ("output_tokens", pa.int64()),
-    ("cached_tokens", pa.int64()), ("reused_tokens", pa.int64()), ("recomputed_tokens", pa.int64()),
+    ("cached_tokens", pa.int64()), ("eligible_tokens", pa.int64()), ("reused_tokens", pa.int64()), ("recomputed_tokens", pa.int64()),
     ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),
     ("error_message", pa.string()), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_token_ids", pa.list_(pa.int64())),

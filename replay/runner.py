@@ -395,6 +395,7 @@ class Replayer:
             if stats is None or "reused_tokens" not in stats:
                 continue
             record["reused_tokens"] = stats["reused_tokens"]
+            record["eligible_tokens"] = stats.get("eligible_tokens")
             record["recomputed_tokens"] = stats["recomputed_tokens"]
             record["method_stats"] = json.dumps(stats)
         writer.rewrite()

@@ -9,7 +9,7 @@ from kvbench.cli.analysis import compare_command, report_command
 from kvbench.cli.model import model_group
 from kvbench.cli.quickstart import quickstart_command
 from kvbench.cli.sweep import paper_command, sweep_command
-from kvbench.cli.replay import methods_command, replay_command, serve_command
+from kvbench.cli.replay import calibrate_command, methods_command, replay_command, serve_command
 from kvbench.cli.trace import gen_trace_command, trace_group
 
 
@@ -28,6 +28,7 @@ main.add_command(trace_group)
 main.add_command(replay_command)
 main.add_command(serve_command)
 main.add_command(methods_command)
+main.add_command(calibrate_command)
 main.add_command(quickstart_command)
 main.add_command(report_command)
 main.add_command(compare_command)

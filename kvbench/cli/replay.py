@@ -307,3 +307,49 @@ def methods_command() -> None:
 
     for name, info in sorted(METHODS.items()):
         click.echo(f"{name:20s} {info.summary}")
+
+
+@click.command("calibrate")
+@click.option("--method", required=True, help="A gated delta-correction method (kvcmas, kvcmas-nonchained, kvcomm).")
+@click.option("--target-rho", type=click.FloatRange(0, 1), required=True,
+              help="Reuse ratio to reach: shared tokens served by accepted corrections / eligible shared tokens.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Calibration trace [default: a four-agent trace generated in memory].")
+@click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--iterations", type=click.IntRange(1, 12), default=6, show_default=True, help="Bisection steps.")
+@click.option("--base-url", default=None, help="A running server with the method [default: start one].")
+@click.option("--seed", type=int, default=1, show_default=True)
+@_server_options
+def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
+                      shared_tokens: int, output_len: int, iterations: int, base_url: str | None, seed: int,
+                      model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
+                      server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...]) -> None:
+    """Find the gate threshold (tau; gamma for kvcomm) that reaches a target reuse ratio."""
+    from kvbench.methods.registry import method_class
+    from kvbench.replay.calibrate import calibrate_threshold, summary_dict
+    from kvbench.replay.server import ServerError, VLLMServer
+
+    params = _check_method(method, method_params)
+    cls = method_class(method) if method != "nonshared" else None
+    if cls is None or not getattr(cls, "matching", False):
+        raise click.BadParameter(f"{method!r} has no reliability gate to calibrate", param_hint="--method")
+    trace, tokenizer, served = _load_trace(trace_path, model, num_trajectories, 0, shared_tokens, output_len, seed)
+
+    def show(step) -> None:  # noqa: ANN001
+        click.echo(f"  {cls.threshold_name}={step.threshold:.4f} -> realized rho {step.realized_rho:.3f}", err=True)
+
+    try:
+        if base_url is not None:
+            steps = calibrate_threshold(trace, tokenizer, method, base_url.rstrip("/"), target_rho, cls.threshold_name,
+                                        iterations, show)
+        else:
+            config = _server_config(method, params, served, None, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
+                                    server_startup_timeout, vllm_args, None)
+            with VLLMServer(config) as server:
+                steps = calibrate_threshold(trace, tokenizer, method, server.base_url, target_rho, cls.threshold_name,
+                                            iterations, show)
+    except ServerError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(summary_dict(steps, target_rho, cls.threshold_name), indent=2))

@@ -1,0 +1,87 @@
+"""KVCMAS, its non-chained ablation, KVComm and GraphFlow end to end inside vLLM."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from kvbench.cli import main
+from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
+from kvbench.replay.server import ServerConfig, VLLMServer, collective_rpc
+
+pytestmark = pytest.mark.engine
+
+METHODS = ["kvcmas", "kvcmas-nonchained", "kvcomm", "graphflow"]
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def method_server(request: pytest.FixtureRequest, default_model: str,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, VLLMServer]]:
+    method = request.param
+    config = ServerConfig(model=default_model, log_path=Path(tmp_path_factory.mktemp(method)) / "server.log",
+                          max_model_len=4096, kv_transfer_config=kv_transfer_config(method),
+                          worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=["kvbench_attach_model"])
+    with VLLMServer(config) as server:
+        yield method, server
+
+
+def _replay(server: VLLMServer, method: str, out: Path, *extra: str):
+    return CliRunner().invoke(main, ["replay", "--method", method, "--base-url", server.base_url, "--qps", "0",
+                                     "--num-trajectories", "5", "--shared-tokens", "768", "--output-len", "16",
+                                     "--result-dir", str(out), *extra], prog_name="kvbench")
+
+
+def test_method_end_to_end(method_server: tuple[str, VLLMServer], tmp_path: Path) -> None:
+    method, server = method_server
+    result = _replay(server, method, tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(tmp_path / "run" / "requests.parquet")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert requests["success"].all() and len(requests) == 20
+    stats = requests["method_stats"].map(json.loads)
+    decisions = [(row.trajectory_id, row.turn_id, d) for row, s in zip(requests.itertuples(), stats)
+                 for d in s.get("decisions", [])]
+    accepted = [(t, turn) for t, turn, d in decisions if d["decision"] == "accepted"]
+    first_agent = requests["turn_id"] == "A0.r0"
+    if method in ("kvcmas",):
+        # Chained: the first agent is exact (dense), and no context-free reference is ever prefilled.
+        assert requests.loc[first_agent, "reused_tokens"].eq(0).all()
+        assert not any("reference_prefill_s" in s for s in stats)
+        assert {t for t, _ in accepted} <= {"t000002", "t000003", "t000004"}  # two anchors needed first
+    else:
+        # Non-chained: a context-free reference of each segment is prefilled on first sight, and
+        # the first agent is corrected from it too.
+        assert any("reference_prefill_s" in s for s in stats)
+        assert requests.loc[first_agent, "eligible_tokens"].gt(0).all()
+    if method == "graphflow":  # calibrated on the first trajectory, then applied without matching
+        assert {t for t, _ in accepted} == {"t000001", "t000002", "t000003", "t000004"}
+    assert accepted, "no correction was ever accepted"
+    assert 0 < summary["realized_rho"] <= 1
+    assert summary["method_state_bytes"]["peak_anchor_pool"] > 0
+    reused = requests["reused_tokens"].sum()
+    assert summary["realized_rho"] == pytest.approx(reused / requests["eligible_tokens"].sum())
+
+
+def test_calibrate_finds_a_threshold(method_server: tuple[str, VLLMServer]) -> None:
+    method, server = method_server
+    if method == "graphflow":
+        result = CliRunner().invoke(main, ["calibrate", "--method", method, "--target-rho", "0.5",
+                                           "--base-url", server.base_url], prog_name="kvbench")
+        assert result.exit_code == 2 and "no reliability gate" in result.output
+        return
+    if method != "kvcmas":
+        pytest.skip("one gated method is enough to exercise calibration")
+    result = CliRunner().invoke(main, ["calibrate", "--method", method, "--target-rho", "0.5", "--base-url",
+                                       server.base_url, "--num-trajectories", "4", "--shared-tokens", "512",
+                                       "--output-len", "8", "--iterations", "3"], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    thresholds = [s["tau"] for s in report["steps"]]
+    assert thresholds[0] == 0.5 and len(thresholds) == 3
+    assert all(0 <= s["realized_rho"] <= 1 for s in report["steps"])
+    collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps({"tau": 0.3}))  # restore the default
