@@ -16,22 +16,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
 from kvbench.model.store import resolve_model
 from kvbench.replay.runner import ReplayConfig, run_replay
-from kvbench.replay.server import ServerConfig, VLLMServer
+from kvbench.replay.server import VLLMServer, method_server_config
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 
 def run_method(method: str, traces: dict[int, Trace], tokenizer, workdir: Path) -> dict[int, pd.DataFrame]:  # noqa: ANN001
-    model = resolve_model(None)
-    uses = get_method(method).uses_connector
-    config = ServerConfig(model=model, log_path=workdir / f"{method}-server.log",
-                          kv_transfer_config=kv_transfer_config(method),
-                          worker_extension_cls=WORKER_EXTENSION if uses else None,
-                          post_start_rpcs=["kvbench_attach_model"] if uses else [])
+    config = method_server_config(method, resolve_model(None), log_path=workdir / f"{method}-server.log")
     results = {}
     with VLLMServer(config) as server:
         for context, trace in traces.items():

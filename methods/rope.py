@@ -9,6 +9,20 @@ class RopeAligner:
     """Re-rotates keys computed at source positions to target positions: RoPE is a rotation by an
     angle linear in the position, so rotating by (target - source) re-aligns a cached key."""
 
+    @classmethod
+    def from_theta(cls, head_dim: int, max_positions: int, theta: float, neox: bool = True) -> "RopeAligner":
+        """A plain (unscaled) RoPE table, for use outside a vLLM model (benchmarks, tests)."""
+        aligner = cls.__new__(cls)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        aligner.cos, aligner.sin = angles.cos().float(), angles.sin().float()
+        aligner.rotary_dim, aligner.is_neox_style = head_dim, neox
+        return aligner
+
+    def to(self, device: torch.device | str) -> "RopeAligner":
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
     def __init__(self, rotary_emb: torch.nn.Module) -> None:
         # fp32 copy of the table: the module's own buffer is cast to the activation dtype.
         cos_sin = rotary_emb._compute_cos_sin_cache().float()
@@ -27,7 +41,8 @@ class RopeAligner:
             return keys
         if int(delta.abs().max()) >= len(self.cos):
             raise ValueError(f"position shift {int(delta.abs().max())} exceeds the rotary table")
-        magnitude = delta.abs().to(self.cos.device)
+        delta = delta.to(self.cos.device)
+        magnitude = delta.abs()
         cos = self.cos.index_select(0, magnitude).unsqueeze(1)
         sin = (self.sin.index_select(0, magnitude) * torch.sign(delta).to(self.sin).unsqueeze(-1)).unsqueeze(1)
         x = keys.float()

@@ -205,3 +205,14 @@ def collective_rpc(base_url: str, method: str, timeout_s: float = 120.0, **kwarg
                           "started with VLLM_SERVER_DEV_MODE=1 and kvbench's --worker-extension-cls?") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ServerError(f"collective_rpc {method} on {base_url} failed: {exc}") from None
+
+
+def method_server_config(method: str, model: str, params: dict[str, Any] | None = None, **options: Any) -> ServerConfig:
+    """A server for a sharing method: plain vLLM, or vLLM with the kvbench connector, its worker
+    extension and the model handed to the connector once the server is up."""
+    from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
+
+    uses_connector = get_method(method).uses_connector
+    return ServerConfig(model=model, kv_transfer_config=kv_transfer_config(method, params),
+                        worker_extension_cls=WORKER_EXTENSION if uses_connector else None,
+                        post_start_rpcs=["kvbench_attach_model"] if uses_connector else [], **options)

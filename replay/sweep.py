@@ -78,10 +78,9 @@ def cell_done(path: Path) -> bool:
 
 def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None = None) -> list[Path]:
     """Run every cell not already complete; returns the run directories of all cells."""
-    from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
     from kvbench.model.store import resolve_model
     from kvbench.replay.runner import ReplayConfig, ReplayError, run_replay
-    from kvbench.replay.server import ServerConfig, VLLMServer
+    from kvbench.replay.server import VLLMServer, method_server_config
     from kvbench.tracegen.generate import generate_trace
     from kvbench.tracegen.schema import Trace, read_trace, write_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
@@ -113,12 +112,9 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
                 todo.append((trace_id, qps, repeat, path))
         if not todo:
             continue
-        info = get_method(method.method)
-        server_config = ServerConfig(
-            model=model, kv_transfer_config=kv_transfer_config(method.method, method.params),
-            worker_extension_cls=WORKER_EXTENSION if info.uses_connector else None,
-            post_start_rpcs=["kvbench_attach_model"] if info.uses_connector else [],
-            cpu_kv_cache_gib=spec.cpu_kv_cache_gib, log_path=root / "runs" / method.name / "server.log")
+        server_config = method_server_config(method.method, model, method.params,
+                                             cpu_kv_cache_gib=spec.cpu_kv_cache_gib,
+                                             log_path=root / "runs" / method.name / "server.log")
         with VLLMServer(server_config) as server:  # one start per method configuration
             for trace_id, qps, repeat, path in todo:
                 config = ReplayConfig(

@@ -11,8 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
-from kvbench.replay.server import ServerConfig, VLLMServer, collective_rpc
+from kvbench.replay.server import VLLMServer, collective_rpc, method_server_config
 
 pytestmark = pytest.mark.engine
 
@@ -23,9 +22,8 @@ METHODS = ["kvcmas", "kvcmas-nonchained", "kvcomm", "graphflow"]
 def method_server(request: pytest.FixtureRequest, default_model: str,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, VLLMServer]]:
     method = request.param
-    config = ServerConfig(model=default_model, log_path=Path(tmp_path_factory.mktemp(method)) / "server.log",
-                          max_model_len=4096, kv_transfer_config=kv_transfer_config(method),
-                          worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=["kvbench_attach_model"])
+    config = method_server_config(method, default_model, max_model_len=4096,
+                                  log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
     with VLLMServer(config) as server:
         yield method, server
 

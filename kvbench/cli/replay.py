@@ -51,15 +51,11 @@ def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
 def _server_config(method_name: str, params: dict[str, Any], model: str, port: int | None, host: str,
                    max_model_len: int | None, cpu_kv_cache_gib: float, startup_timeout: float,
                    vllm_args: tuple[str, ...], log_path: Path | None) -> Any:
-    from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
-    from kvbench.replay.server import ServerConfig
+    from kvbench.replay.server import method_server_config
 
-    method = get_method(method_name)
-    return ServerConfig(model=model, host=host, port=port, max_model_len=max_model_len,
-                        cpu_kv_cache_gib=cpu_kv_cache_gib, kv_transfer_config=kv_transfer_config(method_name, params),
-                        worker_extension_cls=WORKER_EXTENSION if method.uses_connector else None,
-                        post_start_rpcs=["kvbench_attach_model"] if method.uses_connector else [],
-                        extra_args=list(vllm_args), startup_timeout_s=startup_timeout, log_path=log_path)
+    return method_server_config(method_name, model, params, host=host, port=port, max_model_len=max_model_len,
+                                cpu_kv_cache_gib=cpu_kv_cache_gib, extra_args=list(vllm_args),
+                                startup_timeout_s=startup_timeout, log_path=log_path)
 
 
 def _check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:

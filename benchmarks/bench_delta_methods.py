@@ -1,0 +1,118 @@
+"""Benchmark: KVCMAS against NonShared, FullShared, its non-chained ablation and KVComm inside vLLM.
+
+Four agents, 128-token outputs, 2K and 8K shared tokens; each at QPS 0 (single stream) and one
+loaded QPS per context. Prints, measured side by side in one run:
+  - p50 TTFT per method and the ratios the KVCMAS paper claims (vs NonShared under load, vs
+    FullShared, vs kvcmas-nonchained under load);
+  - anchor-pool bytes KVComm / KVCMAS at equal V against L*D / (r*(L+D)), and server peak RSS;
+  - normalized KV error ||C - C_dense||_F / ||C_dense||_F per method against a dense prefill of the
+    same prompt (reuse turns of the last trajectories), with each method's realized rho.
+
+    .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvbench.model.store import resolve_model
+from kvbench.replay.runner import ReplayConfig, run_replay
+from kvbench.replay.server import VLLMServer, collective_rpc, method_server_config
+from kvbench.tracegen.generate import TraceSpec, generate_trace
+from kvbench.tracegen.schema import Trace
+from kvbench.tracegen.tokenizer import load_tokenizer
+
+METHODS = [("nonshared", {}), ("fullshared", {}), ("kvcmas", {}), ("kvcmas-nonchained", {}), ("kvcomm", {"V": 10})]
+
+
+def kv_errors(server: VLLMServer, requests: pd.DataFrame, sample: int) -> float:
+    """Mean over sampled reuse turns and layers of the K and V normalized errors vs dense."""
+    reuse = requests[(requests["turn_id"] != "A0.r0") & requests["success"]]
+    reuse = reuse[reuse["trajectory_id"].isin(sorted(set(reuse["trajectory_id"]))[-2:])].head(sample)
+    errors = []
+    for _, row in reuse.iterrows():
+        reference = row["request_id"].replace("/", "_") + "-dense"
+        body = {"model": server.config.model, "prompt": list(row["prompt_token_ids"]), "max_tokens": 1,
+                "cache_salt": reference, "kv_transfer_params": {"kvbench": {"save_as": reference, "claim": False,
+                                                                             "segments": []}}}
+        request = urllib.request.Request(f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=600).read()
+        result = collective_rpc(server.base_url, "kvbench_kv_error", key=row["request_id"], reference=reference,
+                                start="0", stop=str(int(row["prompt_tokens"]) - 1))[0]
+        errors.append(np.mean([(layer["k_rel"] + layer["v_rel"]) / 2 for layer in result["layers"]]))
+    return float(np.mean(errors)) if errors else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="2048,8192")
+    parser.add_argument("--loaded-qps", default="1,0.5", help="loaded QPS per context (same order)")
+    parser.add_argument("--trajectories", type=int, default=6)
+    parser.add_argument("--error-sample", type=int, default=6)
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))
+    tokenizer = load_tokenizer(None)
+    model = resolve_model(None)
+    traces = {c: Trace(header=h, trajectories=t) for c in contexts
+              for h, t in [generate_trace(TraceSpec(shared_tokens=c, num_trajectories=args.trajectories + 1, seed=11),
+                                          tokenizer)]}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for method, params in METHODS:
+            config = method_server_config(method, model, params, log_path=Path(tmp) / f"{method}.log")
+            with VLLMServer(config) as server:
+                for context in contexts:
+                    for qps in (0.0, loaded[context]):
+                        out = Path(tmp) / f"{method}-{context}-{qps:g}"
+                        if method != "nonshared":
+                            collective_rpc(server.base_url, "kvbench_reset")
+                        summary = run_replay(ReplayConfig(
+                            trace=traces[context], tokenizer=tokenizer, method=method, base_urls=[server.base_url],
+                            result_dir=out, qps=qps, num_warmups=1, save_prompt_ids=True, show_progress=False,
+                            method_params=params, server_pids={server.base_url: server.process.pid}))
+                        requests = pd.read_parquet(out / "requests.parquet")
+                        state = summary.get("method_state_bytes") or {}
+                        rows.append({
+                            "method": method, "context": context, "qps": qps,
+                            "p50_ttft_ms": summary["p50_ttft_ms"], "p90_ttft_ms": summary["p90_ttft_ms"],
+                            "failed": summary["failed"], "realized_rho": summary["realized_rho"],
+                            "pool_mib": state.get("peak_anchor_pool", 0) / 2**20,
+                            "references_mib": state.get("peak_references", 0) / 2**20,
+                            "peak_rss_mib": (summary.get("peak_server_rss_bytes") or 0) / 2**20,
+                            "kv_error": (kv_errors(server, requests, args.error_sample)
+                                         if method != "nonshared" and qps == 0 else float("nan")),
+                        })
+                        print(json.dumps(rows[-1]), flush=True)
+    table = pd.DataFrame(rows)
+    print()
+    print(table.to_markdown(index=False, floatfmt=".3f"))
+    print()
+    p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
+    for context in contexts:
+        for qps in (0.0, loaded[context]):
+            k = p50[("kvcmas", context, qps)]
+            print(f"ctx {context} qps {qps:g}: NonShared/KVCMAS {p50[('nonshared', context, qps)] / k:.2f}x (target >= 2 "
+                  f"under load); KVCMAS/FullShared {k / p50[('fullshared', context, qps)]:.2f}x (target <= 1.3); "
+                  f"KVCMAS vs non-chained {1 - k / p50[('kvcmas-nonchained', context, qps)]:+.0%} (target <= -30% "
+                  "under load, i.e. 30% lower)")
+    # Shapes of the embedded model: L layers is irrelevant to the ratio; D = KV features per layer.
+    d = 4 * 32
+    rank = 32
+    pool = table[table["qps"] == 0].set_index(["method", "context"])["pool_mib"]
+    for context in contexts:
+        bound = context * d / (rank * (context + d))
+        print(f"ctx {context}: pool bytes KVComm/KVCMAS (V=10 both) {pool[('kvcomm', context)] / pool[('kvcmas', context)]:.2f}"
+              f" (target >= L*D/(r*(L+D)) = {bound:.2f})")
+
+
+if __name__ == "__main__":
+    main()
