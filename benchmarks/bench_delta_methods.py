@@ -39,7 +39,7 @@ def kv_errors(server: VLLMServer, requests: pd.DataFrame, sample: int) -> float:
     errors = []
     for _, row in reuse.iterrows():
         reference = row["request_id"].replace("/", "_") + "-dense"
-        body = {"model": server.config.model, "prompt": list(row["prompt_token_ids"]), "max_tokens": 1,
+        body = {"model": server.config.model, "prompt": [int(t) for t in row["prompt_token_ids"]], "max_tokens": 1,
                 "cache_salt": reference, "kv_transfer_params": {"kvbench": {"save_as": reference, "claim": False,
                                                                              "segments": []}}}
         request = urllib.request.Request(f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),

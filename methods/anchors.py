@@ -26,8 +26,8 @@ class FullRank:
     def length(self) -> int:
         return self.z.shape[1]
 
-    def rows(self, n: int) -> torch.Tensor:
-        return self.z[:, :n].float()
+    def rows(self, n: int, layer: int | None = None) -> torch.Tensor:
+        return (self.z[:, :n] if layer is None else self.z[layer, :n]).float()
 
     @property
     def nbytes(self) -> int:
@@ -47,8 +47,11 @@ class LowRank:
     def length(self) -> int:
         return self.a.shape[1]
 
-    def rows(self, n: int) -> torch.Tensor:
-        return torch.matmul(self.a[:, :n].float(), self.b.float())
+    def rows(self, n: int, layer: int | None = None) -> torch.Tensor:
+        # In the storage dtype: bf16 GEMMs accumulate in fp32 and run on the CPU's AMX/GPU tensor cores.
+        if layer is not None:
+            return torch.matmul(self.a[layer, :n], self.b[layer]).float()
+        return torch.matmul(self.a[:, :n], self.b).float()
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +134,12 @@ def reliability_gate(current_v: torch.Tensor, anchors: list[Anchor], k: int, tau
     anchors; accept when the normalized entropy is at most tau. Fewer than two anchors: reject."""
     if len(anchors) < 2:
         return GateResult(False, torch.ones(len(anchors)), math.nan)
-    current = current_v[:, :k].float()
-    distances = torch.stack([torch.sqrt(((current - a.base_v.rows(k)) ** 2).sum()) for a in anchors])
+    distances = torch.zeros(len(anchors), device=current_v.device)
+    for layer in range(current_v.shape[0]):  # one [k, D] reconstruction alive at a time
+        current = current_v[layer, :k].float()
+        for index, anchor in enumerate(anchors):
+            distances[index] += ((current - anchor.base_v.rows(k, layer)) ** 2).sum()
+    distances = torch.sqrt(distances)
     weights = torch.softmax(-distances / temperature, dim=0)
     entropy = float(-(weights * torch.log2(weights.clamp_min(1e-30))).sum() / math.log2(len(anchors)))
     return GateResult(entropy <= tau, weights, entropy)
@@ -142,13 +149,25 @@ def interpolated_delta(current_k: torch.Tensor, current_v: torch.Tensor, anchors
                        n: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 8 with token-wise weights: for each token, softmax over anchors of minus the mean
     absolute distance between the current cache and the anchor's base (K and V separately),
-    then the weighted sum of the anchors' corrections. Rows [0, n) only."""
-    def weights(current: torch.Tensor, bases: list[torch.Tensor]) -> torch.Tensor:
-        distance = torch.stack([(current[:, :n].float() - b).abs().mean(dim=(0, 2)) for b in bases])  # [A, n]
-        return torch.softmax(-distance / temperature, dim=0)
+    then the weighted sum of the anchors' corrections. Rows [0, n) only.
 
-    w_k = weights(current_k, [a.base_k.rows(n) for a in anchors])
-    w_v = weights(current_v, [a.base_v.rows(n) for a in anchors])
-    delta_k = sum(w_k[i][None, :, None] * a.deltas[edge][0].rows(n) for i, a in enumerate(anchors))
-    delta_v = sum(w_v[i][None, :, None] * a.deltas[edge][1].rows(n) for i, a in enumerate(anchors))
-    return delta_k, delta_v  # type: ignore[return-value]
+    Works layer by layer so that only one [n, D] reconstruction is alive at a time."""
+    layers, features = current_v.shape[0], current_v.shape[2]
+    distance_k = torch.zeros(len(anchors), n, device=current_v.device)
+    distance_v = torch.zeros(len(anchors), n, device=current_v.device)
+    for layer in range(layers):
+        cur_k, cur_v = current_k[layer, :n].float(), current_v[layer, :n].float()
+        for index, anchor in enumerate(anchors):
+            distance_k[index] += (cur_k - anchor.base_k.rows(n, layer)).abs().sum(dim=-1)
+            distance_v[index] += (cur_v - anchor.base_v.rows(n, layer)).abs().sum(dim=-1)
+    scale = layers * features  # sums -> means over (layers, features)
+    w_k = torch.softmax(-distance_k / scale / temperature, dim=0)
+    w_v = torch.softmax(-distance_v / scale / temperature, dim=0)
+    delta_k = torch.zeros(layers, n, features, device=current_v.device)
+    delta_v = torch.zeros_like(delta_k)
+    for layer in range(layers):
+        for index, anchor in enumerate(anchors):
+            dk, dv = anchor.deltas[edge]
+            delta_k[layer] += w_k[index][:, None] * dk.rows(n, layer)
+            delta_v[layer] += w_v[index][:, None] * dv.rows(n, layer)
+    return delta_k, delta_v
