@@ -58,16 +58,7 @@ class PartialForward:
             if len(compute) == 0:
                 continue  # vLLM's CPU kernels crash (SIGFPE) on 0-row GEMMs and norms
             attn = layer.self_attn
-            if residual is None:
-                residual = hidden
-                x = layer.input_layernorm(hidden)
-            else:
-                x, residual = layer.input_layernorm(hidden, residual)
-            qkv, _ = attn.qkv_proj(x)
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q = self._rotate(attn.rotary_emb, positions[compute], q.reshape(len(compute), attn.num_heads, attn.head_dim))
-            k = self._rotate(attn.rotary_emb, positions[compute], k.reshape(len(compute), attn.num_kv_heads, attn.head_dim))
-            v = v.reshape(len(compute), attn.num_kv_heads, attn.head_dim)
+            q, k, v, residual = self._qkv(layer, hidden, residual, positions[compute])
             layout.write(cache, slots[compute], k, v)
             stats.computed_layer_rows += len(compute)
             if index == len(self.layers) - 1:
@@ -79,6 +70,23 @@ class PartialForward:
             hidden, residual = layer.post_attention_layernorm(o, residual)
             hidden = self._mlp(layer.mlp, hidden)
         return stats
+
+    def _qkv(self, layer: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None,
+             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (with the residual add), QKV projection and RoPE of one decoder layer:
+        q [n, Hq, hd], k and v [n, Hkv, hd], and the updated residual."""
+        attn = layer.self_attn
+        if residual is None:
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+        else:
+            x, residual = layer.input_layernorm(hidden, residual)
+        qkv, _ = attn.qkv_proj(x)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        n = len(positions)
+        q = self._rotate(attn.rotary_emb, positions, q.reshape(n, attn.num_heads, attn.head_dim))
+        k = self._rotate(attn.rotary_emb, positions, k.reshape(n, attn.num_kv_heads, attn.head_dim))
+        return q, k, v.reshape(n, attn.num_kv_heads, attn.head_dim), residual
 
     # vLLM's compiled forward fuses pointwise ops and computes them in fp32 with one rounding at
     # the end; calling the modules eagerly in bf16 rounds after every op, which shows up as
@@ -122,16 +130,7 @@ class PartialForward:
         keys, values = [], []
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
-            if residual is None:
-                residual = hidden
-                x = layer.input_layernorm(hidden)
-            else:
-                x, residual = layer.input_layernorm(hidden, residual)
-            qkv, _ = attn.qkv_proj(x)
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q = self._rotate(attn.rotary_emb, positions, q.reshape(n, attn.num_heads, attn.head_dim))
-            k = self._rotate(attn.rotary_emb, positions, k.reshape(n, attn.num_kv_heads, attn.head_dim))
-            v = v.reshape(n, attn.num_kv_heads, attn.head_dim)
+            q, k, v, residual = self._qkv(layer, hidden, residual, positions)
             keys.append(k)
             values.append(v)
             if index == len(self.layers) - 1:

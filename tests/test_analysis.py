@@ -116,3 +116,39 @@ def test_gate_parsing() -> None:
     with pytest.raises(ValueError, match="bad gate"):
         Gate.parse("p50_ttft_ms>10")
     assert _invoke("compare", ".", ".", "--gate", "oops").exit_code == 2
+
+
+def test_paper_tables_render_from_runs(sweep_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "paper"
+    result = _invoke("paper", "table7", "--results", str(sweep_dir), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    text = (out / "table7.md").read_text()
+    assert "| fullshared" in text and "| nonshared" in text and "ctx=1024 qps=0" in text
+    assert "the paper" in text  # reference values beside ours (none at 1K: shown as dashes)
+    table = pd.read_csv(out / "table7.csv")
+    requests = pd.read_parquet(sweep_dir / "nonshared" / "requests.parquet")
+    row = table[table["method"] == "nonshared"].iloc[0]
+    assert row["p50_ttft_s"] == pytest.approx(np.percentile(requests["ttft_ms"], 50) / 1e3)
+    for name in ("fig5_p50_ttft", "fig8_p90_ttft"):
+        assert matplotlib.image.imread(out / f"{name}.png").std() > 0.01
+    single = _invoke("paper", "table12", "--results", str(sweep_dir), "-o", str(out))
+    assert single.exit_code == 0 and "reuse-request TTFT" in (out / "table12.md").read_text()
+    assert _invoke("paper", "table7", "-o", str(out)).exit_code == 2  # neither --results nor --run
+
+
+def test_sweep_runs_a_grid_with_repeats_and_resumes(default_model: str, tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    args = ["sweep", "-o", str(out), "--methods", "nonshared", "--shared-tokens", "256", "--qps", "0,4",
+            "--num-trajectories", "2", "--num-warmups", "0", "--output-len", "4", "--repeats", "2"]
+    result = _invoke(*args)
+    assert result.exit_code == 0, result.output
+    runs = sorted(p.name for p in (out / "runs" / "nonshared").iterdir() if p.is_dir())
+    assert runs == ["ctx256-a4-r1-qps0-rep0", "ctx256-a4-r1-qps0-rep1", "ctx256-a4-r1-qps4-rep0",
+                    "ctx256-a4-r1-qps4-rep1"]
+    mtimes = {p: (p / "summary.json").stat().st_mtime for p in (out / "runs" / "nonshared").iterdir() if p.is_dir()}
+    again = _invoke(*args)  # everything done: nothing reruns, no server starts
+    assert again.exit_code == 0 and all((p / "summary.json").stat().st_mtime == m for p, m in mtimes.items())
+    rendered = _invoke("paper", "table7", "--results", str(out), "-o", str(tmp_path / "t7"))
+    assert rendered.exit_code == 0
+    assert "±" in (tmp_path / "t7" / "table7.md").read_text()  # two repeats: confidence intervals
+    assert _invoke("sweep", "-o", str(out), "--methods", "telepathy").exit_code == 2
