@@ -57,8 +57,9 @@ def main() -> None:
     parser.add_argument("--loaded-qps", default="1,0.5", help="loaded QPS per context (same order)")
     parser.add_argument("--trajectories", type=int, default=6)
     parser.add_argument("--error-sample", type=int, default=6)
-    parser.add_argument("--warmups", type=int, default=3,
-                        help="trajectories run first and not measured; they also fill the anchor pools")
+    parser.add_argument("--warmups", type=int, default=1,
+                        help="trajectories run first and not measured (kernel warm-up: the replayer resets "
+                             "caches and method state after them, so anchor pools start empty)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))

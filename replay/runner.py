@@ -191,6 +191,8 @@ class Replayer:
                 (cfg.result_dir / CONFIG_NAME).write_text(json.dumps(run_config, indent=2) + "\n")
                 if warmups:
                     await self._warm_up(session, warmups, builder)
+                # Every run starts cold (design: caches are reset between runs), after the warm-ups:
+                # they only warm kernels, and leave neither prefix-cache blocks nor method state.
                 await self._reset_caches(session)
                 offsets = self._schedule(todo)
                 await sampler.start(session)
