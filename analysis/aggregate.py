@@ -20,9 +20,7 @@ def run_row(run: Run) -> dict:
     requests = run.requests
     ok = requests[requests["success"]]
     reuse = ok[ok["reusable_tokens"] > 0]
-    state = run.summary.get("method_state_bytes") or {}
-    rss = run.summary.get("peak_server_rss_bytes")
-    usage = run.summary.get("peak_kv_cache_usage_perc")
+    memory = run.memory()
     return {
         "method_config": run.config.get("method_config") or run.name,
         "method": run.method,
@@ -36,9 +34,9 @@ def run_row(run: Run) -> dict:
         "mean_ttft_s": float(ok["ttft_ms"].mean()) / 1e3 if len(ok) else math.nan,
         "reuse_ttft_s": float(reuse["ttft_ms"].mean()) / 1e3 if len(reuse) else math.nan,
         "throughput_tok_s": run.summary.get("mean_trajectory_token_throughput", math.nan),
-        "method_state_mib": ((run.summary.get("method_store_peak_bytes") or 0) + sum(state.values())) / 2**20,
-        "peak_rss_mib": rss / 2**20 if rss else math.nan,
-        "peak_kv_usage_pct": 100 * usage if usage is not None else math.nan,
+        "method_state_mib": memory["method_state_mib"],
+        "peak_rss_mib": memory["peak_server_rss_mib"],
+        "peak_kv_usage_pct": memory["peak_kv_cache_usage_perc"],
         "realized_rho": run.summary.get("realized_rho") if run.summary.get("realized_rho") is not None else math.nan,
         "failed": run.summary.get("failed", 0),
     }

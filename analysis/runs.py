@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,20 @@ class Run:
     @property
     def config(self) -> dict[str, Any]:
         return self.summary.get("config", {})
+
+    def memory(self) -> dict[str, float]:
+        """The three memory figures of a run, kept apart (vLLM pre-allocates its KV pool)."""
+        state = self.summary.get("method_state_bytes") or {}
+        # Methods report current bytes and their peaks ("peak_<name>"): count peaks when given.
+        peaks = {k[len("peak_"):]: v for k, v in state.items() if k.startswith("peak_")}
+        state_bytes = sum({**{k: v for k, v in state.items() if not k.startswith("peak_")}, **peaks}.values())
+        rss = self.summary.get("peak_server_rss_bytes")
+        usage = self.summary.get("peak_kv_cache_usage_perc")
+        return {
+            "method_state_mib": ((self.summary.get("method_store_peak_bytes") or 0) + state_bytes) / 2**20,
+            "peak_server_rss_mib": rss / 2**20 if rss else math.nan,
+            "peak_kv_cache_usage_perc": 100 * usage if usage is not None else math.nan,
+        }
 
     @property
     def shared_tokens(self) -> int | None:

@@ -39,13 +39,7 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
                                               if len(trajectories) else float("nan"))
         rho = realized_rho(ok)
         row["realized_rho"] = rho if rho is not None else float("nan")
-        # The three memory figures, kept apart (vLLM pre-allocates its KV pool).
-        state = run.summary.get("method_state_bytes") or {}
-        row["method_state_mib"] = ((run.summary.get("method_store_peak_bytes") or 0) + sum(state.values())) / 2**20
-        rss = run.summary.get("peak_server_rss_bytes")
-        row["peak_server_rss_mib"] = rss / 2**20 if rss else float("nan")
-        usage = run.summary.get("peak_kv_cache_usage_perc")
-        row["peak_kv_cache_usage_perc"] = 100 * usage if usage is not None else float("nan")
+        row.update(run.memory())
         rows.append(row)
     return pd.DataFrame(rows)
 

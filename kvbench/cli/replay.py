@@ -35,12 +35,20 @@ def _server_options(func):  # noqa: ANN001, ANN202
     return func
 
 
-def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
-    params: dict[str, Any] = {}
+def _key_values(items: tuple[str, ...], option: str) -> dict[str, str]:
+    pairs = {}
     for item in items:
-        key, sep, raw = item.partition("=")
+        key, sep, value = item.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--method-param")
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=option)
+        pairs[key] = value
+    return pairs
+
+
+def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
+    """--method-param values are JSON where they parse (numbers, booleans), else strings."""
+    params: dict[str, Any] = {}
+    for key, raw in _key_values(items, "--method-param").items():
         try:
             params[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -71,13 +79,7 @@ def _check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]
 
 
 def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
-    metadata = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--metadata")
-        metadata[key] = value
-    return metadata
+    return _key_values(items, "--metadata")
 
 
 @click.command("replay")
