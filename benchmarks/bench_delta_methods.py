@@ -8,7 +8,10 @@ loaded QPS per context. Prints, measured side by side in one run:
   - normalized KV error ||C - C_dense||_F / ||C_dense||_F per method against a dense prefill of the
     same prompt (reuse turns of the last trajectories), with each method's realized rho.
 
-    .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5]
+    .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5] [--cold]
+
+By default the warm-up trajectories prime the methods' anchor pools (the steady state of a long
+run); --cold starts every measured run with empty pools, as a fresh server would.
 """
 
 from __future__ import annotations
@@ -57,9 +60,11 @@ def main() -> None:
     parser.add_argument("--loaded-qps", default="1,0.5", help="loaded QPS per context (same order)")
     parser.add_argument("--trajectories", type=int, default=6)
     parser.add_argument("--error-sample", type=int, default=6)
-    parser.add_argument("--warmups", type=int, default=1,
-                        help="trajectories run first and not measured (kernel warm-up: the replayer resets "
-                             "caches and method state after them, so anchor pools start empty)")
+    parser.add_argument("--warmups", type=int, default=3,
+                        help="trajectories run first and not measured; they warm kernels and fill the anchor "
+                             "pools (steady state) unless --cold")
+    parser.add_argument("--cold", action="store_true",
+                        help="reset method state after the warm-ups: anchor pools start empty (cold start)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))
@@ -80,7 +85,8 @@ def main() -> None:
                             collective_rpc(server.base_url, "kvbench_reset")
                         summary = run_replay(ReplayConfig(
                             trace=traces[context], tokenizer=tokenizer, method=method, base_urls=[server.base_url],
-                            result_dir=out, qps=qps, num_warmups=args.warmups, save_prompt_ids=True, show_progress=False,
+                            result_dir=out, qps=qps, num_warmups=args.warmups, prime_method_state=not args.cold,
+                            save_prompt_ids=True, show_progress=False,
                             method_params=params, server_pids={server.base_url: server.process.pid}))
                         requests = pd.read_parquet(out / "requests.parquet")
                         state = summary.get("method_state_bytes") or {}

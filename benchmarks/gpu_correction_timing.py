@@ -1,9 +1,10 @@
 """Time KVCMAS's correction path alone at Llama-3.1-8B shapes, in torch, and compare the bytes it
 must move with the device's copy bandwidth (issue 7's GPU check; runs on CPU at small shapes).
 
-Per edge and shared segment of n tokens: the gate (value distances over k tokens, all layers, V
-anchors reconstructed from rank-r factors), token-wise K/V weights, the weighted sum of V
-low-rank corrections, and re-rotation of the source keys to the target positions.
+Per edge and shared segment of n tokens: the value pass (distances to V anchors reconstructed
+from rank-r factors, all layers: the gate's Eq. 9 over k = n rows and the token-wise value
+weights), then the key pass, the weighted sums of the V low-rank corrections, and re-rotation of
+the source keys to the target positions.
 
     python benchmarks/gpu_correction_timing.py --device cuda            # 8K and 32K, L=32, D=1024
     python benchmarks/gpu_correction_timing.py --device cpu --tokens 512 --layers 4 --kv-heads 4 --head-dim 32
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from kvbench.methods.anchors import AnchorPool, interpolated_delta, reliability_gate
+from kvbench.methods.anchors import AnchorPool, anchor_distances, gate_from_distances, interpolated_delta
 from kvbench.methods.rope import RopeAligner
 
 
@@ -59,13 +60,20 @@ def run(device: str, n: int, layers: int, heads: int, head_dim: int, rank: int, 
     aligner = RopeAligner.from_theta(head_dim, 2 * n + 16, 500000.0).to(device)
     shift = torch.full((n,), n // 2, dtype=torch.long, device=device)
 
-    gate_s = timed(lambda: reliability_gate(current_v, members, n, tau=0.3), device, repeats)
-    delta_s = timed(lambda: interpolated_delta(current_k, current_v, members, "A0->A1", n), device, repeats)
-    rotate_s = timed(lambda: [aligner.rotate(keys[layer], shift) for layer in range(layers)], device, repeats)
-    factors = sum(a.nbytes for a in members)
+    # The path DeltaCorrection runs: one pass over the value states gives the gate's distances
+    # (Eq. 9) and the token-wise value weights; on accept, the key pass and the weighted sums.
+    bases_v = [a.base_v for a in members]
+    gate_s = timed(lambda: gate_from_distances(anchor_distances(current_v, bases_v, n, gate_rows=n)[1], 0.3),
+                   device, repeats)
+    value_distances, _ = anchor_distances(current_v, bases_v, n, gate_rows=n)
+    delta_s = timed(lambda: interpolated_delta(current_k, current_v, members, "A0->A1", n,
+                                               value_distances=value_distances), device, repeats)
+    rotate_s = timed(lambda: aligner.rotate(keys, shift), device, repeats)
+    factors = sum(a.nbytes for a in members)  # base K, base V, delta K, delta V: a quarter each
     cache = layers * n * d * 2  # one of K or V in bf16
-    # Bytes the path must move at least: factors read once per use, source K/V read, K/V written.
-    minimal = {"gate": factors / 2, "weights+delta": factors + 2 * cache + 2 * cache, "rotate": 2 * cache}
+    # Bytes each step must move at least: its factors once, the current cache read, results written.
+    minimal = {"gate": factors / 4 + cache, "weights+delta": 3 * factors / 4 + cache + 2 * cache,
+               "rotate": 2 * cache}
     return {"n": n, "gate_ms": 1e3 * gate_s, "weights_delta_ms": 1e3 * delta_s, "rotate_ms": 1e3 * rotate_s,
             "gate_GBs": minimal["gate"] / gate_s / 1e9, "delta_GBs": minimal["weights+delta"] / delta_s / 1e9,
             "rotate_GBs": minimal["rotate"] / rotate_s / 1e9}

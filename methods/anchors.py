@@ -128,46 +128,101 @@ class GateResult:
     normalized_entropy: float
 
 
+def _stacked_rows(stored: list[Stored], layer: int, n: int) -> torch.Tensor:
+    """Rows [0, n) of one layer of every stored tensor, as one [anchors, n, D] tensor in the
+    storage dtype. Low-rank factors are multiplied straight into their slice of the output (bf16
+    GEMMs accumulate in fp32 and run on AVX512-BF16/AMX or tensor cores): no stacking copies."""
+    first = stored[0].z if isinstance(stored[0], FullRank) else stored[0].b
+    out = torch.empty(len(stored), n, first.shape[-1], dtype=first.dtype, device=first.device)
+    for index, s in enumerate(stored):
+        if isinstance(s, FullRank):
+            out[index] = s.z[layer, :n]
+        else:
+            torch.mm(s.a[layer, :n], s.b[layer], out=out[index])
+    return out
+
+
+def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_rows: int = 0,
+                     per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distances between the current cache [layers, >=n, D] and each stored base, in one pass
+    per layer: ([anchors, n] absolute differences summed over layers and features, for the
+    token-wise weights; [anchors] squared differences summed over the first `gate_rows` rows and
+    all layers, for the gate of Eq. 9)."""
+    count = len(stored)
+    sums = torch.zeros(count, n if per_token else 0, device=current.device)
+    squares = torch.zeros(count, device=current.device)
+    for layer in range(current.shape[0]):  # one [anchors, n, D] reconstruction alive at a time
+        diff = _stacked_rows(stored, layer, n)
+        diff.sub_(current[layer, :n].to(diff.dtype))  # in place: the pass is memory-bound
+        # Reductions over features stay in the storage dtype (accumulated in fp32 inside, and
+        # several times faster on the CPU than fp32 outputs); sums over tokens and layers in fp32.
+        if gate_rows:
+            gate = diff[:, :gate_rows]
+            squares += torch.linalg.vecdot(gate, gate).float().sum(dim=-1)
+        if per_token:
+            sums += diff.abs_().sum(dim=-1).float()
+    return sums, squares
+
+
+def gate_from_distances(squared: torch.Tensor, tau: float, temperature: float = 1.0) -> GateResult:
+    """Eq. 10-11 from the squared distances of Eq. 9: softmax over anchors of minus the distance;
+    accept when the normalized entropy is at most tau. Fewer than two anchors: reject."""
+    count = len(squared)
+    if count < 2:
+        return GateResult(False, torch.ones(count), math.nan)
+    weights = torch.softmax(-torch.sqrt(squared.double().cpu()) / temperature, dim=0)
+    entropy = float(-(weights * torch.log2(weights.clamp_min(1e-300))).sum() / math.log2(count))
+    return GateResult(entropy <= tau, weights.float(), entropy)
+
+
 def reliability_gate(current_v: torch.Tensor, anchors: list[Anchor], k: int, tau: float,
                      temperature: float = 1.0) -> GateResult:
     """Eq. 9-11: distance of the value states over the first k tokens, all layers; softmax over
     anchors; accept when the normalized entropy is at most tau. Fewer than two anchors: reject."""
     if len(anchors) < 2:
         return GateResult(False, torch.ones(len(anchors)), math.nan)
-    distances = torch.zeros(len(anchors), device=current_v.device)
-    for layer in range(current_v.shape[0]):  # one [k, D] reconstruction alive at a time
-        current = current_v[layer, :k].float()
-        for index, anchor in enumerate(anchors):
-            distances[index] += ((current - anchor.base_v.rows(k, layer)) ** 2).sum()
-    distances = torch.sqrt(distances)
-    weights = torch.softmax(-distances / temperature, dim=0)
-    entropy = float(-(weights * torch.log2(weights.clamp_min(1e-30))).sum() / math.log2(len(anchors)))
-    return GateResult(entropy <= tau, weights, entropy)
+    _, squares = anchor_distances(current_v, [a.base_v for a in anchors], k, gate_rows=k, per_token=False)
+    return gate_from_distances(squares, tau, temperature)
+
+
+def token_weights(distance_sums: torch.Tensor, layers: int, features: int, temperature: float = 1.0) -> torch.Tensor:
+    """Softmax over anchors, per token, of minus the mean absolute distance (over layers, features)."""
+    return torch.softmax(-distance_sums / (layers * features) / temperature, dim=0)
+
+
+def weighted_corrections(deltas: list[Stored], weights: torch.Tensor, layers: int, n: int) -> torch.Tensor:
+    """Sum over anchors of w_v[t] * delta_v[t] for rows [0, n), as [layers, n, D] in the storage dtype.
+    Low rank: one GEMM per layer, [n, anchors*r] (weights folded into the A factors) times the
+    stacked B factors [anchors*r, D]; no [n, D] reconstruction per anchor."""
+    low_rank = all(isinstance(d, LowRank) for d in deltas) and len({d.a.shape[-1] for d in deltas}) == 1  # type: ignore[union-attr]
+    out = []
+    for layer in range(layers):
+        if low_rank:
+            first = deltas[0].a  # type: ignore[union-attr]
+            scaled = torch.empty(n, len(deltas), first.shape[-1], dtype=first.dtype, device=first.device)
+            for index, d in enumerate(deltas):  # w_v[t] * A_v[t], written into its slice of [n, V, r]
+                torch.mul(d.a[layer, :n], weights[index, :, None].to(first.dtype), out=scaled[:, index])  # type: ignore[union-attr]
+            b = torch.cat([d.b[layer] for d in deltas])  # type: ignore[union-attr]  [V*r, D]
+            out.append(scaled.view(n, -1) @ b)
+        else:
+            rows = _stacked_rows(deltas, layer, n)
+            out.append(torch.einsum("vn,vnd->nd", weights.to(rows.dtype), rows))
+    return torch.stack(out)
 
 
 def interpolated_delta(current_k: torch.Tensor, current_v: torch.Tensor, anchors: list[Anchor], edge: str,
-                       n: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       n: int, temperature: float = 1.0,
+                       value_distances: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 8 with token-wise weights: for each token, softmax over anchors of minus the mean
     absolute distance between the current cache and the anchor's base (K and V separately),
-    then the weighted sum of the anchors' corrections. Rows [0, n) only.
-
-    Works layer by layer so that only one [n, D] reconstruction is alive at a time."""
+    then the weighted sum of the anchors' corrections. Rows [0, n) only; the value distances may
+    come from the gate's pass (`anchor_distances`)."""
     layers, features = current_v.shape[0], current_v.shape[2]
-    distance_k = torch.zeros(len(anchors), n, device=current_v.device)
-    distance_v = torch.zeros(len(anchors), n, device=current_v.device)
-    for layer in range(layers):
-        cur_k, cur_v = current_k[layer, :n].float(), current_v[layer, :n].float()
-        for index, anchor in enumerate(anchors):
-            distance_k[index] += (cur_k - anchor.base_k.rows(n, layer)).abs().sum(dim=-1)
-            distance_v[index] += (cur_v - anchor.base_v.rows(n, layer)).abs().sum(dim=-1)
-    scale = layers * features  # sums -> means over (layers, features)
-    w_k = torch.softmax(-distance_k / scale / temperature, dim=0)
-    w_v = torch.softmax(-distance_v / scale / temperature, dim=0)
-    delta_k = torch.zeros(layers, n, features, device=current_v.device)
-    delta_v = torch.zeros_like(delta_k)
-    for layer in range(layers):
-        for index, anchor in enumerate(anchors):
-            dk, dv = anchor.deltas[edge]
-            delta_k[layer] += w_k[index][:, None] * dk.rows(n, layer)
-            delta_v[layer] += w_v[index][:, None] * dv.rows(n, layer)
+    if value_distances is None:
+        value_distances, _ = anchor_distances(current_v, [a.base_v for a in anchors], n)
+    key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n)
+    w_k = token_weights(key_distances, layers, features, temperature)
+    w_v = token_weights(value_distances, layers, features, temperature)
+    delta_k = weighted_corrections([a.deltas[edge][0] for a in anchors], w_k, layers, n)
+    delta_v = weighted_corrections([a.deltas[edge][1] for a in anchors], w_v, layers, n)
     return delta_k, delta_v

@@ -456,7 +456,10 @@ class KVBenchConnector(KVConnectorBase_V1):
         self.settings.params = dict(method.params)
         return dict(method.params)
 
-    def reset_state(self) -> None:
+    def reset_state(self, keep_method_state: bool = False) -> None:
+        """Drop saved caches and per-request stats; also the method's learned state unless kept
+        (warm-ups that prime anchor pools before a measured run)."""
         self.store.clear()
-        self.method.reset()
+        if not keep_method_state:
+            self.method.reset()
         self.request_stats.clear()

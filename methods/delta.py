@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.methods.anchors import AnchorPool, interpolated_delta, reliability_gate
+from kvbench.methods.anchors import AnchorPool, anchor_distances, gate_from_distances, interpolated_delta
 from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
 from kvbench.methods.plan import PlanSegment
 from kvbench.methods.store import SavedKV
@@ -79,14 +79,17 @@ class DeltaCorrection(SharingMethod):
         return x.reshape(x.shape[0], x.shape[1], -1).float()
 
     def _rotate_all(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate [layers, n, H, hd] keys by `delta` positions."""
+        """Rotate [layers, n, H, hd] keys by `delta` [n] positions (all layers at once)."""
         assert self.core is not None
-        return torch.stack([self.core.aligner.rotate(keys[layer], delta) for layer in range(keys.shape[0])])
+        return self.core.aligner.rotate(keys, delta)
 
     def _source_rows(self, reuse: SegmentReuse) -> tuple[torch.Tensor, torch.Tensor]:
         """The reused rows, keys in canonical (segment-local) positions, as [layers, n, D]."""
-        k = reuse.source.k.index_select(1, reuse.src)
-        v = reuse.source.v.index_select(1, reuse.src)
+        src = reuse.src
+        if len(src) and int(src[-1]) - int(src[0]) == len(src) - 1 and bool((src[1:] > src[:-1]).all()):
+            k, v = reuse.source.k[:, int(src[0]): int(src[-1]) + 1], reuse.source.v[:, int(src[0]): int(src[-1]) + 1]
+        else:
+            k, v = reuse.source.k.index_select(1, src), reuse.source.v.index_select(1, src)
         canonical = reuse.dst - reuse.segment.start  # segment-local position of each row
         return self._flat(self._rotate_all(k, canonical - reuse.src)), self._flat(v)
 
@@ -160,19 +163,24 @@ class DeltaCorrection(SharingMethod):
             anchor.uses += 1
             return {"accept": True, "decision": "accepted", "anchors": 1, "covered": covered,
                     "delta": (anchor.deltas[edge][0].rows(covered), anchor.deltas[edge][1].rows(covered), covered)}
-        # The gate compares (and the correction covers) the longest prefix anchors hold; rows past
-        # it keep the re-aligned source cache rather than extrapolating a correction.
-        longest = max((a.covers(edge) for a in compatible), default=0)
-        k = min(n, int(self.params.get("gate_tokens") or n), longest)
-        eligible = [a for a in compatible if a.covers(edge) >= k]
+        # The correction covers the longest prefix the anchors hold (rows past it keep the
+        # re-aligned source cache rather than extrapolating a correction); the gate compares the
+        # first k rows of it (gate_tokens; 0 = all covered rows).
+        covered = min(n, max((a.covers(edge) for a in compatible), default=0))
+        eligible = [a for a in compatible if a.covers(edge) >= covered]
         if len(eligible) < 2:
             return {"accept": False, "decision": "dense_few_anchors", "anchors": len(eligible)}
-        gate = reliability_gate(current_v, eligible, k, self.threshold())
+        k = min(covered, int(self.params.get("gate_tokens") or covered))
+        # One pass over the value states serves the gate (Eq. 9, first k rows) and, on accept,
+        # the token-wise value weights (all covered rows).
+        value_distances, value_squares = anchor_distances(current_v, [a.base_v for a in eligible], covered,
+                                                          gate_rows=k)
+        gate = gate_from_distances(value_squares, self.threshold())
         if not gate.accept:
             return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
                     "anchors": len(eligible)}
-        covered = k
-        delta_k, delta_v = interpolated_delta(current_k, current_v, eligible, edge, covered)
+        delta_k, delta_v = interpolated_delta(current_k, current_v, eligible, edge, covered,
+                                              value_distances=value_distances)
         order = torch.argsort(gate.weights, descending=True)
         mass = 0.0
         for index in order.tolist():  # count a use for the anchors holding 90% of the gate mass
@@ -193,10 +201,11 @@ class DeltaCorrection(SharingMethod):
         dk = delta_k[layer].view(covered, heads, head_dim)
         assert self.core is not None
         # Corrections live in canonical positions: turn them to the target positions (RoPE is linear).
-        dk = self.core.aligner.rotate(dk, torch.full((covered,), segment_start, dtype=torch.long))
+        dk = self.core.aligner.rotate(dk, segment_start)
         keys, values = keys.clone(), values.clone()
-        keys[:covered] = (keys[:covered].float() + dk).to(keys.dtype)
-        values[:covered] = (values[:covered].float() + delta_v[layer].view(covered, heads, head_dim)).to(values.dtype)
+        # bf16 + bf16 adds in fp32 and rounds once, like the fp32 sum cast back.
+        keys[:covered] += dk.to(keys.dtype)
+        values[:covered] += delta_v[layer].view(covered, heads, head_dim).to(values.dtype)
         return keys, values
 
     def after_load(self, ctx: LoadContext) -> None:

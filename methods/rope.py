@@ -35,24 +35,42 @@ class RopeAligner:
         self.rotary_dim = int(rotary_emb.rotary_dim)
         self.is_neox_style = bool(rotary_emb.is_neox_style)
 
-    def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate keys [n, H, hd] by the angle of `delta` [n] positions (negative allowed)."""
-        if len(delta) == 0 or not bool((delta != 0).any()):
-            return keys
-        if int(delta.abs().max()) >= len(self.cos):
-            raise ValueError(f"position shift {int(delta.abs().max())} exceeds the rotary table")
-        delta = delta.to(self.cos.device)
-        magnitude = delta.abs()
-        cos = self.cos.index_select(0, magnitude).unsqueeze(1)
-        sin = (self.sin.index_select(0, magnitude) * torch.sign(delta).to(self.sin).unsqueeze(-1)).unsqueeze(1)
+    def rotate(self, keys: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
+        """Rotate keys [..., n, H, hd] by the angle of `delta` positions: one shift per row ([n],
+        negative allowed) or one for all rows (an int, or a constant tensor: the common case of a
+        segment moved as a whole, which needs no per-row table lookup)."""
+        if isinstance(delta, torch.Tensor):
+            if len(delta) == 0:
+                return keys
+            low, high = int(delta.min()), int(delta.max())
+            if low == high:
+                delta = low
+        if isinstance(delta, int):
+            if delta == 0:
+                return keys
+            self._check(abs(delta))
+            sign = 1.0 if delta > 0 else -1.0
+            cos, sin = self.cos[abs(delta)], sign * self.sin[abs(delta)]  # [rotary_dim / 2], broadcast
+        else:
+            self._check(max(abs(low), abs(high)))
+            delta = delta.to(self.cos.device)
+            magnitude = delta.abs()
+            cos = self.cos.index_select(0, magnitude).unsqueeze(1)
+            sin = (self.sin.index_select(0, magnitude) * torch.sign(delta).to(self.sin).unsqueeze(-1)).unsqueeze(1)
         x = keys.float()
-        rot = x[..., : self.rotary_dim]
+        out = torch.empty_like(x)
+        half, rd = self.rotary_dim // 2, self.rotary_dim
         if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            x1, x2, o1, o2 = x[..., :half], x[..., half:rd], out[..., :half], out[..., half:rd]
         else:  # GPT-J style: interleaved pairs
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        if self.rotary_dim < x.shape[-1]:
-            out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
+            x1, x2, o1, o2 = x[..., 0:rd:2], x[..., 1:rd:2], out[..., 0:rd:2], out[..., 1:rd:2]
+        # Written into slices of one output: no concatenation of halves.
+        o1.copy_(x1 * cos).sub_(x2 * sin)
+        o2.copy_(x2 * cos).add_(x1 * sin)
+        if rd < x.shape[-1]:
+            out[..., rd:] = x[..., rd:]
         return out.to(keys.dtype)
+
+    def _check(self, largest: int) -> None:
+        if largest >= len(self.cos):
+            raise ValueError(f"position shift {largest} exceeds the rotary table")

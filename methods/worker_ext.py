@@ -34,9 +34,10 @@ class KVBenchWorkerExtension:
 
         return _connector().set_params(json.loads(params))
 
-    def kvbench_reset(self) -> bool:
-        """Drop saved caches and learned method state (between runs)."""
-        _connector().reset_state()
+    def kvbench_reset(self, keep_method_state: str = "false") -> bool:
+        """Drop saved caches and learned method state (between runs); with keep_method_state=true
+        the method's online state (anchor pools, calibrations, references) survives."""
+        _connector().reset_state(keep_method_state=str(keep_method_state).lower() == "true")
         return True
 
     def kvbench_kv_error(self, key: str, reference: str, start: str = "0", stop: str = "") -> dict[str, Any]:

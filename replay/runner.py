@@ -68,6 +68,9 @@ class ReplayConfig:
     seed: int = 0
     max_concurrency: int | None = None
     num_warmups: int = 0
+    # Warm-ups also prime the method's online state (anchor pools...): measures the steady state
+    # rather than a cold start. vLLM's prefix cache and saved source caches are reset either way.
+    prime_method_state: bool = False
     metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
     label: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
@@ -158,6 +161,7 @@ class Replayer:
             "use_trace_timestamps": cfg.use_trace_timestamps,
             "max_concurrency": cfg.max_concurrency,
             "num_warmups": cfg.num_warmups,
+            "prime_method_state": cfg.prime_method_state,
             "num_trajectories": len(cfg.trace.trajectories) - cfg.num_warmups,
             "seed": cfg.seed,
             "metric_percentiles": cfg.metric_percentiles,
@@ -192,8 +196,8 @@ class Replayer:
                 if warmups:
                     await self._warm_up(session, warmups, builder)
                 # Every run starts cold (design: caches are reset between runs), after the warm-ups:
-                # they only warm kernels, and leave neither prefix-cache blocks nor method state.
-                await self._reset_caches(session)
+                # they warm kernels and leave no prefix-cache blocks; method state only when asked.
+                await self._reset_caches(session, keep_method_state=bool(warmups) and cfg.prime_method_state)
                 offsets = self._schedule(todo)
                 await sampler.start(session)
                 self._start_progress(sum(len(t.turns) for t in todo), len(kept))
@@ -241,12 +245,12 @@ class Replayer:
 
         return await asyncio.to_thread(collective_rpc, url, method, **kwargs)
 
-    async def _reset_caches(self, session: aiohttp.ClientSession) -> None:
+    async def _reset_caches(self, session: aiohttp.ClientSession, keep_method_state: bool = False) -> None:
         """Start every run from cold caches (needs VLLM_SERVER_DEV_MODE=1 on the server)."""
         for url in self.config.base_urls:
             if self.method_info.uses_connector:
                 await self._rpc(url, "kvbench_attach_model")  # idempotent; servers not started by kvbench
-                await self._rpc(url, "kvbench_reset")
+                await self._rpc(url, "kvbench_reset", keep_method_state=str(keep_method_state).lower())
             try:
                 async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)):
                     pass

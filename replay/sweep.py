@@ -37,6 +37,7 @@ class SweepSpec:
     output_len: int = 128
     num_trajectories: int = 8
     num_warmups: int = 1
+    prime_method_state: bool = False
     repeats: int = 1
     seed: int = 0
     model: str | None = None
@@ -120,6 +121,7 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
                 config = ReplayConfig(
                     trace=traces[trace_id], tokenizer=tokenizer, method=method.method, base_urls=[server.base_url],
                     result_dir=path, qps=qps, seed=spec.seed + repeat, num_warmups=spec.num_warmups,
+                    prime_method_state=spec.prime_method_state,
                     label=method.name, resume=(path / "config.json").exists(), method_params=method.params,
                     request_timeout_s=spec.request_timeout_s, show_progress=False,
                     server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]

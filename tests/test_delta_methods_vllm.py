@@ -83,3 +83,27 @@ def test_calibrate_finds_a_threshold(method_server: tuple[str, VLLMServer]) -> N
     assert thresholds[0] == 0.5 and len(thresholds) == 3
     assert all(0 <= s["realized_rho"] <= 1 for s in report["steps"])
     collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps({"tau": 0.3}))  # restore the default
+
+
+def test_warmups_prime_the_anchor_pools_only_when_asked(method_server: tuple[str, VLLMServer],
+                                                         tmp_path: Path) -> None:
+    method, server = method_server
+    if method != "kvcmas":
+        pytest.skip("priming is method-independent; one method exercises it")
+    pools = {}
+    for name, extra in (("cold", ()), ("primed", ("--prime-method-state",))):
+        result = CliRunner().invoke(main, ["replay", "--method", method, "--base-url", server.base_url, "--qps", "0",
+                                           "--num-trajectories", "1", "--num-warmups", "3", "--shared-tokens", "768",
+                                           "--output-len", "16", "--result-dir", str(tmp_path / name), *extra],
+                                    prog_name="kvbench")
+        assert result.exit_code == 0, result.output
+        requests = pd.read_parquet(tmp_path / name / "requests.parquet")
+        assert len(requests) == 4  # warm-ups are not recorded
+        decisions = [d["decision"] for s in requests["method_stats"].map(json.loads) for d in s.get("decisions", [])]
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["prime_method_state"] == (name == "primed")
+        pools[name] = decisions
+    # Cold: the measured trajectory meets empty pools, so every segment falls back to dense.
+    assert pools["cold"] and all(d == "dense_few_anchors" for d in pools["cold"])
+    # Primed: three warm-up trajectories left anchors, so the gate runs on every segment.
+    assert pools["primed"] and "dense_few_anchors" not in pools["primed"]

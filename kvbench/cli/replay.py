@@ -101,6 +101,9 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
                    "in-memory trace].")
 @click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True,
               help="Trajectories run first, single stream, and left out of the results.")
+@click.option("--prime-method-state", is_flag=True,
+              help="Keep what the method learned during the warm-ups (anchor pools, calibrations): "
+                   "measures its steady state instead of a cold start.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the arrival schedule.")
 @click.option("--metric-percentiles", default="50,90,99", show_default=True,
               help="Comma-separated percentiles reported as p{N}_{metric}_ms.")
@@ -122,7 +125,8 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 @_server_options
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
-                   num_warmups: int, seed: int, metric_percentiles: str, result_dir: Path | None, label: str | None,
+                   num_warmups: int, prime_method_state: bool, seed: int, metric_percentiles: str,
+                   result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
                    model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
@@ -147,7 +151,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         trace=trace, tokenizer=tokenizer, method=method, base_urls=[u.rstrip("/") for u in base_urls],
         result_dir=result_dir, qps=qps, arrival=arrival, burstiness=burstiness,
         use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
-        num_warmups=num_warmups, metric_percentiles=percentiles, label=label, metadata=_parse_metadata(metadata),
+        num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles, label=label,
+        metadata=_parse_metadata(metadata),
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
         method_params=params,
         extra_config={"model": model, "method_params": params,

@@ -66,6 +66,8 @@ def _sweep_options(func):  # noqa: ANN001, ANN202
         click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True,
                      help="Measured trajectories per cell."),
         click.option("--num-warmups", type=click.IntRange(min=0), default=1, show_default=True),
+        click.option("--prime-method-state", is_flag=True,
+                     help="Warm-ups also fill the methods' anchor pools (steady state, not a cold start)."),
         click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Runs per cell (other arrival seeds); tables show 95% confidence intervals."),
         click.option("--seed", type=int, default=0, show_default=True),
@@ -92,8 +94,8 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
         methods=_method_configs(methods, param_specs),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
-        **{key: options[key] for key in ("workflow", "output_len", "num_trajectories", "num_warmups", "repeats",
-                                         "seed", "model")})
+        **{key: options[key] for key in ("workflow", "output_len", "num_trajectories", "num_warmups",
+                                         "prime_method_state", "repeats", "seed", "model")})
     cells = spec.cells()
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
