@@ -9,6 +9,7 @@ anchor matching with the entropy gate) or one fixed calibration per relation (Gr
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,6 +23,12 @@ from kvbench.methods.plan import PlanSegment
 from kvbench.methods.store import SavedKV
 
 MAX_REFERENCES = 256
+
+
+def content_key(tokens: torch.Tensor) -> str:
+    """Identity of a segment's content: trajectory ids repeat across runs and traces on a
+    long-lived server, so a context-free reference is keyed by its tokens alone."""
+    return hashlib.sha1(tokens.to(torch.int64).numpy().tobytes()).hexdigest()[:20]
 
 
 @dataclass
@@ -99,7 +106,7 @@ class DeltaCorrection(SharingMethod):
         start, stop = max(segment.start, ctx.num_local), min(segment.start + segment.length, len(ctx.tokens))
         if stop <= start or start != segment.start:
             return None  # partly in vLLM's prefix cache or cut by the prompt end: leave to dense
-        key = (ctx.plan.trajectory, segment.id)
+        key = (segment.id, content_key(ctx.tokens[start:stop]))
         reference = self.references.get(key)
         if reference is None:
             assert self.core is not None
@@ -216,7 +223,11 @@ class DeltaCorrection(SharingMethod):
             target_k, target_v = ctx.read_rows(fallback.reuse.dst)
             canonical = fallback.reuse.dst - fallback.segment.start
             target_k = self._flat(self._rotate_all(target_k, canonical - fallback.reuse.dst))
-            self.pending.append(PendingAnchor(fallback.segment.id, ctx.plan.trajectory, fallback.edge,
+            # One anchor per observation (trajectory) of a slot, shared by the edges along it; the
+            # content key keeps a stale anchor of another run's trajectory with the same id apart.
+            segment = fallback.segment
+            content = content_key(ctx.tokens[segment.start: segment.start + segment.length])
+            self.pending.append(PendingAnchor(segment.id, f"{ctx.plan.trajectory}/{content}", fallback.edge,
                                               fallback.source_k, fallback.source_v, target_k, self._flat(target_v)))
 
     def run_deferred(self) -> None:

@@ -193,11 +193,14 @@ class Replayer:
             async with aiohttp.ClientSession(connector=connector) as session:
                 await self._check_servers(session, run_config)
                 (cfg.result_dir / CONFIG_NAME).write_text(json.dumps(run_config, indent=2) + "\n")
+                prime = bool(warmups) and cfg.prime_method_state
+                if prime:  # what the warm-ups teach the method, and nothing from earlier runs
+                    await self._reset_caches(session)
                 if warmups:
                     await self._warm_up(session, warmups, builder)
                 # Every run starts cold (design: caches are reset between runs), after the warm-ups:
                 # they warm kernels and leave no prefix-cache blocks; method state only when asked.
-                await self._reset_caches(session, keep_method_state=bool(warmups) and cfg.prime_method_state)
+                await self._reset_caches(session, keep_method_state=prime)
                 offsets = self._schedule(todo)
                 await sampler.start(session)
                 self._start_progress(sum(len(t.turns) for t in todo), len(kept))
