@@ -81,8 +81,6 @@ def main() -> None:
                 for context in contexts:
                     for qps in (0.0, loaded[context]):
                         out = Path(tmp) / f"{method}-{context}-{qps:g}"
-                        if method != "nonshared":
-                            collective_rpc(server.base_url, "kvbench_reset")
                         summary = run_replay(ReplayConfig(
                             trace=traces[context], tokenizer=tokenizer, method=method, base_urls=[server.base_url],
                             result_dir=out, qps=qps, num_warmups=args.warmups, prime_method_state=not args.cold,

@@ -85,11 +85,6 @@ class DeltaCorrection(SharingMethod):
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], x.shape[1], -1).float()
 
-    def _rotate_all(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate [layers, n, H, hd] keys by `delta` [n] positions (all layers at once)."""
-        assert self.core is not None
-        return self.core.aligner.rotate(keys, delta)
-
     def _source_rows(self, reuse: SegmentReuse) -> tuple[torch.Tensor, torch.Tensor]:
         """The reused rows, keys in canonical (segment-local) positions, as [layers, n, D]."""
         src = reuse.src
@@ -98,7 +93,8 @@ class DeltaCorrection(SharingMethod):
         else:
             k, v = reuse.source.k.index_select(1, src), reuse.source.v.index_select(1, src)
         canonical = reuse.dst - reuse.segment.start  # segment-local position of each row
-        return self._flat(self._rotate_all(k, canonical - reuse.src)), self._flat(v)
+        assert self.core is not None
+        return self._flat(self.core.aligner.rotate(k, canonical - reuse.src)), self._flat(v)
 
     # -------------------------------------------------------------- sources
     def _reference(self, ctx: LoadContext, segment: PlanSegment) -> SegmentReuse | None:
@@ -222,7 +218,8 @@ class DeltaCorrection(SharingMethod):
             # the correction this edge needed.
             target_k, target_v = ctx.read_rows(fallback.reuse.dst)
             canonical = fallback.reuse.dst - fallback.segment.start
-            target_k = self._flat(self._rotate_all(target_k, canonical - fallback.reuse.dst))
+            assert self.core is not None
+            target_k = self._flat(self.core.aligner.rotate(target_k, canonical - fallback.reuse.dst))
             # One anchor per observation (trajectory) of a slot, shared by the edges along it; the
             # content key keeps a stale anchor of another run's trajectory with the same id apart.
             segment = fallback.segment
