@@ -6,7 +6,8 @@ loaded QPS per context. Prints, measured side by side in one run:
     FullShared, vs kvcmas-nonchained under load);
   - anchor-pool bytes KVComm / KVCMAS at equal V against L*D / (r*(L+D)), and server peak RSS;
   - normalized KV error ||C - C_dense||_F / ||C_dense||_F per method against a dense prefill of the
-    same prompt (reuse turns of the last trajectories), with each method's realized rho.
+    same prompt, over every turn of the measured trajectories (the method at its realized rho) and
+    over the turns whose shared query was served from a reused cache.
 
     .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5] [--cold]
 
@@ -35,12 +36,21 @@ from kvbench.tracegen.tokenizer import load_tokenizer
 METHODS = [("nonshared", {}), ("fullshared", {}), ("kvcmas", {}), ("kvcmas-nonchained", {}), ("kvcomm", {"V": 10})]
 
 
-def kv_errors(server: VLLMServer, requests: pd.DataFrame, sample: int) -> float:
-    """Mean over sampled reuse turns and layers of the K and V normalized errors vs dense."""
-    reuse = requests[(requests["turn_id"] != "A0.r0") & requests["success"]]
-    reuse = reuse[reuse["trajectory_id"].isin(sorted(set(reuse["trajectory_id"]))[-2:])].head(sample)
-    errors = []
-    for _, row in reuse.iterrows():
+def _reused_segments(row: pd.Series) -> set[str]:
+    stats = json.loads(row["method_stats"]) if isinstance(row["method_stats"], str) else {}
+    return {s["id"] for s in stats.get("segments", []) if s.get("reused")}
+
+
+def kv_errors(server: VLLMServer, requests: pd.DataFrame, trajectories: int) -> dict[str, float]:
+    """Normalized K/V error of each turn's whole prompt against a dense prefill of the same prompt,
+    mean over layers of (||K - K_dense|| / ||K_dense|| + same for V) / 2, over every turn of the
+    last `trajectories` measured trajectories (first agents included: non-chained methods correct
+    them too). Returns the mean over all those turns (the method at its realized rho) and over the
+    turns whose shared query was served from a reused cache (the quality of the reuse itself)."""
+    turns = requests[requests["success"]]
+    turns = turns[turns["trajectory_id"].isin(sorted(set(turns["trajectory_id"]))[-trajectories:])]
+    all_turns, reused_q = [], []
+    for _, row in turns.iterrows():
         reference = row["request_id"].replace("/", "_") + "-dense"
         body = {"model": server.config.model, "prompt": [int(t) for t in row["prompt_token_ids"]], "max_tokens": 1,
                 "cache_salt": reference, "kv_transfer_params": {"kvbench": {"save_as": reference, "claim": False,
@@ -50,8 +60,13 @@ def kv_errors(server: VLLMServer, requests: pd.DataFrame, sample: int) -> float:
         urllib.request.urlopen(request, timeout=600).read()
         result = collective_rpc(server.base_url, "kvbench_kv_error", key=row["request_id"], reference=reference,
                                 start="0", stop=str(int(row["prompt_tokens"]) - 1))[0]
-        errors.append(np.mean([(layer["k_rel"] + layer["v_rel"]) / 2 for layer in result["layers"]]))
-    return float(np.mean(errors)) if errors else float("nan")
+        error = float(np.mean([(layer["k_rel"] + layer["v_rel"]) / 2 for layer in result["layers"]]))
+        all_turns.append(error)
+        if "q" in _reused_segments(row):
+            reused_q.append(error)
+    return {"kv_error": float(np.mean(all_turns)) if all_turns else float("nan"),
+            "kv_error_q_reused": float(np.mean(reused_q)) if reused_q else float("nan"),
+            "q_reused_turns": len(reused_q), "error_turns": len(all_turns)}
 
 
 def main() -> None:
@@ -59,7 +74,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="2048,8192")
     parser.add_argument("--loaded-qps", default="1,0.5", help="loaded QPS per context (same order)")
     parser.add_argument("--trajectories", type=int, default=6)
-    parser.add_argument("--error-sample", type=int, default=6)
+    parser.add_argument("--error-trajectories", type=int, default=6,
+                        help="KV error over every turn of the last N measured trajectories (QPS 0 runs)")
     parser.add_argument("--warmups", type=int, default=3,
                         help="trajectories run first and not measured; they warm kernels and fill the anchor "
                              "pools (steady state) unless --cold")
@@ -95,8 +111,8 @@ def main() -> None:
                             "pool_mib": state.get("peak_anchor_pool", 0) / 2**20,
                             "references_mib": state.get("peak_references", 0) / 2**20,
                             "peak_rss_mib": (summary.get("peak_server_rss_bytes") or 0) / 2**20,
-                            "kv_error": (kv_errors(server, requests, args.error_sample)
-                                         if method != "nonshared" and qps == 0 else float("nan")),
+                            **(kv_errors(server, requests, args.error_trajectories)
+                               if method != "nonshared" and qps == 0 else {}),
                         })
                         print(json.dumps(rows[-1]), flush=True)
     table = pd.DataFrame(rows)
@@ -111,6 +127,15 @@ def main() -> None:
                   f"(target >= 2 under load); KVCMAS/FullShared {k / p50[('fullshared', context, qps)]:.2f}x "
                   f"(target <= 1.3); KVCMAS p50 is {1 - k / p50[('kvcmas-nonchained', context, qps)]:.0%} lower "
                   "than kvcmas-nonchained (target >= 30% under load)")
+    errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
+    for context in contexts:
+        e = errors.xs(context, level="context")
+        print(f"ctx {context}: KV error (all turns) KVCMAS {e.loc['kvcmas', 'kv_error']:.4f} at rho "
+              f"{e.loc['kvcmas', 'realized_rho']:.2f}, KVComm {e.loc['kvcomm', 'kv_error']:.4f} at rho "
+              f"{e.loc['kvcomm', 'realized_rho']:.2f}, FullShared {e.loc['fullshared', 'kv_error']:.4f} "
+              "(targets: KVCMAS <= KVComm at equal rho, both < FullShared); turns with the query reused: "
+              f"KVCMAS {e.loc['kvcmas', 'kv_error_q_reused']:.4f}, KVComm {e.loc['kvcomm', 'kv_error_q_reused']:.4f}, "
+              f"FullShared {e.loc['fullshared', 'kv_error_q_reused']:.4f}")
     # Shapes of the embedded model: L layers is irrelevant to the ratio; D = KV features per layer.
     d = 4 * 32
     rank = 32

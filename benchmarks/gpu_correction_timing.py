@@ -54,11 +54,11 @@ def run(device: str, n: int, layers: int, heads: int, head_dim: int, rank: int, 
         for stored in (anchor.base_k, anchor.base_v, *anchor.deltas["A0->A1"]):
             stored.a, stored.b = stored.a.to(device), stored.b.to(device)
     members = list(pool.anchors.values())
-    current_k = torch.randn(layers, n, d, generator=g).to(device)
-    current_v = torch.randn(layers, n, d, generator=g).to(device)
-    keys = current_k.view(layers, n, heads, head_dim).to(torch.bfloat16)
+    # The source rows as the method sees them: the served cache's dtype (bf16).
+    current_k = torch.randn(layers, n, d, generator=g).to(device, torch.bfloat16)
+    current_v = torch.randn(layers, n, d, generator=g).to(device, torch.bfloat16)
+    keys = current_k.view(layers, n, heads, head_dim)
     aligner = RopeAligner.from_theta(head_dim, 2 * n + 16, 500000.0).to(device)
-    shift = torch.full((n,), n // 2, dtype=torch.long, device=device)
 
     # The path DeltaCorrection runs: one pass over the value states gives the gate's distances
     # (Eq. 9) and the token-wise value weights; on accept, the key pass and the weighted sums.
@@ -68,12 +68,15 @@ def run(device: str, n: int, layers: int, heads: int, head_dim: int, rank: int, 
     value_distances, _ = anchor_distances(current_v, bases_v, n, gate_rows=n)
     delta_s = timed(lambda: interpolated_delta(current_k, current_v, members, "A0->A1", n,
                                                value_distances=value_distances), device, repeats)
-    rotate_s = timed(lambda: aligner.rotate(keys, shift), device, repeats)
+    # Keys to canonical positions for matching, and the correction to the target positions: two
+    # constant-shift rotations in bf16 (DeltaCorrection._source_rows and correct).
+    rotate_s = timed(lambda: (aligner.rotate(keys, -n // 2, exact=False), aligner.rotate(keys, n // 2, exact=False)),
+                     device, repeats)
     factors = sum(a.nbytes for a in members)  # base K, base V, delta K, delta V: a quarter each
     cache = layers * n * d * 2  # one of K or V in bf16
     # Bytes each step must move at least: its factors once, the current cache read, results written.
     minimal = {"gate": factors / 4 + cache, "weights+delta": 3 * factors / 4 + cache + 2 * cache,
-               "rotate": 2 * cache}
+               "rotate": 4 * cache}
     return {"n": n, "gate_ms": 1e3 * gate_s, "weights_delta_ms": 1e3 * delta_s, "rotate_ms": 1e3 * rotate_s,
             "gate_GBs": minimal["gate"] / gate_s / 1e9, "delta_GBs": minimal["weights+delta"] / delta_s / 1e9,
             "rotate_GBs": minimal["rotate"] / rotate_s / 1e9}

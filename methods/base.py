@@ -80,7 +80,8 @@ class SharingMethod:
 
     def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adjust reused K (already re-aligned to target positions) and V of one layer."""
+        """Adjust reused K (already re-aligned to target positions) and V of one layer. Both are
+        fresh tensors owned by the caller: a method may change them in place and return them."""
         return keys, values
 
     def after_load(self, ctx: LoadContext) -> None:

@@ -38,9 +38,8 @@ class PendingAnchor:
     slot: str
     anchor_id: str
     edge: str
-    source_k: torch.Tensor  # [layers, n, D] canonical
-    source_v: torch.Tensor
-    target_k: torch.Tensor
+    source: SegmentReuse  # the rows the correction would have been applied to
+    target_k: torch.Tensor  # the dense rows as computed [layers, n, H, hd], keys at the target positions
     target_v: torch.Tensor
 
 
@@ -49,8 +48,6 @@ class Fallback:
     segment: PlanSegment
     reuse: SegmentReuse
     edge: str
-    source_k: torch.Tensor
-    source_v: torch.Tensor
 
 
 class DeltaCorrection(SharingMethod):
@@ -85,8 +82,11 @@ class DeltaCorrection(SharingMethod):
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], x.shape[1], -1).float()
 
-    def _source_rows(self, reuse: SegmentReuse) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reused rows, keys in canonical (segment-local) positions, as [layers, n, D]."""
+    def _source_rows(self, reuse: SegmentReuse, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reused rows, keys in canonical (segment-local) positions, as [layers, n, D] in the
+        source's dtype. `exact=False` rotates in that dtype (about 0.4% error): enough to match
+        against anchors, whose distances are taken in bf16 anyway; an anchor's delta is the small
+        difference of two caches and needs the exact rotation."""
         src = reuse.src
         if len(src) and int(src[-1]) - int(src[0]) == len(src) - 1 and bool((src[1:] > src[:-1]).all()):
             k, v = reuse.source.k[:, int(src[0]): int(src[-1]) + 1], reuse.source.v[:, int(src[0]): int(src[-1]) + 1]
@@ -94,7 +94,8 @@ class DeltaCorrection(SharingMethod):
             k, v = reuse.source.k.index_select(1, src), reuse.source.v.index_select(1, src)
         canonical = reuse.dst - reuse.segment.start  # segment-local position of each row
         assert self.core is not None
-        return self._flat(self.core.aligner.rotate(k, canonical - reuse.src)), self._flat(v)
+        k = self.core.aligner.rotate(k, canonical - reuse.src, exact=exact)
+        return k.reshape(k.shape[0], k.shape[1], -1), v.reshape(v.shape[0], v.shape[1], -1)
 
     # -------------------------------------------------------------- sources
     def _reference(self, ctx: LoadContext, segment: PlanSegment) -> SegmentReuse | None:
@@ -136,15 +137,16 @@ class DeltaCorrection(SharingMethod):
             started = time.perf_counter()
             source = segment.source_agent if self.chained else "ref"
             edge = f"{source}->{ctx.plan.agent}"
-            current_k, current_v = self._source_rows(reuse)
+            current_k, current_v = self._source_rows(reuse, exact=False)
+            rows_s = time.perf_counter() - started
             decision = self._decide(segment.id, edge, current_k, current_v)
-            decision["id"] = segment.id
+            decision.update(id=segment.id, rows_s=rows_s)
             if decision.pop("accept"):
                 delta_k, delta_v, covered = decision.pop("delta")
                 self._corrections[id(reuse)] = (delta_k, delta_v, covered, segment.start)
                 chosen.append(reuse)
             else:
-                fallbacks.append(Fallback(segment, reuse, edge, current_k, current_v))
+                fallbacks.append(Fallback(segment, reuse, edge))
             decision["decide_s"] = time.perf_counter() - started
             decisions.append(decision)
         ctx.stats["eligible_tokens"] = eligible
@@ -176,14 +178,17 @@ class DeltaCorrection(SharingMethod):
         k = min(covered, int(self.params.get("gate_tokens") or covered))
         # One pass over the value states serves the gate (Eq. 9, first k rows) and, on accept,
         # the token-wise value weights (all covered rows).
+        started = time.perf_counter()
         value_distances, value_squares = anchor_distances(current_v, [a.base_v for a in eligible], covered,
                                                           gate_rows=k)
         gate = gate_from_distances(value_squares, self.threshold())
+        gate_s = time.perf_counter() - started
         if not gate.accept:
             return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
-                    "anchors": len(eligible)}
+                    "anchors": len(eligible), "gate_s": gate_s}
         delta_k, delta_v = interpolated_delta(current_k, current_v, eligible, edge, covered,
                                               value_distances=value_distances)
+        interpolate_s = time.perf_counter() - started - gate_s
         order = torch.argsort(gate.weights, descending=True)
         mass = 0.0
         for index in order.tolist():  # count a use for the anchors holding 90% of the gate mass
@@ -192,7 +197,8 @@ class DeltaCorrection(SharingMethod):
             if mass >= 0.9:
                 break
         return {"accept": True, "decision": "accepted", "entropy": gate.normalized_entropy, "anchors": len(eligible),
-                "covered": covered, "delta": (delta_k, delta_v, covered)}
+                "covered": covered, "delta": (delta_k, delta_v, covered), "gate_s": gate_s,
+                "interpolate_s": interpolate_s}
 
     def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,12 +207,12 @@ class DeltaCorrection(SharingMethod):
             return keys, values
         delta_k, delta_v, covered, segment_start = entry
         heads, head_dim = keys.shape[1], keys.shape[2]
-        dk = delta_k[layer].view(covered, heads, head_dim)
         assert self.core is not None
-        # Corrections live in canonical positions: turn them to the target positions (RoPE is linear).
-        dk = self.core.aligner.rotate(dk, segment_start)
-        keys, values = keys.clone(), values.clone()
-        # bf16 + bf16 adds in fp32 and rounds once, like the fp32 sum cast back.
+        # Corrections live in canonical positions: turn them to the target positions (RoPE is
+        # linear). A correction is a few percent of the key, so the rotation's bf16 error is noise.
+        dk = self.core.aligner.rotate(delta_k[layer].view(covered, heads, head_dim), segment_start, exact=False)
+        # keys/values are the caller's fresh copies (SharingMethod.correct): added in place; bf16 +
+        # bf16 adds in fp32 and rounds once, like the fp32 sum cast back.
         keys[:covered] += dk.to(keys.dtype)
         values[:covered] += delta_v[layer].view(covered, heads, head_dim).to(values.dtype)
         return keys, values
@@ -216,16 +222,15 @@ class DeltaCorrection(SharingMethod):
         for fallback in self._fallbacks.pop(ctx.request_key, []):
             # The segment was computed densely: its exact cache against the (aligned) source gives
             # the correction this edge needed.
+            # Only the target rows are read now (their blocks belong to this request); rotations and
+            # the factorization wait for run_deferred, after the first token.
             target_k, target_v = ctx.read_rows(fallback.reuse.dst)
-            canonical = fallback.reuse.dst - fallback.segment.start
-            assert self.core is not None
-            target_k = self._flat(self.core.aligner.rotate(target_k, canonical - fallback.reuse.dst))
             # One anchor per observation (trajectory) of a slot, shared by the edges along it; the
             # content key keeps a stale anchor of another run's trajectory with the same id apart.
             segment = fallback.segment
             content = content_key(ctx.tokens[segment.start: segment.start + segment.length])
             self.pending.append(PendingAnchor(segment.id, f"{ctx.plan.trajectory}/{content}", fallback.edge,
-                                              fallback.source_k, fallback.source_v, target_k, self._flat(target_v)))
+                                              fallback.reuse, target_k, target_v))
 
     def run_deferred(self) -> None:
         rank_base = int(self.params["r_c"]) if self.low_rank else None
@@ -238,8 +243,13 @@ class DeltaCorrection(SharingMethod):
                 if pool.compatible(job.edge, 1):
                     continue  # this relation is calibrated already
                 anchor_id = "calibration"  # one correction per (slot, target agent), whatever the content
-            pool.add(anchor_id, job.edge, job.source_k, job.source_v, job.target_k - job.source_k,
-                     job.target_v - job.source_v, rank_base, rank_delta, torch.bfloat16)
+            assert self.core is not None
+            source_k, source_v = (self._flat(x) for x in self._source_rows(job.source, exact=True))
+            # Target rows sit at dst = segment.start + canonical position: one constant shift back.
+            target_k = self._flat(self.core.aligner.rotate(job.target_k, -job.source.segment.start))
+            target_v = self._flat(job.target_v)
+            pool.add(anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
+                     rank_base, rank_delta, torch.bfloat16)
         self._track_peak()
 
     # -------------------------------------------------------------- accounting

@@ -18,3 +18,20 @@ def test_correction_timing_script_runs_on_cpu() -> None:
     assert lines[0].startswith("device=cpu copy bandwidth")
     assert [line.split(":")[0] for line in lines[1:]] == ["n=64", "n=128"]
     assert all("GB/s" in line and "fractions of copy bandwidth" in line for line in lines[1:])
+
+
+def test_delta_transfer_script_reports_bounds(default_model: str) -> None:
+    """The oracle fits use the target itself, so they can never do worse than the estimates they
+    generalize (best_segment spans mean_others and the zero correction; best_token spans those)."""
+    script = SCRIPT.parent / "delta_transfer.py"
+    result = subprocess.run([sys.executable, str(script), "--model", default_model, "--shared-tokens", "96",
+                             "--contents", "3", "--rank", "4", "--dtype", "float32"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    values = {line.split()[0]: float(line.split()[1]) for line in result.stdout.splitlines()[1:]}
+    assert set(values) == {"fullshared", "mean_others", "anchors_r4", "best_segment", "best_token",
+                           "delta_cosine_k", "delta_cosine_v"}
+    assert 0 < values["fullshared"] < 1
+    assert values["best_segment"] <= min(values["mean_others"], values["fullshared"]) + 1e-6
+    assert values["best_token"] <= values["best_segment"] + 1e-6
+    assert -1 <= values["delta_cosine_k"] <= 1 and -1 <= values["delta_cosine_v"] <= 1
