@@ -221,9 +221,9 @@ class DeltaCorrection(SharingMethod):
         self._corrections.clear()
         for fallback in self._fallbacks.pop(ctx.request_key, []):
             # The segment was computed densely: its exact cache against the (aligned) source gives
-            # the correction this edge needed.
-            # Only the target rows are read now (their blocks belong to this request); rotations and
-            # the factorization wait for run_deferred, after the first token.
+            # the correction this edge needed. Only the target rows are read now (their blocks
+            # belong to this request); rotations and factorization wait for run_deferred, after
+            # the first token.
             target_k, target_v = ctx.read_rows(fallback.reuse.dst)
             # One anchor per observation (trajectory) of a slot, shared by the edges along it; the
             # content key keeps a stale anchor of another run's trajectory with the same id apart.
