@@ -79,8 +79,10 @@ class DeltaCorrection(SharingMethod):
             raise MethodConfigError(f"{self.name}: {self.threshold_name} must be in [0, 1], got {threshold!r}")
 
     # -------------------------------------------------------------- geometry
-    def _flat(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], x.shape[1], -1).float()
+    @staticmethod
+    def _flat(x: torch.Tensor) -> torch.Tensor:
+        """[layers, n, heads, head_dim] -> [layers, n, features], dtype kept."""
+        return x.reshape(x.shape[0], x.shape[1], -1)
 
     def _source_rows(self, reuse: SegmentReuse, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The reused rows, keys in canonical (segment-local) positions, as [layers, n, D] in the
@@ -95,7 +97,7 @@ class DeltaCorrection(SharingMethod):
         canonical = reuse.dst - reuse.segment.start  # segment-local position of each row
         assert self.core is not None
         k = self.core.aligner.rotate(k, canonical - reuse.src, exact=exact)
-        return k.reshape(k.shape[0], k.shape[1], -1), v.reshape(v.shape[0], v.shape[1], -1)
+        return self._flat(k), self._flat(v)
 
     # -------------------------------------------------------------- sources
     def _reference(self, ctx: LoadContext, segment: PlanSegment) -> SegmentReuse | None:
@@ -244,10 +246,10 @@ class DeltaCorrection(SharingMethod):
                     continue  # this relation is calibrated already
                 anchor_id = "calibration"  # one correction per (slot, target agent), whatever the content
             assert self.core is not None
-            source_k, source_v = (self._flat(x) for x in self._source_rows(job.source, exact=True))
+            source_k, source_v = (x.float() for x in self._source_rows(job.source, exact=True))
             # Target rows sit at dst = segment.start + canonical position: one constant shift back.
-            target_k = self._flat(self.core.aligner.rotate(job.target_k, -job.source.segment.start))
-            target_v = self._flat(job.target_v)
+            target_k = self._flat(self.core.aligner.rotate(job.target_k, -job.source.segment.start)).float()
+            target_v = self._flat(job.target_v).float()
             pool.add(anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
                      rank_base, rank_delta, torch.bfloat16)
         self._track_peak()
