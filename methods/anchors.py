@@ -14,6 +14,36 @@ from dataclasses import dataclass, field
 import torch
 
 EVICTION_WINDOW = 5  # LFU among the 5 oldest anchors (KVComm's policy, kept by KVCMAS)
+# Widest feature dimension factorized with a full eigensolve. Wider ones (Llama-3.1-8B: D = 1024)
+# use subspace iteration: a full fp64 eigh of 32 [1024, 1024] Gram matrices took 340 ms on an
+# H200, four times per new anchor, stalling the engine for longer than an 8K prefill (250 ms).
+EXACT_EIGH_MAX_FEATURES = 256
+SUBSPACE_OVERSAMPLING = 16
+SUBSPACE_ITERATIONS = 4
+
+
+def top_right_singular_vectors(z: torch.Tensor, rank: int, exact: bool | None = None) -> torch.Tensor:
+    """The top-`rank` right singular vectors of each layer of z [layers, n, D] (fp32), as [layers, rank, D].
+
+    They are the leading eigenvectors of the Gram matrix Z^T Z [D, D]. Up to EXACT_EIGH_MAX_FEATURES
+    features, a full eigensolve (fp64 for the squared condition number). Wider: subspace iteration
+    on the Gram matrix (GEMMs and thin QRs; each step multiplies by the squared spectrum, so four
+    steps with 16 extra directions converge for a KV cache's decaying spectrum), then the
+    Rayleigh-Ritz eigensolve of the small [q, q] projection on the CPU."""
+    gram = z.mT @ z
+    features = gram.shape[-1]
+    if exact if exact is not None else features <= EXACT_EIGH_MAX_FEATURES:
+        _, eigenvectors = torch.linalg.eigh(gram.double())  # ascending eigenvalues
+        return eigenvectors[..., -rank:].flip(-1).mT.to(z.dtype)
+    q = min(features, rank + SUBSPACE_OVERSAMPLING)
+    generator = torch.Generator(device=z.device).manual_seed(0)  # same factors for the same input
+    basis = torch.randn(*gram.shape[:-1], q, generator=generator, device=z.device, dtype=z.dtype)
+    for _ in range(SUBSPACE_ITERATIONS):
+        basis, _ = torch.linalg.qr(gram @ basis)
+    projected = (basis.mT @ gram @ basis).double().cpu()
+    _, eigenvectors = torch.linalg.eigh((projected + projected.mT) / 2)
+    top = eigenvectors[..., -rank:].flip(-1).to(z.device, z.dtype)
+    return (basis @ top).mT
 
 
 class FullRank:
@@ -37,17 +67,22 @@ class FullRank:
 class LowRank:
     """Truncated SVD per layer, Z ~ A B with A = U_r S_r [layers, n, r] and B = V_r^T [layers, r, D]."""
 
-    def __init__(self, z: torch.Tensor, rank: int, dtype: torch.dtype) -> None:
-        # The right singular vectors of a tall Z [n, D] are the eigenvectors of its Gram matrix
-        # Z^T Z [D, D]: one small symmetric eigensolve per layer (fp64 for the squared condition
-        # number) and one GEMM give the same rank-r factors as an SVD of Z, 4-5x faster on CPU
-        # (14 vs 64 ms at [4, 8192, 128]); this runs for every dense fallback.
+    def __init__(self, z: torch.Tensor, rank: int, dtype: torch.dtype, exact: bool | None = None) -> None:
+        # From the eigenvectors of the Gram matrix rather than an SVD of the tall Z: the same
+        # factors, 4-5x faster on CPU (14 vs 64 ms at [4, 8192, 128]); this runs for every dense
+        # fallback. `exact` forces the full eigensolve (True) or subspace iteration (False).
         z = z.float()
         r = min(rank, z.shape[-2], z.shape[-1])
-        _, eigenvectors = torch.linalg.eigh((z.mT @ z).double())  # ascending eigenvalues
-        b = eigenvectors[..., -r:].flip(-1).mT.to(z.dtype)  # top-r right singular vectors [layers, r, D]
+        b = top_right_singular_vectors(z, r, exact)  # [layers, r, D]
         self.a = (z @ b.mT).to(dtype)  # = U_r S_r
         self.b = b.to(dtype)
+
+    @classmethod
+    def from_factors(cls, a: torch.Tensor, b: torch.Tensor) -> LowRank:
+        """Factors made elsewhere (A [layers, n, r], B [layers, r, D]); used by timing scripts."""
+        stored = cls.__new__(cls)
+        stored.a, stored.b = a, b
+        return stored
 
     @property
     def length(self) -> int:
@@ -134,32 +169,63 @@ class GateResult:
     normalized_entropy: float
 
 
-def _stacked_rows(stored: list[Stored], layer: int, n: int) -> torch.Tensor:
+def _stacked_rows(stored: list[Stored], layer: int, n: int, minus: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [0, n) of one layer of every stored tensor, as one [anchors, n, D] tensor in the
-    storage dtype. Low-rank factors are multiplied straight into their slice of the output (bf16
-    GEMMs accumulate in fp32 and run on AVX512-BF16/AMX or tensor cores): no stacking copies."""
+    storage dtype, less `minus` [n, D] when given. Low-rank factors are multiplied straight into
+    their slice of the output (bf16 GEMMs accumulate in fp32 and run on AVX512-BF16/AMX or tensor
+    cores), with the subtraction fused into the GEMM: no stacking copies, no extra pass."""
     first = stored[0].z if isinstance(stored[0], FullRank) else stored[0].b
     out = torch.empty(len(stored), n, first.shape[-1], dtype=first.dtype, device=first.device)
+    if minus is not None:
+        minus = minus.to(first.dtype)
     for index, s in enumerate(stored):
         if isinstance(s, FullRank):
-            out[index] = s.z[layer, :n]
-        else:
+            torch.sub(s.z[layer, :n], 0 if minus is None else minus, out=out[index])
+        elif minus is None:
             torch.mm(s.a[layer, :n], s.b[layer], out=out[index])
+        else:  # A B - c in one GEMM (beta = -1)
+            torch.addmm(minus, s.a[layer, :n], s.b[layer], beta=-1, out=out[index])
     return out
 
 
 def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_rows: int = 0,
-                     per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     per_token: bool = True, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Distances between the current cache [layers, >=n, D] and each stored base, in one pass
     per layer: ([anchors, n] absolute differences summed over layers and features, for the
     token-wise weights; [anchors] squared differences summed over the first `gate_rows` rows and
-    all layers, for the gate of Eq. 9)."""
+    all layers, for the gate of Eq. 9).
+
+    `path`: "loop" (a GEMM per anchor and layer), "batched" (one batched GEMM per layer for all
+    low-rank anchors of one rank), "fused" (one Triton kernel per layer, CUDA, bf16/fp16 factors).
+    Default: fused where it can run, else batched on accelerators and loop on the CPU, where bf16
+    bmm took twice as long as a loop of GEMMs (38 vs 22 ms at V=10, [4, 8192, 128], measured)."""
     count = len(stored)
+    stack = _low_rank_stack(stored, n) if path != "loop" else None
+    fused_ok = (stack is not None and stack[0].dtype in (torch.bfloat16, torch.float16)
+                and _triton_available(current.device))
+    if path is None:
+        path = "fused" if fused_ok else "batched" if current.device.type != "cpu" and stack is not None else "loop"
+    if path not in ("loop", "batched", "fused") or (path == "fused" and not fused_ok) or (
+            path == "batched" and stack is None):
+        raise ValueError(f"distance path {path!r} cannot run here")
+    if path == "fused":
+        assert stack is not None
+        rows = n if per_token else gate_rows
+        from kvbench.methods.triton_distances import low_rank_distances
+
+        l1, l2 = low_rank_distances(current, stack[0][:, :, :rows], stack[1], rows)
+        squares = l2[:, :gate_rows].sum(dim=-1) if gate_rows else torch.zeros(count, device=current.device)
+        return (l1 if per_token else l1[:, :0]), squares
     sums = torch.zeros(count, n if per_token else 0, device=current.device)
     squares = torch.zeros(count, device=current.device)
     for layer in range(current.shape[0]):  # one [anchors, n, D] reconstruction alive at a time
-        diff = _stacked_rows(stored, layer, n)
-        diff.sub_(current[layer, :n].to(diff.dtype))  # in place: the pass is memory-bound
+        if path == "batched":  # A B - c for all anchors in one batched GEMM (beta = -1)
+            assert stack is not None
+            a, b = stack[0][layer], stack[1][layer]
+            rows = current[layer, :n].to(a.dtype)
+            diff = torch.baddbmm(rows.expand(count, *rows.shape), a, b, beta=-1)
+        else:
+            diff = _stacked_rows(stored, layer, n, minus=current[layer, :n])
         # Reductions over features stay in the storage dtype (accumulated in fp32 inside, and
         # several times faster on the CPU than fp32 outputs); sums over tokens and layers in fp32.
         if gate_rows:
@@ -168,6 +234,28 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
         if per_token:
             sums += diff.abs_().sum(dim=-1).float()
     return sums, squares
+
+
+def _triton_available(device: torch.device) -> bool:
+    """The fused kernel runs on CUDA devices where Triton imports (CPU workers never import it)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _low_rank_stack(stored: list[Stored], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A [layers, anchors, n, r] and B [layers, anchors, r, D] when every stored tensor is low rank
+    with one rank, else None. Copying the thin factors once (r << D) lets each layer's pass be one
+    batched GEMM instead of one per anchor: on a GPU the per-anchor launches, not the bytes, were
+    the cost (an 8K segment took as long as a 32K one)."""
+    if not all(isinstance(s, LowRank) for s in stored) or len({s.a.shape[-1] for s in stored}) != 1:  # type: ignore[union-attr]
+        return None
+    return (torch.stack([s.a[:, :n] for s in stored], dim=1),  # type: ignore[union-attr]
+            torch.stack([s.b for s in stored], dim=1))  # type: ignore[union-attr]
 
 
 def gate_from_distances(squared: torch.Tensor, tau: float, temperature: float = 1.0) -> GateResult:
@@ -198,35 +286,34 @@ def token_weights(distance_sums: torch.Tensor, layers: int, features: int, tempe
 
 def weighted_corrections(deltas: list[Stored], weights: torch.Tensor, layers: int, n: int) -> torch.Tensor:
     """Sum over anchors of w_v[t] * delta_v[t] for rows [0, n), as [layers, n, D] in the storage dtype.
-    Low rank: one GEMM per layer, [n, anchors*r] (weights folded into the A factors) times the
-    stacked B factors [anchors*r, D]; no [n, D] reconstruction per anchor."""
-    low_rank = all(isinstance(d, LowRank) for d in deltas) and len({d.a.shape[-1] for d in deltas}) == 1  # type: ignore[union-attr]
+    Low rank: one batched GEMM over layers, [n, anchors*r] (weights folded into the A factors)
+    times the stacked B factors [anchors*r, D]; no [n, D] reconstruction per anchor."""
+    if all(isinstance(d, LowRank) for d in deltas) and len({d.a.shape[-1] for d in deltas}) == 1:  # type: ignore[union-attr]
+        first = deltas[0].a  # type: ignore[union-attr]
+        scaled = torch.empty(layers, n, len(deltas), first.shape[-1], dtype=first.dtype, device=first.device)
+        for index, d in enumerate(deltas):  # w_v[t] * A_v[t], written into its slice of [layers, n, V, r]
+            torch.mul(d.a[:layers, :n], weights[index, :, None].to(first.dtype), out=scaled[:, :, index])  # type: ignore[union-attr]
+        b = torch.cat([d.b[:layers] for d in deltas], dim=1)  # type: ignore[union-attr]  [layers, V*r, D]
+        return torch.bmm(scaled.view(layers, n, -1), b)
     out = []
     for layer in range(layers):
-        if low_rank:
-            first = deltas[0].a  # type: ignore[union-attr]
-            scaled = torch.empty(n, len(deltas), first.shape[-1], dtype=first.dtype, device=first.device)
-            for index, d in enumerate(deltas):  # w_v[t] * A_v[t], written into its slice of [n, V, r]
-                torch.mul(d.a[layer, :n], weights[index, :, None].to(first.dtype), out=scaled[:, index])  # type: ignore[union-attr]
-            b = torch.cat([d.b[layer] for d in deltas])  # type: ignore[union-attr]  [V*r, D]
-            out.append(scaled.view(n, -1) @ b)
-        else:
-            rows = _stacked_rows(deltas, layer, n)
-            out.append(torch.einsum("vn,vnd->nd", weights.to(rows.dtype), rows))
+        rows = _stacked_rows(deltas, layer, n)
+        out.append(torch.einsum("vn,vnd->nd", weights.to(rows.dtype), rows))
     return torch.stack(out)
 
 
 def interpolated_delta(current_k: torch.Tensor, current_v: torch.Tensor, anchors: list[Anchor], edge: str,
                        n: int, temperature: float = 1.0,
-                       value_distances: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       value_distances: torch.Tensor | None = None,
+                       path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 8 with token-wise weights: for each token, softmax over anchors of minus the mean
     absolute distance between the current cache and the anchor's base (K and V separately),
     then the weighted sum of the anchors' corrections. Rows [0, n) only; the value distances may
-    come from the gate's pass (`anchor_distances`)."""
+    come from the gate's pass (`anchor_distances`, whose `path` this passes on)."""
     layers, features = current_v.shape[0], current_v.shape[2]
     if value_distances is None:
-        value_distances, _ = anchor_distances(current_v, [a.base_v for a in anchors], n)
-    key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n)
+        value_distances, _ = anchor_distances(current_v, [a.base_v for a in anchors], n, path=path)
+    key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n, path=path)
     w_k = token_weights(key_distances, layers, features, temperature)
     w_v = token_weights(value_distances, layers, features, temperature)
     delta_k = weighted_corrections([a.deltas[edge][0] for a in anchors], w_k, layers, n)

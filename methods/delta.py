@@ -93,7 +93,8 @@ class DeltaCorrection(SharingMethod):
         if len(src) and int(src[-1]) - int(src[0]) == len(src) - 1 and bool((src[1:] > src[:-1]).all()):
             k, v = reuse.source.k[:, int(src[0]): int(src[-1]) + 1], reuse.source.v[:, int(src[0]): int(src[-1]) + 1]
         else:
-            k, v = reuse.source.k.index_select(1, src), reuse.source.v.index_select(1, src)
+            index = src.to(reuse.source.k.device)  # plans index on the CPU; the cache may be on a GPU
+            k, v = reuse.source.k.index_select(1, index), reuse.source.v.index_select(1, index)
         canonical = reuse.dst - reuse.segment.start  # segment-local position of each row
         assert self.core is not None
         k = self.core.aligner.rotate(k, canonical - reuse.src, exact=exact)

@@ -16,8 +16,15 @@ def test_correction_timing_script_runs_on_cpu() -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("device=cpu copy bandwidth")
-    assert [line.split(":")[0] for line in lines[1:]] == ["n=64", "n=128"]
-    assert all("GB/s" in line and "fractions of copy bandwidth" in line for line in lines[1:])
+    rows = [line for line in lines if line.startswith("n=")]
+    assert [line.split(":")[0] for line in rows] == ["n=64", "n=128"]
+    steps = [line.split(":")[0].strip() for line in lines if line.startswith("  ")]
+    assert steps == ["gate", "delta", "rotate"] * 2
+    assert all("of copy bandwidth" in line for line in lines if line.startswith("  "))
+    for row in rows:  # the total is the sum of its parts, as printed
+        total, parts = row.split("correction ")[1].split(" ms = ")
+        numbers = [float(part.split()[-1]) for part in parts.split(" (")[0].split(" + ")]
+        assert abs(float(total) - sum(numbers)) < 0.02 + 1e-3 * float(total)
 
 
 def test_delta_transfer_script_reports_bounds(default_model: str) -> None:
