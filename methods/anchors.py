@@ -180,7 +180,10 @@ def _stacked_rows(stored: list[Stored], layer: int, n: int, minus: torch.Tensor 
         minus = minus.to(first.dtype)
     for index, s in enumerate(stored):
         if isinstance(s, FullRank):
-            torch.sub(s.z[layer, :n], 0 if minus is None else minus, out=out[index])
+            if minus is None:
+                out[index] = s.z[layer, :n]
+            else:
+                torch.sub(s.z[layer, :n], minus, out=out[index])
         elif minus is None:
             torch.mm(s.a[layer, :n], s.b[layer], out=out[index])
         else:  # A B - c in one GEMM (beta = -1)
@@ -200,27 +203,26 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
     Default: fused where it can run, else batched on accelerators and loop on the CPU, where bf16
     bmm took twice as long as a loop of GEMMs (38 vs 22 ms at V=10, [4, 8192, 128], measured)."""
     count = len(stored)
-    stack = _low_rank_stack(stored, n) if path != "loop" else None
-    fused_ok = (stack is not None and stack[0].dtype in (torch.bfloat16, torch.float16)
+    low_rank = _one_rank(stored)
+    fused_ok = (low_rank and stored[0].b.dtype in (torch.bfloat16, torch.float16)  # type: ignore[union-attr]
                 and _triton_available(current.device))
     if path is None:
-        path = "fused" if fused_ok else "batched" if current.device.type != "cpu" and stack is not None else "loop"
+        path = "fused" if fused_ok else "batched" if low_rank and current.device.type != "cpu" else "loop"
     if path not in ("loop", "batched", "fused") or (path == "fused" and not fused_ok) or (
-            path == "batched" and stack is None):
+            path == "batched" and not low_rank):
         raise ValueError(f"distance path {path!r} cannot run here")
     if path == "fused":
-        assert stack is not None
-        rows = n if per_token else gate_rows
         from kvbench.methods.triton_distances import low_rank_distances
 
-        l1, l2 = low_rank_distances(current, stack[0][:, :, :rows], stack[1], rows)
+        rows = n if per_token else gate_rows
+        l1, l2 = low_rank_distances(current, *_low_rank_stack(stored, rows), rows)
         squares = l2[:, :gate_rows].sum(dim=-1) if gate_rows else torch.zeros(count, device=current.device)
         return (l1 if per_token else l1[:, :0]), squares
+    stack = _low_rank_stack(stored, n) if path == "batched" else None
     sums = torch.zeros(count, n if per_token else 0, device=current.device)
     squares = torch.zeros(count, device=current.device)
     for layer in range(current.shape[0]):  # one [anchors, n, D] reconstruction alive at a time
-        if path == "batched":  # A B - c for all anchors in one batched GEMM (beta = -1)
-            assert stack is not None
+        if stack is not None:  # A B - c for all anchors in one batched GEMM (beta = -1)
             a, b = stack[0][layer], stack[1][layer]
             rows = current[layer, :n].to(a.dtype)
             diff = torch.baddbmm(rows.expand(count, *rows.shape), a, b, beta=-1)
@@ -247,13 +249,16 @@ def _triton_available(device: torch.device) -> bool:
     return True
 
 
-def _low_rank_stack(stored: list[Stored], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A [layers, anchors, n, r] and B [layers, anchors, r, D] when every stored tensor is low rank
-    with one rank, else None. Copying the thin factors once (r << D) lets each layer's pass be one
-    batched GEMM instead of one per anchor: on a GPU the per-anchor launches, not the bytes, were
-    the cost (an 8K segment took as long as a 32K one)."""
-    if not all(isinstance(s, LowRank) for s in stored) or len({s.a.shape[-1] for s in stored}) != 1:  # type: ignore[union-attr]
-        return None
+def _one_rank(stored: list[Stored]) -> bool:
+    """Every stored tensor is low rank, all of one rank."""
+    return all(isinstance(s, LowRank) for s in stored) and len({s.a.shape[-1] for s in stored}) == 1  # type: ignore[union-attr]
+
+
+def _low_rank_stack(stored: list[Stored], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [layers, anchors, n, r] and B [layers, anchors, r, D] of low-rank tensors of one rank.
+    Copying the thin factors once (r << D) lets each layer's pass be one batched GEMM or kernel
+    launch instead of one per anchor: on a GPU the per-anchor launches, not the bytes, were the
+    cost (an 8K segment took as long as a 32K one)."""
     return (torch.stack([s.a[:, :n] for s in stored], dim=1),  # type: ignore[union-attr]
             torch.stack([s.b for s in stored], dim=1))  # type: ignore[union-attr]
 
@@ -288,7 +293,7 @@ def weighted_corrections(deltas: list[Stored], weights: torch.Tensor, layers: in
     """Sum over anchors of w_v[t] * delta_v[t] for rows [0, n), as [layers, n, D] in the storage dtype.
     Low rank: one batched GEMM over layers, [n, anchors*r] (weights folded into the A factors)
     times the stacked B factors [anchors*r, D]; no [n, D] reconstruction per anchor."""
-    if all(isinstance(d, LowRank) for d in deltas) and len({d.a.shape[-1] for d in deltas}) == 1:  # type: ignore[union-attr]
+    if _one_rank(deltas):
         first = deltas[0].a  # type: ignore[union-attr]
         scaled = torch.empty(layers, n, len(deltas), first.shape[-1], dtype=first.dtype, device=first.device)
         for index, d in enumerate(deltas):  # w_v[t] * A_v[t], written into its slice of [layers, n, V, r]
