@@ -1,4 +1,5 @@
-"""Benchmark: KVCMAS against NonShared, FullShared, its non-chained ablation and KVComm inside vLLM.
+"""Benchmark: KVCMAS against NonShared, FullShared, its non-chained ablation and KVComm inside vLLM
+(and CacheBlend beside them: --extra-methods).
 
 Four agents, 128-token outputs, 2K and 8K shared tokens; each at QPS 0 (single stream) and one
 loaded QPS per context. Prints, measured side by side in one run:
@@ -81,7 +82,10 @@ def main() -> None:
                              "pools (steady state) unless --cold")
     parser.add_argument("--cold", action="store_true",
                         help="reset method state after the warm-ups: anchor pools start empty (cold start)")
+    parser.add_argument("--extra-methods", default="cacheblend",
+                        help="more methods measured beside the ones the targets compare (comma-separated; '' for none)")
     args = parser.parse_args()
+    methods = METHODS + [(m, {}) for m in args.extra_methods.split(",") if m]
     contexts = [int(c) for c in args.contexts.split(",")]
     loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))
     tokenizer = load_tokenizer(None)
@@ -91,7 +95,7 @@ def main() -> None:
                                           tokenizer)]}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for method, params in METHODS:
+        for method, params in methods:
             config = method_server_config(method, model, params, log_path=Path(tmp) / f"{method}.log")
             with VLLMServer(config) as server:
                 for context in contexts:
@@ -136,6 +140,14 @@ def main() -> None:
               "(targets: KVCMAS <= KVComm at equal rho, both < FullShared); turns with the query reused: "
               f"KVCMAS {e.loc['kvcmas', 'kv_error_q_reused']:.4f}, KVComm {e.loc['kvcomm', 'kv_error_q_reused']:.4f}, "
               f"FullShared {e.loc['fullshared', 'kv_error_q_reused']:.4f}")
+    for method, _ in methods[len(METHODS):]:
+        for context in contexts:
+            e = errors.loc[(method, context)]
+            print(f"ctx {context}: {method} p50 {p50[(method, context, 0.0)]:.0f} ms at QPS 0 "
+                  f"({p50[(method, context, 0.0)] / p50[('kvcmas', context, 0.0)]:.2f}x KVCMAS), "
+                  f"{p50[(method, context, loaded[context])]:.0f} ms at QPS {loaded[context]:g} "
+                  f"({p50[(method, context, loaded[context])] / p50[('kvcmas', context, loaded[context])]:.2f}x KVCMAS); "
+                  f"KV error (all turns) {e['kv_error']:.4f} at rho {e['realized_rho']:.2f}")
     # Shapes of the embedded model: L layers is irrelevant to the ratio; D = KV features per layer.
     d = 4 * 32
     rank = 32

@@ -84,6 +84,18 @@ class SharingMethod:
         fresh tensors owned by the caller: a method may change them in place and return them."""
         return keys, values
 
+    def check_layer(self) -> int | None:
+        """Selective recomputation (CacheBlend): layers 0..check_layer are computed for every row,
+        reused rows included; after it, only the rows `recompute` keeps (and the rows no source
+        held). None (default): reused rows are never computed."""
+        return None
+
+    def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+                  reused_k: torch.Tensor, reused_v: torch.Tensor) -> torch.Tensor:
+        """At the check layer: a bool mask over the reused rows (in the order of `select`'s
+        result) of those to keep computing, from their fresh and reused K, V [rows, Hkv, hd]."""
+        raise NotImplementedError(f"{self.name} sets check_layer() but not recompute()")
+
     def after_load(self, ctx: LoadContext) -> None:
         """Called once the request's cache is materialized (e.g. to update method state)."""
 

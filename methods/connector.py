@@ -224,7 +224,16 @@ class KVBenchConnector(KVConnectorBase_V1):
         self.forward = PartialForward(model, names, self.layouts, self.kv_caches)
         self.aligner = RopeAligner(self.forward.rotary_emb)
         self.method.bind(self)
+        self._check_method_fits(self.method)
         logger.info("kvbench connector: model attached (%d layers)", len(layers))
+
+    def _check_method_fits(self, method: SharingMethod) -> None:
+        """Selective recomputation narrows after its check layer, so that layer needs one after it."""
+        assert self.forward is not None
+        layers, check = len(self.forward.layers), method.check_layer()
+        if check is not None and not 0 <= check < layers - 1:
+            raise MethodConfigError(f"{method.name}: check_layer must be in [0, {layers - 2}] for this "
+                                    f"{layers}-layer model, got {check}")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -365,6 +374,11 @@ class KVBenchConnector(KVConnectorBase_V1):
         compute = (~reused).nonzero().flatten()
         compute = compute[compute >= spec.num_local]
         rows = torch.cat([r.dst for r in chosen]) if chosen else torch.empty(0, dtype=torch.long)
+        check = self.method.check_layer() if chosen else None
+        placed_at_check: list[tuple[torch.Tensor, torch.Tensor]] = []
+        picked: list[int] = []
+        if check is not None:  # selective recomputation: every row up to the check layer
+            compute = torch.arange(spec.num_local, n)
 
         def placed_rows(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             if not chosen:
@@ -379,14 +393,35 @@ class KVBenchConnector(KVConnectorBase_V1):
             k_all, v_all = torch.cat(ks), torch.cat(vs)
             if not (torch.isfinite(k_all).all() and torch.isfinite(v_all).all()):
                 raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
+            if layer == check:
+                placed_at_check.append((k_all, v_all))
             return rows, k_all, v_all
 
+        def narrow(layer: int, computed: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+            """At the check layer: keep computing the rows no source held and the reused rows the
+            method picks from their fresh vs reused K/V (`computed` is arange(num_local, n))."""
+            if layer != check:
+                return None
+            k_reused, v_reused = placed_at_check.pop()
+            past_local = rows >= spec.num_local  # rows vLLM's prefix cache held are not computed
+            position = rows[past_local] - spec.num_local
+            chosen_rows = self.method.recompute(ctx, layer, k[position], v[position], k_reused[past_local],
+                                                v_reused[past_local])
+            keep = ~reused[computed]
+            keep[position[chosen_rows]] = True
+            picked.append(int(chosen_rows.sum()))
+            return keep.nonzero().flatten()
+
         started = time.perf_counter()
-        forward = self.forward.run(tokens, block_ids, slots, compute, placed_rows)
+        forward = self.forward.run(tokens, block_ids, slots, compute, placed_rows,
+                                   narrow if check is not None else None)
+        # Selective recomputation: reused rows count as reused when served from reuse after the
+        # check layer; the recomputed ones count as recomputed.
+        recomputed = int((~reused[compute]).sum()) + picked[0] if picked else int(len(compute))
         stats: dict[str, Any] = {
             "method": self.method.name,
-            "reused_tokens": int(reused.sum()),
-            "recomputed_tokens": int(len(compute)),
+            "reused_tokens": int(reused.sum()) - (picked[0] if picked else 0),
+            "recomputed_tokens": recomputed,
             "ph_without_source_tokens": missing,
             "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in candidates)),
             "materialize_s": time.perf_counter() - started,
@@ -451,6 +486,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         """Replace the method (same name, new parameters, empty state): e.g. to tune tau on one server."""
         method = load_method(self.settings.method, {**self.method.params, **params})
         if self.forward is not None:
+            self._check_method_fits(method)
             method.bind(self)
         self.method = method
         self.settings.params = dict(method.params)

@@ -17,6 +17,9 @@ import torch
 
 # layer index -> (row indices, K, V) of the rows not computed here, to place before attention
 RowsForLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (layer index, computed rows, their K, V) -> positions in the computed rows to keep computing
+# in the layers after this one, or None to keep them all (selective recomputation)
+NarrowRows = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 @dataclass
@@ -43,8 +46,10 @@ class PartialForward:
 
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
-            placed_rows: RowsForLayer) -> ForwardStats:
-        """`tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute."""
+            placed_rows: RowsForLayer, narrow: NarrowRows | None = None) -> ForwardStats:
+        """`tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute.
+        `narrow` may shrink the computed rows after a layer's K/V is written: the dropped rows
+        keep their placed K/V in the layers after it."""
         import time
 
         stats = ForwardStats(computed_rows=len(compute))
@@ -63,6 +68,11 @@ class PartialForward:
             stats.computed_layer_rows += len(compute)
             if index == len(self.layers) - 1:
                 break  # the last layer's K/V is all the cache needs
+            keep = narrow(index, compute, k, v) if narrow is not None else None
+            if keep is not None:  # the dropped rows' queries and hidden states are not needed further
+                compute, q, residual = compute[keep], q[keep], residual[keep]
+                if len(compute) == 0:
+                    continue  # later layers still place the other rows
             started = time.perf_counter()
             out = self._attend(q, compute, attn, name, block_ids)
             stats.attention_s += time.perf_counter() - started

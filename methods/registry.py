@@ -37,6 +37,8 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
                impl="kvbench.methods.kvcmas_nonchained.KVCMASNonChained", approximate=True),
     MethodInfo("kvcomm", "non-chained full-dimensional anchors from a context-free reference (V=20, gamma=0.3)",
                impl="kvbench.methods.kvcomm.KVComm", approximate=True),
+    MethodInfo("cacheblend", "reuse, then recompute the 15% of reused tokens whose values deviate most at layer 1 "
+               "through the later layers", impl="kvbench.methods.cacheblend.CacheBlend", approximate=True),
     MethodInfo("graphflow", "one calibrated correction per (slot, target agent), no online matching",
                impl="kvbench.methods.graphflow.GraphFlow", approximate=True),
 ]}

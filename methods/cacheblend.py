@@ -1,0 +1,44 @@
+"""CacheBlend (Yao et al., EuroSys'25): reuse the source agent's K/V of every shared segment, but
+compute every row through the first layers; at the check layer, keep recomputing only the reused
+tokens whose K/V deviates most from the fresh one (and the rows no source held) in the layers
+after it. The deviation is taken on values, summed over heads and channels, as in CacheBlend's
+own code (LMCache's port uses keys: `deviation="key"`); the paper recomputes 15-16% of tokens
+at check layer 1 (peer-methods.md section 2.6)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.methods.base import LoadContext, MethodConfigError, SharingMethod
+
+
+class CacheBlend(SharingMethod):
+    name = "cacheblend"
+    defaults: ClassVar[dict[str, Any]] = {"recompute_ratio": 0.15, "check_layer": 1, "deviation": "value"}
+
+    def validate(self) -> None:
+        ratio, check = self.params["recompute_ratio"], self.params["check_layer"]
+        if not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
+            raise MethodConfigError(f"cacheblend: recompute_ratio must be in [0, 1], got {ratio!r}")
+        if not isinstance(check, int) or check < 0:
+            raise MethodConfigError(f"cacheblend: check_layer must be an integer >= 0, got {check!r}")
+        if self.params["deviation"] not in ("value", "key"):
+            raise MethodConfigError(f"cacheblend: deviation must be 'value' or 'key', got {self.params['deviation']!r}")
+
+    def check_layer(self) -> int | None:
+        return int(self.params["check_layer"])
+
+    def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+                  reused_k: torch.Tensor, reused_v: torch.Tensor) -> torch.Tensor:
+        fresh, reused = (fresh_v, reused_v) if self.params["deviation"] == "value" else (fresh_k, reused_k)
+        deviation = (fresh.float() - reused.float()).square().sum(dim=(1, 2))  # one value per token
+        count = min(len(deviation), math.ceil(float(self.params["recompute_ratio"]) * len(deviation)))
+        picked = torch.zeros(len(deviation), dtype=torch.bool)
+        picked[torch.topk(deviation, count).indices.cpu()] = True
+        ctx.stats["blend"] = {"check_layer": layer, "picked_tokens": count, "candidate_tokens": len(deviation),
+                              "deviation_picked_share": float(deviation[picked.to(deviation.device)].sum()
+                                                              / deviation.sum().clamp_min(1e-30))}
+        return picked.to(fresh.device)

@@ -1,0 +1,85 @@
+"""CacheBlend inside a real vLLM server: every row is computed up to the check layer, then only the
+most deviating reused tokens. Recomputing all of them gives the dense cache; none of them gives
+FullShared's error past the check layer."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+from test_methods_vllm import _complete, _dense, _key, _kv_error, _request_stats, _reuse_q, prompts  # noqa: F401
+
+from kvbench.cli import main
+from kvbench.replay.server import ServerError, VLLMServer, collective_rpc, method_server_config
+
+pytestmark = pytest.mark.engine
+
+CHECK_LAYER = 1  # the method's default; the embedded model has 4 layers
+
+
+@pytest.fixture(scope="module")
+def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    config = method_server_config("cacheblend", default_model, max_model_len=4096,
+                                  log_path=Path(tmp_path_factory.mktemp("cacheblend")) / "server.log")
+    with VLLMServer(config) as server:
+        yield server
+
+
+def _set_params(server: VLLMServer, **params: object) -> dict:
+    return collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps(params))[0]
+
+
+def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+    source, dense = _key(), _key()
+    _dense(server, prompts["p0"], source)  # A0: q after A0's system prompt
+    _dense(server, prompts["p1"], dense)  # what A1's cache should be
+    n, q = len(prompts["p1"]) - 1, len(prompts["q"])
+    errors = {}
+    for ratio in (0.0, 0.3, 1.0):
+        assert _set_params(server, recompute_ratio=ratio)["recompute_ratio"] == ratio
+        key = _key()
+        _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key), salt=key)
+        errors[ratio] = _kv_error(server, key, dense, 0, n)["layers"]
+        stats = _request_stats(server, key)
+        picked = math.ceil(ratio * q)
+        assert stats["blend"]["check_layer"] == CHECK_LAYER
+        assert stats["blend"]["picked_tokens"] == picked and stats["blend"]["candidate_tokens"] == q
+        assert stats["reused_tokens"] == q - picked and stats["recomputed_tokens"] == n - q + picked
+    close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
+    for ratio, layers in errors.items():  # up to the check layer every row is computed: dense
+        assert all(close(layer) for layer in layers[:CHECK_LAYER + 1]), (ratio, layers)
+    assert all(close(layer) for layer in errors[1.0]), errors[1.0]  # all recomputed: dense everywhere
+    for layer in range(CHECK_LAYER + 1, len(errors[0.0])):
+        for kv in ("k_rel", "v_rel"):
+            # Nothing recomputed past the check layer keeps the reuse error; recomputing the 30%
+            # most deviating tokens removes part of it.
+            assert errors[0.0][layer][kv] > 5 * errors[1.0][layer][kv], errors
+            assert errors[0.3][layer][kv] < errors[0.0][layer][kv], errors
+    _set_params(server, recompute_ratio=0.15)
+
+
+def test_check_layer_must_leave_a_layer_after_it(server: VLLMServer) -> None:
+    with pytest.raises(ServerError, match="check_layer must be in"):
+        _set_params(server, check_layer=3)
+    assert _set_params(server, check_layer=CHECK_LAYER)["check_layer"] == CHECK_LAYER
+
+
+def test_replay_reports_the_reuse_ratio(server: VLLMServer, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["replay", "--method", "cacheblend", "--base-url", server.base_url, "--qps", "0",
+                                       "--num-trajectories", "2", "--shared-tokens", "512", "--output-len", "16",
+                                       "--result-dir", str(tmp_path)], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(tmp_path / "requests.parquet")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert requests["success"].all() and len(requests) == 8
+    stats = requests["method_stats"].map(json.loads)
+    blended = [s["blend"] for s in stats if "blend" in s]
+    assert blended and all(b["picked_tokens"] == math.ceil(0.15 * b["candidate_tokens"]) for b in blended)
+    # rho counts the reused tokens not recomputed past the check layer: about 1 - 0.15.
+    assert summary["realized_rho"] == pytest.approx(requests["reused_tokens"].sum() / requests["eligible_tokens"].sum())
+    assert 0.8 <= summary["realized_rho"] <= 0.85
