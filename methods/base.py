@@ -92,8 +92,8 @@ class SharingMethod:
 
     def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
                   reused_k: torch.Tensor, reused_v: torch.Tensor) -> torch.Tensor:
-        """At the check layer: a bool mask over the reused rows (in the order of `select`'s
-        result) of those to keep computing, from their fresh and reused K, V [rows, Hkv, hd]."""
+        """At the check layer: a bool mask over the reused rows (those of `select`'s result, in its
+        order) of those to keep computing, from their fresh and reused K, V [rows, Hkv, hd]."""
         raise NotImplementedError(f"{self.name} sets check_layer() but not recompute()")
 
     def after_load(self, ctx: LoadContext) -> None:

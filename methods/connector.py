@@ -381,8 +381,8 @@ class KVBenchConnector(KVConnectorBase_V1):
             compute = torch.arange(spec.num_local, n)
 
         def placed_rows(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            if not chosen:
-                return rows, torch.empty(0), torch.empty(0)
+            if not chosen or (check is not None and layer < check):  # below the check layer all rows are computed
+                return rows[:0], torch.empty(0), torch.empty(0)
             ks, vs = [], []
             for reuse in chosen:
                 k = self.aligner.rotate(reuse.source.k[layer].index_select(0, reuse.src), reuse.dst - reuse.src)
@@ -417,7 +417,7 @@ class KVBenchConnector(KVConnectorBase_V1):
                                    narrow if check is not None else None)
         # Selective recomputation: reused rows count as reused when served from reuse after the
         # check layer; the recomputed ones count as recomputed.
-        recomputed = int((~reused[compute]).sum()) + picked[0] if picked else int(len(compute))
+        recomputed = (int((~reused[compute]).sum()) + picked[0]) if picked else int(len(compute))
         stats: dict[str, Any] = {
             "method": self.method.name,
             "reused_tokens": int(reused.sum()) - (picked[0] if picked else 0),
