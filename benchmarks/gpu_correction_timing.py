@@ -11,9 +11,9 @@ Per edge and shared segment of n tokens, the steps DeltaCorrection runs:
   (the default for the model's width, and the full eigensolve for comparison).
 Bandwidth is counted on the least bytes a step must move (its factors once, the cache rows read,
 results written), for each path the distances can take here (CUDA: the fused Triton kernel and
-the torch batched GEMMs). `--prefill` also times a dense prefill of the same n tokens through a randomly initialized
-Llama-shaped model (HF transformers, no LM head: vLLM computes logits for the last token only),
-which is what an accepted correction replaces.
+the torch batched GEMMs). `--prefill` also times a dense prefill of the same n tokens through a
+randomly initialized Llama-shaped model (HF transformers, no LM head: vLLM computes logits for
+the last token only), which is what an accepted correction replaces.
 
     python benchmarks/gpu_correction_timing.py --device cuda --prefill -o timing.json   # 8K, 32K; L=32, D=1024
     python benchmarks/gpu_correction_timing.py --device cpu --tokens 512 --layers 4 --kv-heads 4 --head-dim 32
