@@ -299,13 +299,17 @@ class KVBenchConnector(KVConnectorBase_V1):
             try:
                 n = len(save.token_ids)
                 block_ids = torch.tensor(save.block_ids, dtype=torch.long)
-                ks, vs = [], []
-                for name in self.forward_layer_names():
+                names = self.forward_layer_names()
+                keys = values = None
+                for index, name in enumerate(names):  # copied into one [layers, n, Hkv, hd] tensor each
                     k, v = self.layouts[name].read(self.kv_caches[name], block_ids, n)
-                    ks.append(k.clone())
-                    vs.append(v.clone())
-                self.store.put(save.key, SavedKV(torch.tensor(save.token_ids, dtype=torch.long),
-                                                 torch.stack(ks), torch.stack(vs)))
+                    if keys is None:
+                        keys = k.new_empty((len(names), *k.shape))
+                        values = v.new_empty((len(names), *v.shape))
+                    keys[index].copy_(k)
+                    values[index].copy_(v)
+                assert keys is not None and values is not None
+                self.store.put(save.key, SavedKV(torch.tensor(save.token_ids, dtype=torch.long), keys, values))
                 self.request_stats.setdefault(save.key, {})["save_s"] = time.perf_counter() - started
             except Exception:  # noqa: BLE001 - a failed save only means later consumers compute
                 logger.exception("kvbench: saving %s failed", save.key)

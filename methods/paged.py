@@ -55,17 +55,33 @@ class CpuPackedLayout:
         for perm in (self.k_perm, self.v_perm):
             if not torch.equal(perm.sort().values, torch.arange(n)):
                 raise RuntimeError(f"could not derive the CPU paged layout for isa={isa}")
+        # Orders a strided copy can read (measured: a gather over the last dimension took 1.3 ms
+        # of the 4 ms per layer of an 8K save): token-major rows, or the transposed [hd, bs]
+        # region the vec ISAs use for K. Anything else (AMX tiles) goes through the gather.
+        rows = torch.arange(n)
+        transposed = rows.view(head_dim, block_size).t().flatten()
+        self.k_order, self.v_order = ({"rows": torch.equal(perm, rows), "transposed": torch.equal(perm, transposed)}
+                                      for perm in (self.k_perm, self.v_perm))
+
+    def _region(self, region: torch.Tensor, perm: torch.Tensor, order: dict[str, bool], n: int) -> torch.Tensor:
+        """One half of gathered blocks [blocks, heads, bs*hd] as rows [n, heads, hd], in one copy."""
+        blocks, heads = region.shape[:2]
+        bs, hd = self.block_size, self.head_dim
+        if order["rows"]:
+            x = region.view(blocks, heads, bs, hd).permute(0, 2, 1, 3)
+        elif order["transposed"]:
+            x = region.view(blocks, heads, hd, bs).permute(0, 3, 1, 2)
+        else:
+            x = region.index_select(-1, perm).view(blocks, heads, bs, hd).permute(0, 2, 1, 3)
+        return x.reshape(blocks * bs, heads, hd)[:n]
 
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         nb, heads, bs, two_hd = kv_cache.shape
         hd = two_hd // 2
         num_blocks = (n + bs - 1) // bs
         blocks = kv_cache.view(nb, heads, 2, bs * hd).index_select(0, block_ids[:num_blocks])
-        k = blocks[:, :, 0].index_select(-1, self.k_perm).view(num_blocks, heads, bs, hd)
-        v = blocks[:, :, 1].index_select(-1, self.v_perm).view(num_blocks, heads, bs, hd)
-        k = k.permute(0, 2, 1, 3).reshape(num_blocks * bs, heads, hd)[:n]
-        v = v.permute(0, 2, 1, 3).reshape(num_blocks * bs, heads, hd)[:n]
-        return k, v
+        return (self._region(blocks[:, :, 0], self.k_perm, self.k_order, n),
+                self._region(blocks[:, :, 1], self.v_perm, self.v_order, n))
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         from vllm import _custom_ops as ops
