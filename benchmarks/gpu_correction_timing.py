@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from kvbench.methods import anchors as anchors_module
-from kvbench.methods.anchors import Anchor, LowRank, anchor_distances, gate_from_distances, interpolated_delta
+from kvbench.methods.anchors import (Anchor, LowRank, anchor_distances, distance_paths, gate_from_distances,
+                                     interpolated_delta)
 from kvbench.methods.rope import RopeAligner
 
 EDGE = "A0->A1"
@@ -75,15 +75,14 @@ def synthetic_anchor(index: int, layers: int, n: int, d: int, rank: int, device:
     return anchor
 
 
-def distance_paths(device: str) -> list[str]:
-    """The paths anchors.anchor_distances can take here, the default first."""
-    if device.startswith("cuda"):
-        return ["fused", "batched"] if anchors_module._triton_available(torch.device(device)) else ["batched"]
-    return ["loop"]
+def compared_paths(stored: list[LowRank], device: str) -> list[str]:
+    """The distance path the method takes here, and on CUDA the torch path the fused kernel replaced."""
+    default = distance_paths(stored, torch.device(device))[0]
+    return [default, "batched"] if default == "fused" else [default]
 
 
 def run(device: str, n: int, layers: int, heads: int, head_dim: int, rank: int, anchors: int,
-        repeats: int) -> dict[str, float]:
+        repeats: int) -> dict[str, Any]:
     d = heads * head_dim
     generator = torch.Generator(device=device).manual_seed(0)
     members = [synthetic_anchor(i, layers, n, d, rank, device, generator) for i in range(anchors)]
@@ -99,8 +98,10 @@ def run(device: str, n: int, layers: int, heads: int, head_dim: int, rank: int, 
     # Least bytes each step must move: its factors once, the cache rows read, results written.
     minimal = {"gate": factor_bytes / 4 + cache, "delta": 3 * factor_bytes / 4 + cache + 2 * cache,
                "rotate": 4 * cache}
-    result: dict[str, float] = {"tokens": n, "factor_bytes": factor_bytes, "cache_bytes": 2 * cache}
-    for path in distance_paths(device):
+    result: dict[str, Any] = {"tokens": n, "factor_bytes": factor_bytes, "cache_bytes": 2 * cache}
+    paths = compared_paths(bases_v, device)
+    result["paths"] = paths
+    for path in paths:
         def gate() -> None:
             gate_from_distances(anchor_distances(current_v, bases_v, n, gate_rows=n, path=path)[1], 0.3)
 
@@ -115,7 +116,7 @@ def run(device: str, n: int, layers: int, heads: int, head_dim: int, rank: int, 
     rotate_s = timed(lambda: (aligner.rotate(keys, -n // 2, exact=False), aligner.rotate(keys, n // 2, exact=False)),
                      device, repeats)
     result["rotate_ms"], result["rotate_GBs"] = 1e3 * rotate_s, minimal["rotate"] / rotate_s / 1e9
-    default = distance_paths(device)[0]
+    default = paths[0]
     result["correction_ms"] = result[f"gate_{default}_ms"] + result[f"delta_{default}_ms"] + result["rotate_ms"]
     # A dense fallback's deferred work: four of these per new anchor (base K, V, delta K, V).
     dense = torch.randn(layers, n, d, generator=generator, device=device).to(torch.bfloat16)
@@ -170,7 +171,7 @@ def main() -> None:
     for n in (int(t) for t in args.tokens.split(",")):
         r = run(args.device, n, args.layers, args.kv_heads, args.head_dim, args.rank, args.anchors, args.repeats)
         rows.append(r)
-        paths = distance_paths(args.device)
+        paths = r["paths"]
         print(f"n={n}: correction {r['correction_ms']:.2f} ms = gate {r[f'gate_{paths[0]}_ms']:.2f} + weights+delta "
               f"{r[f'delta_{paths[0]}_ms']:.2f} + re-rotation {r['rotate_ms']:.2f} ({paths[0]} distances); "
               f"deferred factorization {r['factorize_ms']:.1f} ms each (4 per new anchor; full eigensolve "

@@ -203,14 +203,11 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
     Default: fused where it can run, else batched on accelerators and loop on the CPU, where bf16
     bmm took twice as long as a loop of GEMMs (38 vs 22 ms at V=10, [4, 8192, 128], measured)."""
     count = len(stored)
-    low_rank = _one_rank(stored)
-    fused_ok = (low_rank and stored[0].b.dtype in (torch.bfloat16, torch.float16)  # type: ignore[union-attr]
-                and _triton_available(current.device))
+    paths = distance_paths(stored, current.device)
     if path is None:
-        path = "fused" if fused_ok else "batched" if low_rank and current.device.type != "cpu" else "loop"
-    if path not in ("loop", "batched", "fused") or (path == "fused" and not fused_ok) or (
-            path == "batched" and not low_rank):
-        raise ValueError(f"distance path {path!r} cannot run here")
+        path = paths[0]
+    if path not in paths:
+        raise ValueError(f"distance path {path!r} cannot run here (possible: {', '.join(paths)})")
     if path == "fused":
         from kvbench.methods.triton_distances import low_rank_distances
 
@@ -236,6 +233,17 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
         if per_token:
             sums += diff.abs_().sum(dim=-1).float()
     return sums, squares
+
+
+def distance_paths(stored: list[Stored], device: torch.device) -> list[str]:
+    """The paths `anchor_distances` can take for these anchors on this device, its default first:
+    fused where it can run, else batched on accelerators and the loop on the CPU."""
+    low_rank = _one_rank(stored)
+    fused = (low_rank and stored[0].b.dtype in (torch.bfloat16, torch.float16)  # type: ignore[union-attr]
+             and _triton_available(device))
+    if not low_rank:
+        return ["loop"]
+    return (["fused"] if fused else []) + (["batched", "loop"] if device.type != "cpu" else ["loop", "batched"])
 
 
 def _triton_available(device: torch.device) -> bool:

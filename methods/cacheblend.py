@@ -36,9 +36,8 @@ class CacheBlend(SharingMethod):
         fresh, reused = (fresh_v, reused_v) if self.params["deviation"] == "value" else (fresh_k, reused_k)
         deviation = (fresh.float() - reused.float()).square().sum(dim=(1, 2))  # one value per token
         count = min(len(deviation), math.ceil(float(self.params["recompute_ratio"]) * len(deviation)))
-        picked = torch.zeros(len(deviation), dtype=torch.bool)
-        picked[torch.topk(deviation, count).indices.cpu()] = True
+        picked = torch.zeros(len(deviation), dtype=torch.bool, device=deviation.device)
+        picked[torch.topk(deviation, count).indices] = True
         ctx.stats["blend"] = {"check_layer": layer, "picked_tokens": count, "candidate_tokens": len(deviation),
-                              "deviation_picked_share": float(deviation[picked.to(deviation.device)].sum()
-                                                              / deviation.sum().clamp_min(1e-30))}
-        return picked.to(fresh.device)
+                              "deviation_picked_share": float(deviation[picked].sum() / deviation.sum().clamp_min(1e-30))}
+        return picked

@@ -389,8 +389,9 @@ class KVBenchConnector(KVConnectorBase_V1):
                 return rows[:0], torch.empty(0), torch.empty(0)
             ks, vs = [], []
             for reuse in chosen:
-                k = self.aligner.rotate(reuse.source.k[layer].index_select(0, reuse.src), reuse.dst - reuse.src)
-                v = reuse.source.v[layer].index_select(0, reuse.src)
+                src = reuse.src.to(reuse.source.k.device)  # plans index on the CPU; the cache may be on a GPU
+                k = self.aligner.rotate(reuse.source.k[layer].index_select(0, src), reuse.dst - reuse.src)
+                v = reuse.source.v[layer].index_select(0, src)
                 k, v = self.method.correct(layer, reuse, k, v)
                 ks.append(k)
                 vs.append(v)
@@ -410,7 +411,7 @@ class KVBenchConnector(KVConnectorBase_V1):
             past_local = rows >= spec.num_local  # rows vLLM's prefix cache held are not computed
             position = rows[past_local] - spec.num_local
             chosen_rows = self.method.recompute(ctx, layer, k[position], v[position], k_reused[past_local],
-                                                v_reused[past_local])
+                                                v_reused[past_local]).cpu()  # row indices live on the CPU
             keep = ~reused[computed]
             keep[position[chosen_rows]] = True
             picked.append(int(chosen_rows.sum()))

@@ -60,16 +60,17 @@ class CpuPackedLayout:
         # region the vec ISAs use for K. Anything else (AMX tiles) goes through the gather.
         rows = torch.arange(n)
         transposed = rows.view(head_dim, block_size).t().flatten()
-        self.k_order, self.v_order = ({"rows": torch.equal(perm, rows), "transposed": torch.equal(perm, transposed)}
+        self.k_order, self.v_order = ("rows" if torch.equal(perm, rows) else
+                                      "transposed" if torch.equal(perm, transposed) else "gather"
                                       for perm in (self.k_perm, self.v_perm))
 
-    def _region(self, region: torch.Tensor, perm: torch.Tensor, order: dict[str, bool], n: int) -> torch.Tensor:
+    def _region(self, region: torch.Tensor, perm: torch.Tensor, order: str, n: int) -> torch.Tensor:
         """One half of gathered blocks [blocks, heads, bs*hd] as rows [n, heads, hd], in one copy."""
         blocks, heads = region.shape[:2]
         bs, hd = self.block_size, self.head_dim
-        if order["rows"]:
+        if order == "rows":
             x = region.view(blocks, heads, bs, hd).permute(0, 2, 1, 3)
-        elif order["transposed"]:
+        elif order == "transposed":
             x = region.view(blocks, heads, hd, bs).permute(0, 3, 1, 2)
         else:
             x = region.index_select(-1, perm).view(blocks, heads, bs, hd).permute(0, 2, 1, 3)
