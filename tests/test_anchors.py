@@ -219,6 +219,12 @@ def test_method_parameters_are_validated() -> None:
         method_class("kvcmas")({"r_c": 0})
     with pytest.raises(MethodConfigError, match="no parameter"):
         method_class("graphflow")({"V": 3})
+    with pytest.raises(MethodConfigError, match="recompute_ratio must be in"):
+        method_class("cacheblend")({"recompute_ratio": 1.5})
+    with pytest.raises(MethodConfigError, match="check_layer must be an integer"):
+        method_class("cacheblend")({"check_layer": -1})
+    with pytest.raises(MethodConfigError, match="deviation must be"):
+        method_class("cacheblend")({"deviation": "norm"})
     assert method_class("kvcomm")({}).params == {"V": 20, "gamma": 0.3, "gate_tokens": 0}
     assert math.isclose(method_class("kvcmas")({"tau": 0.5}).threshold(), 0.5)
 
