@@ -21,25 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from kvbench.model.store import resolve_model
+from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.runner import ReplayConfig, run_replay
-from kvbench.replay.server import VLLMServer, collective_rpc, method_server_config
+from kvbench.replay.server import VLLMServer, method_server_config
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 METHODS = [("nonshared", {}), ("fullshared", {}), ("kvcmas", {}), ("kvcmas-nonchained", {}), ("kvcomm", {"V": 10})]
-
-
-def _reused_segments(row: pd.Series) -> set[str]:
-    stats = json.loads(row["method_stats"]) if isinstance(row["method_stats"], str) else {}
-    return {s["id"] for s in stats.get("segments", []) if s.get("reused")}
 
 
 def kv_errors(server: VLLMServer, requests: pd.DataFrame, trajectories: int) -> dict[str, float]:
@@ -52,18 +47,10 @@ def kv_errors(server: VLLMServer, requests: pd.DataFrame, trajectories: int) -> 
     turns = turns[turns["trajectory_id"].isin(sorted(set(turns["trajectory_id"]))[-trajectories:])]
     all_turns, reused_q = [], []
     for _, row in turns.iterrows():
-        reference = row["request_id"].replace("/", "_") + "-dense"
-        body = {"model": server.config.model, "prompt": [int(t) for t in row["prompt_token_ids"]], "max_tokens": 1,
-                "cache_salt": reference, "kv_transfer_params": {"kvbench": {"save_as": reference, "claim": False,
-                                                                             "segments": []}}}
-        request = urllib.request.Request(f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(request, timeout=600).read()
-        result = collective_rpc(server.base_url, "kvbench_kv_error", key=row["request_id"], reference=reference,
-                                start="0", stop=str(int(row["prompt_tokens"]) - 1))[0]
-        error = float(np.mean([(layer["k_rel"] + layer["v_rel"]) / 2 for layer in result["layers"]]))
+        layers = turn_layer_errors(server.base_url, server.config.model, row)
+        error = float(np.mean([(layer["k_rel"] + layer["v_rel"]) / 2 for layer in layers]))
         all_turns.append(error)
-        if "q" in _reused_segments(row):
+        if "q" in reused_segments(row):
             reused_q.append(error)
     return {"kv_error": float(np.mean(all_turns)) if all_turns else float("nan"),
             "kv_error_q_reused": float(np.mean(reused_q)) if reused_q else float("nan"),

@@ -44,6 +44,7 @@ class CoreServices(Protocol):
     """What the connector core offers methods beyond placing rows."""
 
     aligner: Any  # kvbench.methods.rope.RopeAligner
+    num_layers: int  # decoder layers of this worker's model
 
     def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
         """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference)."""
@@ -95,6 +96,14 @@ class SharingMethod:
         """At the check layer: a bool mask over the reused rows (those of `select`'s result, in its
         order) of those to keep computing, from their fresh and reused K, V [rows, Hkv, hd]."""
         raise NotImplementedError(f"{self.name} sets check_layer() but not recompute()")
+
+    def recompute_layers(self) -> tuple[int, int] | None:
+        """Layer-selective recomputation (DroidSpeak): reused rows are computed in layers
+        [start, stop), starting from the residual stream their source saved at `start` (from the
+        token embeddings when start is 0), and keep the reused K/V in the other layers. None
+        (default): reused rows are never computed. The connector then saves every request's
+        stream at `start`."""
+        return None
 
     def after_load(self, ctx: LoadContext) -> None:
         """Called once the request's cache is materialized (e.g. to update method state)."""

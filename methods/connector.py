@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.forward import LayerGroup
 from kvbench.methods.plan import Plan, parse_plan
 from kvbench.methods.store import SavedKV, SegmentStore
 
@@ -44,6 +45,7 @@ logger = logging.getLogger("kvbench.connector")
 
 DEFAULT_MAX_STORE_BYTES = 4 << 30
 MAX_KEPT_REQUEST_STATS = 100_000
+MAX_PENDING_HIDDEN = 256
 
 
 def load_method(name: str, params: dict[str, Any]) -> SharingMethod:
@@ -135,6 +137,9 @@ class KVBenchConnector(KVConnectorBase_V1):
         self._finished_sending: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._saves_done_for: KVConnectorMetadata | None = None
+        # save key -> (residual stream [n, hidden], valid rows [n], layer) captured at the load,
+        # attached to the cache when the request finishes (methods with recompute_layers only)
+        self._hidden_for_save: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         logger.info("kvbench connector (%s) for method %s, params %s", role.name, self.settings.method,
                     self.method.params)
 
@@ -227,13 +232,30 @@ class KVBenchConnector(KVConnectorBase_V1):
         self._check_method_fits(self.method)
         logger.info("kvbench connector: model attached (%d layers)", len(layers))
 
+    @property
+    def num_layers(self) -> int:
+        assert self.forward is not None, "model not attached"
+        return len(self.forward.layers)
+
     def _check_method_fits(self, method: SharingMethod) -> None:
-        """Selective recomputation narrows after its check layer, so that layer needs one after it."""
+        """Selective recomputation narrows after its check layer, so that layer needs one after it;
+        a recomputed layer group must lie inside the model."""
         assert self.forward is not None
         layers, check = len(self.forward.layers), method.check_layer()
         if check is not None and not 0 <= check < layers - 1:
             raise MethodConfigError(f"{method.name}: check_layer must be in [0, {layers - 2}] for this "
                                     f"{layers}-layer model, got {check}")
+        group = method.recompute_layers()
+        if group is not None and not 0 <= group[0] < group[1] <= layers:
+            raise MethodConfigError(f"{method.name}: recomputed layers [{group[0]}, {group[1]}) must be a non-empty "
+                                    f"range inside this {layers}-layer model's [0, {layers})")
+        if group is not None and check is not None:
+            raise MethodConfigError(f"{method.name}: a method has a check layer or a recomputed layer group, not both")
+
+    def _hidden_layer(self) -> int | None:
+        """The layer whose entering residual stream the method recomputes from (None: none kept)."""
+        group = self.method.recompute_layers()
+        return group[0] if group is not None and group[0] > 0 else None
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -309,7 +331,15 @@ class KVBenchConnector(KVConnectorBase_V1):
                     keys[index].copy_(k)
                     values[index].copy_(v)
                 assert keys is not None and values is not None
-                self.store.put(save.key, SavedKV(torch.tensor(save.token_ids, dtype=torch.long), keys, values))
+                entry = SavedKV(torch.tensor(save.token_ids, dtype=torch.long), keys, values)
+                if (captured := self._hidden_for_save.pop(save.key, None)) is not None:
+                    hidden, valid, layer = captured  # rows past the prompt (generated tokens) have none
+                    entry.hidden = hidden.new_zeros((n, hidden.shape[1]))
+                    entry.hidden_valid = torch.zeros(n, dtype=torch.bool)
+                    rows = min(n, len(hidden))
+                    entry.hidden[:rows], entry.hidden_valid[:rows] = hidden[:rows], valid[:rows]
+                    entry.hidden_layer = layer
+                self.store.put(save.key, entry)
                 self.request_stats.setdefault(save.key, {})["save_s"] = time.perf_counter() - started
             except Exception:  # noqa: BLE001 - a failed save only means later consumers compute
                 logger.exception("kvbench: saving %s failed", save.key)
@@ -379,13 +409,21 @@ class KVBenchConnector(KVConnectorBase_V1):
         compute = compute[compute >= spec.num_local]
         rows = torch.cat([r.dst for r in chosen]) if chosen else torch.empty(0, dtype=torch.long)
         check = self.method.check_layer() if chosen else None
+        group_layers = self.method.recompute_layers() if chosen else None
+        group = None
+        if group_layers is not None:  # reused rows are computed in these layers, from their source's stream
+            start, stop = group_layers
+            entering = torch.cat([r.source.hidden[r.src.to(r.source.hidden.device)] for r in chosen]) if start else None  # type: ignore[index]
+            group = LayerGroup(rows, entering, start, stop)
+        capture = self._hidden_layer() if spec.plan.save_as else None
         placed_at_check: list[tuple[torch.Tensor, torch.Tensor]] = []
         picked: list[int] = []
         if check is not None:  # selective recomputation: every row up to the check layer
             compute = torch.arange(spec.num_local, n)
 
         def placed_rows(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            if not chosen or (check is not None and layer < check):  # below the check layer all rows are computed
+            if (not chosen or (check is not None and layer < check)  # below the check layer all rows are computed
+                    or (group_layers is not None and group_layers[0] <= layer < group_layers[1])):
                 return rows[:0], torch.empty(0), torch.empty(0)
             ks, vs = [], []
             for reuse in chosen:
@@ -419,13 +457,27 @@ class KVBenchConnector(KVConnectorBase_V1):
 
         started = time.perf_counter()
         forward = self.forward.run(tokens, block_ids, slots, compute, placed_rows,
-                                   narrow if check is not None else None)
+                                   narrow if check is not None else None, group, capture)
+        if capture is not None and forward.captured is not None:
+            captured_rows, stream = forward.captured
+            hidden = stream.new_zeros((n, stream.shape[1]))
+            valid = torch.zeros(n, dtype=torch.bool)
+            hidden[captured_rows.to(stream.device)], valid[captured_rows] = stream, True
+            self._hidden_for_save[str(spec.plan.save_as)] = (hidden, valid, capture)
+            while len(self._hidden_for_save) > MAX_PENDING_HIDDEN:  # requests aborted before their save
+                self._hidden_for_save.pop(next(iter(self._hidden_for_save)))
         # Selective recomputation: reused rows count as reused when served from reuse after the
-        # check layer; the recomputed ones count as recomputed.
+        # check layer; the recomputed ones count as recomputed. A recomputed layer group: reused
+        # rows count in whole-token units of the (token, layer) entries served from reuse.
+        reused_count = int(reused.sum()) - (picked[0] if picked else 0)
         recomputed = (int((~reused[compute]).sum()) + picked[0]) if picked else int(len(compute))
+        if group_layers is not None:
+            served = round(reused_count * (1 - (group_layers[1] - group_layers[0]) / self.num_layers))
+            recomputed += reused_count - served
+            reused_count = served
         stats: dict[str, Any] = {
             "method": self.method.name,
-            "reused_tokens": int(reused.sum()) - (picked[0] if picked else 0),
+            "reused_tokens": reused_count,
             "recomputed_tokens": recomputed,
             "ph_without_source_tokens": missing,
             "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in candidates)),
@@ -491,8 +543,8 @@ class KVBenchConnector(KVConnectorBase_V1):
         """Replace the method (same name, new parameters, empty state): e.g. to tune tau on one server."""
         method = load_method(self.settings.method, {**self.method.params, **params})
         if self.forward is not None:
+            method.bind(self)  # first: a method may size itself by the model (DroidSpeak's default group)
             self._check_method_fits(method)
-            method.bind(self)
         self.method = method
         self.settings.params = dict(method.params)
         return dict(method.params)
@@ -501,6 +553,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         """Drop saved caches and per-request stats; also the method's learned state unless kept
         (warm-ups that prime anchor pools before a measured run)."""
         self.store.clear()
+        self._hidden_for_save.clear()
         if not keep_method_state:
             self.method.reset()
         self.request_stats.clear()

@@ -23,10 +23,24 @@ NarrowRows = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 
 
 @dataclass
+class LayerGroup:
+    """Rows computed only in layers [start, stop) (layer-selective recomputation, DroidSpeak): they
+    join the computed rows at `start` with the residual stream `entering` [rows, hidden size] (at
+    start 0, their token embeddings: `entering` is not needed) and leave after layer stop - 1's K/V."""
+
+    rows: torch.Tensor
+    entering: torch.Tensor | None
+    start: int
+    stop: int
+
+
+@dataclass
 class ForwardStats:
     computed_rows: int = 0  # rows computed at layer 0
     computed_layer_rows: int = 0  # sum over layers
     attention_s: float = 0.0
+    # (rows, residual stream entering `capture_layer`) of the rows computed in that layer
+    captured: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class PartialForward:
@@ -46,29 +60,47 @@ class PartialForward:
 
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
-            placed_rows: RowsForLayer, narrow: NarrowRows | None = None) -> ForwardStats:
+            placed_rows: RowsForLayer, narrow: NarrowRows | None = None, group: LayerGroup | None = None,
+            capture_layer: int | None = None) -> ForwardStats:
         """`tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute.
         `narrow` may shrink the computed rows after a layer's K/V is written: the dropped rows
-        keep their placed K/V in the layers after it."""
+        keep their placed K/V in the layers after it. `group` adds rows computed in a range of
+        layers only (not with `narrow`). `capture_layer`: keep the residual stream entering that
+        layer for the rows computed there (ForwardStats.captured)."""
         import time
 
+        if narrow is not None and group is not None:
+            raise ValueError("a partial forward narrows after a check layer or computes a layer group, not both")
+        if group is not None and not len(group.rows):
+            group = None
         stats = ForwardStats(computed_rows=len(compute))
         positions = torch.arange(len(tokens), dtype=torch.long, device=tokens.device)
         hidden = self.embed(tokens[compute]) if len(compute) else None
         residual = None
+        if group is not None and group.start == 0:  # the group enters with its token embeddings
+            compute, hidden, residual = self._join(compute, hidden, None, group.rows, self.embed(tokens[group.rows]),
+                                                   before_first_layer=True)
         for index, (layer, name) in enumerate(zip(self.layers, self.layer_names)):
             rows, k_rows, v_rows = placed_rows(index)
             layout, cache = self.layouts[name], self.kv_caches[name]
             layout.write(cache, slots[rows], k_rows, v_rows)
+            if group is not None and index == group.start and index > 0:
+                assert group.entering is not None
+                compute, hidden, residual = self._join(compute, hidden, residual, group.rows, group.entering,
+                                                       before_first_layer=False)
             if len(compute) == 0:
                 continue  # vLLM's CPU kernels crash (SIGFPE) on 0-row GEMMs and norms
             attn = layer.self_attn
             q, k, v, residual = self._qkv(layer, hidden, residual, positions[compute])
+            if index == capture_layer:  # copies: vLLM's fused add-norm updates the residual in place
+                stats.captured = (compute.clone(), residual.clone())
             layout.write(cache, slots[compute], k, v)
             stats.computed_layer_rows += len(compute)
             if index == len(self.layers) - 1:
                 break  # the last layer's K/V is all the cache needs
             keep = narrow(index, compute, k, v) if narrow is not None else None
+            if group is not None and index == group.stop - 1:  # the group's last layer: its rows leave
+                keep = (~torch.isin(compute, group.rows)).nonzero().flatten()
             if keep is not None:  # the dropped rows' queries and hidden states are not needed further
                 compute, q, residual = compute[keep], q[keep], residual[keep]
                 if len(compute) == 0:
@@ -80,6 +112,22 @@ class PartialForward:
             hidden, residual = layer.post_attention_layernorm(o, residual)
             hidden = self._mlp(layer.mlp, hidden)
         return stats
+
+    @staticmethod
+    def _join(compute: torch.Tensor, hidden: torch.Tensor | None, residual: torch.Tensor | None, rows: torch.Tensor,
+              entering: torch.Tensor, before_first_layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Add rows entering a layer with the residual stream `entering` to the computed rows, in
+        position order (contiguous runs keep the attention kernel's sub-requests few). Before layer
+        0 there is no residual yet; later, the stream is `hidden + residual` (vLLM's fused add-norm),
+        so the new rows carry it as hidden with a zero residual."""
+        joined = torch.cat((compute, rows))
+        order = torch.argsort(joined)
+        hidden = entering if hidden is None else torch.cat((hidden, entering.to(hidden.dtype)))
+        if before_first_layer:
+            return joined[order], hidden[order], None
+        zeros = torch.zeros_like(hidden[len(compute):])
+        residual = zeros if residual is None else torch.cat((residual, zeros.to(residual.dtype)))
+        return joined[order], hidden[order], residual[order]
 
     def _qkv(self, layer: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

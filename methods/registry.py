@@ -39,6 +39,9 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
                impl="kvbench.methods.kvcomm.KVComm", approximate=True),
     MethodInfo("cacheblend", "reuse, then recompute the 15% of reused tokens whose values deviate most at layer 1 "
                "through the later layers", impl="kvbench.methods.cacheblend.CacheBlend", approximate=True),
+    MethodInfo("droidspeak", "reuse, then recompute one contiguous layer group for all shared tokens from the "
+               "source's saved residual stream (deepest 20% of layers, at least 2)",
+               impl="kvbench.methods.droidspeak.DroidSpeak", approximate=True),
     MethodInfo("graphflow", "one calibrated correction per (slot, target agent), no online matching",
                impl="kvbench.methods.graphflow.GraphFlow", approximate=True),
 ]}

@@ -15,6 +15,13 @@ class SavedKV:
     token_ids: torch.Tensor  # [n] int64
     k: torch.Tensor  # [L, n, Hkv, hd], keys rotated at positions 0..n-1
     v: torch.Tensor  # [L, n, Hkv, hd]
+    # The residual stream entering one layer (DroidSpeak's E-cache), kept only for methods that
+    # recompute layers from it: `hidden` [n, hidden size] at layer `hidden_layer`, valid where
+    # `hidden_valid` [n] is set (rows the partial forward computed or carried; not the rows vLLM
+    # computed itself, such as generated tokens).
+    hidden: torch.Tensor | None = None
+    hidden_valid: torch.Tensor | None = None
+    hidden_layer: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -22,7 +29,8 @@ class SavedKV:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.token_ids.nbytes
+        hidden = 0 if self.hidden is None else self.hidden.nbytes + self.hidden_valid.nbytes  # type: ignore[union-attr]
+        return self.k.nbytes + self.v.nbytes + self.token_ids.nbytes + hidden
 
 
 class SegmentStore:

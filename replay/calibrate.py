@@ -58,3 +58,55 @@ def summary_dict(steps: list[CalibrationStep], target_rho: float, threshold_name
     best = best_step(steps, target_rho)
     return {"target_rho": target_rho, threshold_name: best.threshold, "realized_rho": best.realized_rho,
             "steps": [{threshold_name: s.threshold, "realized_rho": s.realized_rho} for s in steps]}
+
+
+@dataclass
+class LayerProfile:
+    """Layer-wise deviation of reused K/V from dense (DroidSpeak's offline profiling) and the
+    contiguous layer group it picks."""
+
+    deviation: list[float]  # per layer: mean over reuse turns of (K error + V error) / 2
+    layers: tuple[int, int]
+    turns: int
+
+
+def layer_group(deviation: list[float], target_rho: float) -> tuple[int, int]:
+    """The contiguous group of max(2, round((1 - rho) * L)) layers whose recomputation removes the
+    most deviation. A group's first layer gets the source's K/V back (same model, same entering
+    stream), so it counts only the layers after it, except at layer 0, where the group enters with
+    token embeddings and is exact."""
+    total = len(deviation)
+    width = min(total, max(2, round((1 - target_rho) * total)))
+
+    def gain(start: int) -> float:
+        return sum(deviation[start + (1 if start else 0): start + width])
+
+    start = max(range(total - width + 1), key=lambda s: (gain(s), s))  # ties: the deeper group
+    return start, start + width
+
+
+def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: str, base_url: str, model: str,
+                   target_rho: float) -> LayerProfile:
+    """Replay the trace with plain reuse (a group of layer 0 only, entering with the embeddings:
+    the same K/V as reusing them), then compare every reuse turn with a dense prefill of its prompt."""
+    import pandas as pd
+
+    from kvbench.replay.kv_error import reused_segments, turn_layer_errors
+    from kvbench.replay.runner import ReplayConfig, run_replay
+    from kvbench.replay.server import collective_rpc
+
+    collective_rpc(base_url, "kvbench_set_params", params=json.dumps({"layers": [0, 1]}))
+    per_turn = []
+    with tempfile.TemporaryDirectory() as tmp:
+        run_replay(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
+                                result_dir=Path(tmp) / "run", qps=0, save_prompt_ids=True, show_progress=False))
+        requests = pd.read_parquet(Path(tmp) / "run" / "requests.parquet")
+        for _, turn in requests[requests["success"]].iterrows():
+            if reused_segments(turn):
+                per_turn.append([(e["k_rel"] + e["v_rel"]) / 2 for e in turn_layer_errors(base_url, model, turn)])
+    if not per_turn:
+        raise ValueError("no turn of the calibration trace reused a cache: nothing to profile")
+    deviation = [sum(values) / len(values) for values in zip(*per_turn)]
+    layers = layer_group(deviation, target_rho)
+    collective_rpc(base_url, "kvbench_set_params", params=json.dumps({"layers": list(layers)}))
+    return LayerProfile(deviation, layers, len(per_turn))

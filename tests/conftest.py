@@ -9,7 +9,7 @@ import pytest
 
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 from kvbench.model.store import resolve_model
-from kvbench.replay.server import ServerConfig, VLLMServer
+from kvbench.replay.server import ServerConfig, VLLMServer, method_server_config
 
 # KV slots of the connector server: small enough that concurrent long requests get preempted.
 FULLSHARED_BLOCKS = 56
@@ -37,5 +37,13 @@ def fullshared_server(default_model: str, tmp_path_factory: pytest.TempPathFacto
         max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
         worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=["kvbench_attach_model"],
         extra_args=["--num-gpu-blocks-override", str(FULLSHARED_BLOCKS)])
+    with VLLMServer(config) as server:
+        yield server
+
+
+def method_server(method: str, model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """Body of a module-scoped fixture: a connector server running `method` with its defaults."""
+    config = method_server_config(method, model, max_model_len=4096,
+                                  log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
     with VLLMServer(config) as server:
         yield server

@@ -4,18 +4,16 @@ FullShared's error past the check layer."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
 
-import pandas as pd
 import pytest
-from click.testing import CliRunner
-from test_methods_vllm import _complete, _dense, _key, _kv_error, _request_stats, _reuse_q, prompts  # noqa: F401
+from conftest import method_server
+from test_methods_vllm import (  # noqa: F401
+    _complete, _dense, _key, _kv_error, _request_stats, _reuse_q, _set_params, _small_replay, prompts)
 
-from kvbench.cli import main
-from kvbench.replay.server import ServerError, VLLMServer, collective_rpc, method_server_config
+from kvbench.replay.server import ServerError, VLLMServer
 
 pytestmark = pytest.mark.engine
 
@@ -24,14 +22,7 @@ CHECK_LAYER = 1  # the method's default; the embedded model has 4 layers
 
 @pytest.fixture(scope="module")
 def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    config = method_server_config("cacheblend", default_model, max_model_len=4096,
-                                  log_path=Path(tmp_path_factory.mktemp("cacheblend")) / "server.log")
-    with VLLMServer(config) as server:
-        yield server
-
-
-def _set_params(server: VLLMServer, **params: object) -> dict:
-    return collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps(params))[0]
+    yield from method_server("cacheblend", default_model, tmp_path_factory)
 
 
 def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
@@ -70,14 +61,7 @@ def test_check_layer_must_leave_a_layer_after_it(server: VLLMServer) -> None:
 
 
 def test_replay_reports_the_reuse_ratio(server: VLLMServer, tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["replay", "--method", "cacheblend", "--base-url", server.base_url, "--qps", "0",
-                                       "--num-trajectories", "2", "--shared-tokens", "512", "--output-len", "16",
-                                       "--result-dir", str(tmp_path)], prog_name="kvbench")
-    assert result.exit_code == 0, result.output
-    requests = pd.read_parquet(tmp_path / "requests.parquet")
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert requests["success"].all() and len(requests) == 8
-    stats = requests["method_stats"].map(json.loads)
+    requests, summary, stats = _small_replay(server, "cacheblend", tmp_path)
     blended = [s["blend"] for s in stats if "blend" in s]
     assert blended and all(b["picked_tokens"] == math.ceil(0.15 * b["candidate_tokens"]) for b in blended)
     # rho counts the reused tokens not recomputed past the check layer: about 1 - 0.15.

@@ -109,6 +109,24 @@ def _request_stats(server: VLLMServer, key: str) -> dict:
     return collective_rpc(server.base_url, "kvbench_stats")[0]["requests"][key]
 
 
+def _small_replay(server: VLLMServer, method: str, result_dir: Path) -> tuple[pd.DataFrame, dict, list[dict]]:
+    """`kvbench replay` of 2 four-agent trajectories (512 shared tokens, 16-token outputs) at QPS 0,
+    all successful: the requests, the summary and each request's method stats."""
+    result = CliRunner().invoke(main, ["replay", "--method", method, "--base-url", server.base_url, "--qps", "0",
+                                       "--num-trajectories", "2", "--shared-tokens", "512", "--output-len", "16",
+                                       "--result-dir", str(result_dir)], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(result_dir / "requests.parquet")
+    assert requests["success"].all() and len(requests) == 8
+    return (requests, json.loads((result_dir / "summary.json").read_text()),
+            requests["method_stats"].map(json.loads).tolist())
+
+
+def _set_params(server: VLLMServer, **params: object) -> dict:
+    """Swap the server's method parameters (its learned state is dropped); returns them all."""
+    return collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps(params))[0]
+
+
 @pytest.mark.parametrize("name", ["p0", "p1"])
 def test_partial_forward_of_all_tokens_matches_dense(server: VLLMServer, prompts: dict, bf16_noise: dict,
                                                      name: str) -> None:

@@ -313,7 +313,9 @@ def methods_command() -> None:
 
 
 @click.command("calibrate")
-@click.option("--method", required=True, help="A gated delta-correction method (kvcmas, kvcmas-nonchained, kvcomm).")
+@click.option("--method", required=True,
+              help="A gated delta-correction method (kvcmas, kvcmas-nonchained, kvcomm): bisects its threshold; "
+                   "droidspeak: profiles layer-wise deviation and picks its layer group.")
 @click.option("--target-rho", type=click.FloatRange(0, 1), required=True,
               help="Reuse ratio to reach: shared tokens served by accepted corrections / eligible shared tokens.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -329,15 +331,22 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
                       shared_tokens: int, output_len: int, iterations: int, base_url: str | None, seed: int,
                       model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
                       server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...]) -> None:
-    """Find the gate threshold (tau; gamma for kvcomm) that reaches a target reuse ratio."""
+    """Find the gate threshold (tau; gamma for kvcomm) that reaches a target reuse ratio, or
+    DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.methods.registry import method_class
     from kvbench.replay.calibrate import calibrate_threshold, summary_dict
     from kvbench.replay.server import ServerError, VLLMServer
 
     params = _check_method(method, method_params)
     cls = method_class(method) if method != "nonshared" else None
+    if cls is not None and getattr(cls, "layer_profiled", False):
+        trace, tokenizer, served = _load_trace(trace_path, model, num_trajectories, 0, shared_tokens, output_len, seed)
+        _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, max_model_len,
+                                cpu_kv_cache_gib, server_startup_timeout, vllm_args)
+        return
     if cls is None or not getattr(cls, "matching", False):
-        raise click.BadParameter(f"{method!r} has no reliability gate to calibrate", param_hint="--method")
+        raise click.BadParameter(f"{method!r} has no reliability gate or layer group to calibrate",
+                                 param_hint="--method")
     trace, tokenizer, served = _load_trace(trace_path, model, num_trajectories, 0, shared_tokens, output_len, seed)
 
     def show(step) -> None:  # noqa: ANN001
@@ -356,3 +365,26 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(summary_dict(steps, target_rho, cls.threshold_name), indent=2))
+
+
+def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tokenizer: Any, served: str,
+                            target_rho: float, base_url: str | None, max_model_len: int | None,
+                            cpu_kv_cache_gib: float, server_startup_timeout: float,
+                            vllm_args: tuple[str, ...]) -> None:
+    """DroidSpeak's profiling: the layer group to recompute for a target reuse ratio."""
+    from kvbench.replay.calibrate import profile_layers
+    from kvbench.replay.server import ServerError, VLLMServer
+
+    try:
+        if base_url is not None:
+            profile = profile_layers(trace, tokenizer, method, base_url.rstrip("/"), served, target_rho)
+        else:
+            config = _server_config(method, params, served, None, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
+                                    server_startup_timeout, vllm_args, None)
+            with VLLMServer(config) as server:
+                profile = profile_layers(trace, tokenizer, method, server.base_url, served, target_rho)
+    except (ServerError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps({"target_rho": target_rho, "layers": list(profile.layers),
+                           "layer_deviation": [round(d, 6) for d in profile.deviation],
+                           "profiled_turns": profile.turns}, indent=2))

@@ -1,0 +1,62 @@
+"""DroidSpeak (Liu et al., NSDI'26) for agents of one model: reuse the source agent's K/V of every
+shared segment, but recompute one contiguous group of layers [start, stop) for all shared
+tokens, starting from the residual stream the source computed entering `start` (its "E-cache",
+saved with its cache). Layers outside the group keep the reused K/V.
+
+With one model for all agents, the group's first layer gets the source's own K/V back (they are
+a function of the entering stream alone); the layers after it see the target's context through
+attention. So a group of width w corrects w - 1 layers, and a group starting at layer 0 (entering
+with the token embeddings) is exact in every layer of it. DroidSpeak chooses the group by offline
+profiling of layer-wise deviation (`kvbench calibrate --method droidspeak`); without `layers`,
+the default is the deepest group of round((1 - reuse_ratio) * L) layers, at least 2: reuse
+error grows with depth, and a 1-layer group would change nothing.
+
+Shared rows whose source has no saved stream (its generated tokens, which vLLM computed itself,
+or a source that vLLM prefilled without the connector) are computed densely."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+
+
+class DroidSpeak(SharingMethod):
+    name = "droidspeak"
+    layer_profiled: ClassVar[bool] = True  # `kvbench calibrate` profiles its layer group
+    defaults: ClassVar[dict[str, Any]] = {"layers": None, "reuse_ratio": 0.8}
+
+    def validate(self) -> None:
+        layers, ratio = self.params["layers"], self.params["reuse_ratio"]
+        if layers is not None and not (isinstance(layers, list | tuple) and len(layers) == 2
+                                       and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+                                       and 0 <= layers[0] < layers[1]):
+            raise MethodConfigError(f"droidspeak: layers must be [start, stop) with 0 <= start < stop, got {layers!r}")
+        if not isinstance(ratio, int | float) or not 0 <= ratio < 1:
+            raise MethodConfigError(f"droidspeak: reuse_ratio must be in [0, 1), got {ratio!r}")
+
+    def recompute_layers(self) -> tuple[int, int] | None:
+        if self.params["layers"] is not None:
+            start, stop = self.params["layers"]
+            return int(start), int(stop)
+        assert self.core is not None, "the default layer group needs the model's depth (bind first)"
+        total = self.core.num_layers
+        width = min(total, max(2, round((1 - float(self.params["reuse_ratio"])) * total)))
+        return total - width, total
+
+    def select(self, ctx: LoadContext) -> list[SegmentReuse]:
+        start, _ = self.recompute_layers()  # type: ignore[misc]
+        if start == 0:
+            return ctx.candidates  # the group enters with token embeddings: no saved stream needed
+        chosen, without = [], 0
+        for candidate in ctx.candidates:
+            source = candidate.source
+            if source.hidden is None or source.hidden_layer != start:
+                without += len(candidate.dst)
+                continue
+            ok = source.hidden_valid[candidate.src]  # type: ignore[index]
+            without += int((~ok).sum())
+            if bool(ok.any()):
+                chosen.append(SegmentReuse(candidate.segment, source, candidate.dst[ok], candidate.src[ok]))
+        ctx.stats["dense_without_stream_tokens"] = without
+        return chosen

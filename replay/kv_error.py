@@ -1,0 +1,42 @@
+"""KV error of replayed turns against dense prefills of the same prompts, on the server that ran
+them: each prompt is prefilled again by vLLM itself (claiming nothing) and saved as a reference,
+and the connector compares the two saved caches layer by layer."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import pandas as pd
+
+from kvbench.replay.server import collective_rpc
+
+
+def dense_reference(base_url: str, model: str, prompt: list[int], key: str, timeout_s: float = 600) -> None:
+    """Prefill `prompt` with vLLM's own forward and save its cache under `key` (a salt of its own
+    keeps vLLM's prefix cache from serving it blocks of approximate requests)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "cache_salt": key,
+            "kv_transfer_params": {"kvbench": {"save_as": key, "claim": False, "segments": []}}}
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        response.read()
+
+
+def turn_layer_errors(base_url: str, model: str, turn: pd.Series) -> list[dict[str, float]]:
+    """Per layer {k_rel, v_rel}: ||C - C_dense||_F / ||C_dense||_F over the turn's whole prompt.
+    `turn` is a row of requests.parquet recorded with --save-prompt-ids."""
+    if turn.get("prompt_token_ids") is None:
+        raise ValueError("the run did not store prompt token ids (replay with --save-prompt-ids)")
+    reference = str(turn["request_id"]).replace("/", "_") + "-dense"
+    dense_reference(base_url, model, [int(t) for t in turn["prompt_token_ids"]], reference)
+    result = collective_rpc(base_url, "kvbench_kv_error", key=turn["request_id"], reference=reference,
+                            start="0", stop=str(int(turn["prompt_tokens"]) - 1))[0]
+    return [{"k_rel": float(layer["k_rel"]), "v_rel": float(layer["v_rel"])} for layer in result["layers"]]
+
+
+def reused_segments(turn: pd.Series) -> set[str]:
+    """Ids of the shared segments the method served from a reused cache in this turn."""
+    stats: Any = json.loads(turn["method_stats"]) if isinstance(turn["method_stats"], str) else {}
+    return {s["id"] for s in stats.get("segments", []) if s.get("reused")}

@@ -1,0 +1,116 @@
+"""DroidSpeak inside a real vLLM server: reused rows are recomputed in one layer group from the
+residual stream their source saved entering it. A group entering with token embeddings is exact;
+a later group corrects the layers after its first; rows without a saved stream are computed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import method_server
+from test_methods_vllm import (  # noqa: F401
+    _complete, _dense, _key, _kv_error, _request_stats, _reuse_q, _set_params, _small_replay, prompts)
+
+from kvbench.cli import main
+from kvbench.replay.server import ServerError, VLLMServer
+
+pytestmark = pytest.mark.engine
+
+LAYERS = 4  # the embedded model
+
+
+@pytest.fixture(scope="module")
+def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    yield from method_server("droidspeak", default_model, tmp_path_factory)
+
+
+def _source(server: VLLMServer, prompt: list[int]) -> str:
+    """A0's cache computed by the connector's partial forward (so it saves its residual stream)."""
+    key = _key()
+    _complete(server, prompt, {"save_as": key, "segments": [{"kind": "pf", "id": "all", "start": 0,
+                                                              "length": len(prompt)}]}, salt=key)
+    return key
+
+
+def _reused_errors(server: VLLMServer, prompts: dict, source: str, dense: str) -> tuple[list[dict], dict]:  # noqa: F811
+    key = _key()
+    _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key), salt=key)
+    return _kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"], _request_stats(server, key)
+
+
+def test_layer_groups_against_dense(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+    dense = _key()
+    _dense(server, prompts["p1"], dense)  # what A1's cache should be
+    n, q = len(prompts["p1"]) - 1, len(prompts["q"])
+    errors, stats = {}, {}
+    for layers in ([0, LAYERS], [1, LAYERS], [LAYERS - 1, LAYERS]):
+        assert _set_params(server, layers=layers)["layers"] == layers
+        errors[tuple(layers)], stats[tuple(layers)] = _reused_errors(server, prompts, _source(server, prompts["p0"]),
+                                                                     dense)
+    close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
+    # Entering with the token embeddings, every layer of the group is exact: all of them here.
+    assert all(close(layer) for layer in errors[(0, LAYERS)]), errors[(0, LAYERS)]
+    assert stats[(0, LAYERS)]["reused_tokens"] == 0 and stats[(0, LAYERS)]["recomputed_tokens"] == n
+    # A 1-layer group gets the source's own K/V back (they depend on the entering stream only):
+    # FullShared's error, which is well above bf16 rounding in the deepest layers.
+    fullshared = errors[(LAYERS - 1, LAYERS)]
+    assert not close(fullshared[-1]), fullshared
+    # A group from layer 1: layer 1 is the source's, layers 2.. see A1's context through attention.
+    # The entering stream already carries A0's context (layer 0 attended to it), so only part of
+    # the error goes: 13-20% per layer, measured.
+    group = errors[(1, LAYERS)]
+    for kv in ("k_rel", "v_rel"):
+        assert group[1][kv] == pytest.approx(fullshared[1][kv], rel=0.05, abs=2e-3), (group, fullshared)
+        for layer in range(2, LAYERS):
+            assert group[layer][kv] < 0.93 * fullshared[layer][kv], (layer, kv, group, fullshared)
+    # rho counts (token, layer) entries: q's rows are served from reuse in 1 of 4 layers.
+    assert stats[(1, LAYERS)]["reused_tokens"] == round(q * 1 / LAYERS)
+    assert stats[(1, LAYERS)]["recomputed_tokens"] == n - round(q * 1 / LAYERS)
+    assert stats[(1, LAYERS)]["dense_without_stream_tokens"] == 0
+    _set_params(server, layers=None)
+
+
+def test_rows_without_a_saved_stream_are_computed(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+    assert _set_params(server, layers=None)["layers"] is None  # default: the deepest 2 of 4 layers
+    source, dense = _key(), _key()
+    _dense(server, prompts["p0"], source)  # prefilled by vLLM itself: no residual stream saved
+    _dense(server, prompts["p1"], dense)
+    errors, stats = _reused_errors(server, prompts, source, dense)
+    assert stats["reused_tokens"] == 0 and stats["dense_without_stream_tokens"] == len(prompts["q"])
+    assert all(layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01 for layer in errors), errors
+
+
+def test_layer_group_must_fit_the_model(server: VLLMServer) -> None:
+    with pytest.raises(ServerError, match=r"recomputed layers \[2, 6\) must be"):
+        _set_params(server, layers=[2, 6])
+    assert _set_params(server, layers=None)["layers"] is None
+
+
+def test_replay_reports_layer_weighted_reuse(server: VLLMServer, tmp_path: Path) -> None:
+    requests, summary, stats = _small_replay(server, "droidspeak", tmp_path)
+    later = [s for s, agent in zip(stats, requests["agent"]) if agent != "A0"]
+    # The query is reused in the 2 of 4 layers outside the default group; the agents' outputs
+    # (generated by vLLM, no saved stream) are computed.
+    assert all(s["dense_without_stream_tokens"] > 0 for s in later if s["agent"] in ("A2", "A3"))
+    assert summary["realized_rho"] == pytest.approx(requests["reused_tokens"].sum() / requests["eligible_tokens"].sum())
+    assert 0.3 <= summary["realized_rho"] <= 0.5
+
+
+def test_calibrate_profiles_the_layer_group(server: VLLMServer) -> None:
+    result = CliRunner().invoke(main, ["calibrate", "--method", "droidspeak", "--target-rho", "0.5", "--base-url",
+                                       server.base_url, "--num-trajectories", "1", "--shared-tokens", "512",
+                                       "--output-len", "8"], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    deviation = report["layer_deviation"]
+    assert len(deviation) == LAYERS and report["profiled_turns"] == 3  # A1-A3 reuse the query
+    # Reused layer-0 K/V depend on the token and its position only: exact up to bf16 rounding;
+    # deeper layers carry the source's context.
+    assert deviation[0] < 0.01 < max(deviation[1:])
+    start, stop = report["layers"]
+    assert stop - start == 2  # round((1 - 0.5) * 4)
+    assert _set_params(server, reuse_ratio=0.8)["layers"] == [start, stop]  # the profile's group is in force
+    _set_params(server, layers=None)

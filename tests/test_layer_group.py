@@ -1,0 +1,27 @@
+"""DroidSpeak's layer-group choice from a layer-wise deviation profile (pure function)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbench.replay.calibrate import layer_group
+
+
+def test_group_width_follows_the_reuse_ratio() -> None:
+    deviation = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    assert layer_group(deviation, 0.8) == (8, 10)  # 2 of 10 layers, the most deviating
+    assert layer_group(deviation, 0.5) == (5, 10)
+    assert layer_group(deviation, 0.95) == (8, 10)  # never narrower than 2: a 1-layer group changes nothing
+
+
+def test_group_counts_only_the_layers_after_its_first() -> None:
+    # Layer 3 deviates most, but a group starting there gets layer 3's K/V back: [2, 4) corrects it.
+    assert layer_group([0.0, 0.1, 0.1, 0.9, 0.1, 0.1], 2 / 3) == (2, 4)
+    # From layer 0 the group enters with token embeddings and every layer of it is exact.
+    assert layer_group([0.5, 0.4, 0.0, 0.0], 0.5) == (0, 2)
+
+
+@pytest.mark.parametrize(("rho", "group"), [(0.0, (0, 3)), (0.3, (1, 3))])
+def test_group_never_exceeds_the_model(rho: float, group: tuple[int, int]) -> None:
+    # rho 0.3 of 3 layers: 2 layers; [1, 3) corrects layer 2 (0.4), [0, 2) layers 0 and 1 (0.3).
+    assert layer_group([0.1, 0.2, 0.4], rho) == group
