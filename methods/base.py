@@ -88,13 +88,21 @@ class SharingMethod:
     def check_layer(self) -> int | None:
         """Selective recomputation (CacheBlend): layers 0..check_layer are computed for every row,
         reused rows included; after it, only the rows `recompute` keeps (and the rows no source
-        held). None (default): reused rows are never computed."""
+        held). With `recompute_layers` too (RelayCaching), reused rows are computed from the
+        group's first layer to the check layer, and the kept ones until the group ends. None
+        (default): reused rows are never computed."""
         return None
 
+    def influence_queries(self) -> int:
+        """How many of the prompt's last rows' attention at the check layer `recompute` receives
+        (as the attention mass each reused row gets from them); 0 (default): none."""
+        return 0
+
     def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-                  reused_k: torch.Tensor, reused_v: torch.Tensor) -> torch.Tensor:
+                  reused_k: torch.Tensor, reused_v: torch.Tensor, influence: torch.Tensor | None = None) -> torch.Tensor:
         """At the check layer: a bool mask over the reused rows (those of `select`'s result, in its
-        order) of those to keep computing, from their fresh and reused K, V [rows, Hkv, hd]."""
+        order) of those to keep computing, from their fresh and reused K, V [rows, Hkv, hd] and,
+        when `influence_queries` asks for it, the attention mass [rows] they receive."""
         raise NotImplementedError(f"{self.name} sets check_layer() but not recompute()")
 
     def recompute_layers(self) -> tuple[int, int] | None:

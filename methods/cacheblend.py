@@ -32,7 +32,7 @@ class CacheBlend(SharingMethod):
         return int(self.params["check_layer"])
 
     def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-                  reused_k: torch.Tensor, reused_v: torch.Tensor) -> torch.Tensor:
+                  reused_k: torch.Tensor, reused_v: torch.Tensor, influence: torch.Tensor | None = None) -> torch.Tensor:
         fresh, reused = (fresh_v, reused_v) if self.params["deviation"] == "value" else (fresh_k, reused_k)
         deviation = (fresh.float() - reused.float()).square().sum(dim=(1, 2))  # one value per token
         count = min(len(deviation), math.ceil(float(self.params["recompute_ratio"]) * len(deviation)))

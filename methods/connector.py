@@ -249,8 +249,19 @@ class KVBenchConnector(KVConnectorBase_V1):
         if group is not None and not 0 <= group[0] < group[1] <= layers:
             raise MethodConfigError(f"{method.name}: recomputed layers [{group[0]}, {group[1]}) must be a non-empty "
                                     f"range inside this {layers}-layer model's [0, {layers})")
-        if group is not None and check is not None:
-            raise MethodConfigError(f"{method.name}: a method has a check layer or a recomputed layer group, not both")
+        if group is not None and check is not None and not group[0] <= check < group[1] - 1:
+            raise MethodConfigError(f"{method.name}: the check layer ({check}) must lie in the recomputed layers "
+                                    f"[{group[0]}, {group[1]}) with a layer of them after it")
+
+    def _influence(self, layer: int, q: torch.Tensor, q_rows: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Attention mass each row of the request receives at `layer` from the query rows `q_rows`
+        (summed over them and the heads), over the K/V now in the paged cache."""
+        from kvbench.methods.influence import attention_mass
+
+        name = self.forward.layer_names[layer]
+        keys, _ = self.layouts[name].read(self.kv_caches[name], block_ids, int(q_rows.max()) + 1)
+        scale = self.forward.layers[layer].self_attn.attn.impl.scale
+        return attention_mass(q, q_rows, keys, scale).cpu()
 
     def _hidden_layer(self) -> int | None:
         """The layer whose entering residual stream the method recomputes from (None: none kept)."""
@@ -418,12 +429,18 @@ class KVBenchConnector(KVConnectorBase_V1):
         capture = self._hidden_layer() if spec.plan.save_as else None
         placed_at_check: list[tuple[torch.Tensor, torch.Tensor]] = []
         picked: list[int] = []
-        if check is not None:  # selective recomputation: every row up to the check layer
+        if check is not None and group is None:  # CacheBlend: every row is computed up to the check layer
             compute = torch.arange(spec.num_local, n)
 
+        def all_computed(layer: int) -> bool:
+            """Every reused row is computed in this layer (so none is placed)."""
+            if group_layers is None:
+                return check is not None and layer < check
+            start, stop = group_layers
+            return start <= layer < (check if check is not None else stop)
+
         def placed_rows(layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            if (not chosen or (check is not None and layer < check)  # below the check layer all rows are computed
-                    or (group_layers is not None and group_layers[0] <= layer < group_layers[1])):
+            if not chosen or all_computed(layer):
                 return rows[:0], torch.empty(0), torch.empty(0)
             ks, vs = [], []
             for reuse in chosen:
@@ -436,20 +453,24 @@ class KVBenchConnector(KVConnectorBase_V1):
             k_all, v_all = torch.cat(ks), torch.cat(vs)
             if not (torch.isfinite(k_all).all() and torch.isfinite(v_all).all()):
                 raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
-            if layer == check:
+            if layer == check:  # written, then overwritten by the fresh rows: kept for the comparison
                 placed_at_check.append((k_all, v_all))
             return rows, k_all, v_all
 
-        def narrow(layer: int, computed: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        def narrow(layer: int, computed: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor | None:
             """At the check layer: keep computing the rows no source held and the reused rows the
-            method picks from their fresh vs reused K/V (`computed` is arange(num_local, n))."""
+            method picks from their fresh vs reused K/V (and the attention they get)."""
             if layer != check:
                 return None
             k_reused, v_reused = placed_at_check.pop()
             past_local = rows >= spec.num_local  # rows vLLM's prefix cache held are not computed
-            position = rows[past_local] - spec.num_local
+            position = torch.searchsorted(computed, rows[past_local])  # computed rows are in position order
+            influence = None
+            if (queries := self.method.influence_queries()) > 0:
+                influence = self._influence(layer, q[-queries:], computed[-queries:], block_ids)[rows[past_local]]
             chosen_rows = self.method.recompute(ctx, layer, k[position], v[position], k_reused[past_local],
-                                                v_reused[past_local]).cpu()  # row indices live on the CPU
+                                                v_reused[past_local], influence).cpu()  # row indices live on the CPU
             keep = ~reused[computed]
             keep[position[chosen_rows]] = True
             picked.append(int(chosen_rows.sum()))
@@ -469,12 +490,16 @@ class KVBenchConnector(KVConnectorBase_V1):
         # Selective recomputation: reused rows count as reused when served from reuse after the
         # check layer; the recomputed ones count as recomputed. A recomputed layer group: reused
         # rows count in whole-token units of the (token, layer) entries served from reuse.
-        reused_count = int(reused.sum()) - (picked[0] if picked else 0)
-        recomputed = (int((~reused[compute]).sum()) + picked[0]) if picked else int(len(compute))
-        if group_layers is not None:
-            served = round(reused_count * (1 - (group_layers[1] - group_layers[0]) / self.num_layers))
-            recomputed += reused_count - served
-            reused_count = served
+        reused_count, n_picked = int(reused.sum()), (picked[0] if picked else 0)
+        if group_layers is None:
+            recomputed = (int((~reused[compute]).sum()) + n_picked) if check is not None else int(len(compute))
+            reused_count -= n_picked
+        else:
+            layers, (start, stop) = self.num_layers, group_layers
+            all_width = (check + 1 - start) if check is not None else (stop - start)  # layers every reused row computes
+            served = reused_count * (layers - all_width) - n_picked * ((stop - start) - all_width)
+            recomputed = int(len(compute)) + reused_count - round(served / layers)
+            reused_count = round(served / layers)
         stats: dict[str, Any] = {
             "method": self.method.name,
             "reused_tokens": reused_count,

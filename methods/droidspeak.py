@@ -45,18 +45,24 @@ class DroidSpeak(SharingMethod):
         return total - width, total
 
     def select(self, ctx: LoadContext) -> list[SegmentReuse]:
-        start, _ = self.recompute_layers()  # type: ignore[misc]
-        if start == 0:
-            return ctx.candidates  # the group enters with token embeddings: no saved stream needed
-        chosen, without = [], 0
-        for candidate in ctx.candidates:
-            source = candidate.source
-            if source.hidden is None or source.hidden_layer != start:
-                without += len(candidate.dst)
-                continue
-            ok = source.hidden_valid[candidate.src]  # type: ignore[index]
-            without += int((~ok).sum())
-            if bool(ok.any()):
-                chosen.append(SegmentReuse(candidate.segment, source, candidate.dst[ok], candidate.src[ok]))
-        ctx.stats["dense_without_stream_tokens"] = without
-        return chosen
+        return with_saved_stream(ctx, self.recompute_layers()[0])  # type: ignore[index]
+
+
+def with_saved_stream(ctx: LoadContext, layer: int) -> list[SegmentReuse]:
+    """The candidate rows whose source saved its residual stream entering `layer` (all of them at
+    layer 0, where token embeddings enter); the others are left to dense computation and counted
+    in `dense_without_stream_tokens`."""
+    if layer == 0:
+        return ctx.candidates
+    chosen, without = [], 0
+    for candidate in ctx.candidates:
+        source = candidate.source
+        if source.hidden is None or source.hidden_layer != layer:
+            without += len(candidate.dst)
+            continue
+        ok = source.hidden_valid[candidate.src]  # type: ignore[index]
+        without += int((~ok).sum())
+        if bool(ok.any()):
+            chosen.append(SegmentReuse(candidate.segment, source, candidate.dst[ok], candidate.src[ok]))
+    ctx.stats["dense_without_stream_tokens"] = without
+    return chosen

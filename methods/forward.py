@@ -17,9 +17,9 @@ import torch
 
 # layer index -> (row indices, K, V) of the rows not computed here, to place before attention
 RowsForLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-# (layer index, computed rows, their K, V) -> positions in the computed rows to keep computing
+# (layer index, computed rows, their Q, K, V) -> positions in the computed rows to keep computing
 # in the layers after this one, or None to keep them all (selective recomputation)
-NarrowRows = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
+NarrowRows = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 @dataclass
@@ -65,12 +65,10 @@ class PartialForward:
         """`tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute.
         `narrow` may shrink the computed rows after a layer's K/V is written: the dropped rows
         keep their placed K/V in the layers after it. `group` adds rows computed in a range of
-        layers only (not with `narrow`). `capture_layer`: keep the residual stream entering that
-        layer for the rows computed there (ForwardStats.captured)."""
+        layers only (`narrow` may drop some of them before the range ends). `capture_layer`: keep
+        the residual stream entering that layer for the rows computed there (ForwardStats.captured)."""
         import time
 
-        if narrow is not None and group is not None:
-            raise ValueError("a partial forward narrows after a check layer or computes a layer group, not both")
         if group is not None and not len(group.rows):
             group = None
         stats = ForwardStats(computed_rows=len(compute))
@@ -98,13 +96,16 @@ class PartialForward:
             stats.computed_layer_rows += len(compute)
             if index == len(self.layers) - 1:
                 break  # the last layer's K/V is all the cache needs
-            keep = narrow(index, compute, k, v) if narrow is not None else None
+            # Dropped rows keep the K/V placed for them in later layers; their queries and hidden
+            # states are not needed further.
+            keep = narrow(index, compute, q, k, v) if narrow is not None else None
+            if keep is not None:
+                compute, q, residual = compute[keep], q[keep], residual[keep]
             if group is not None and index == group.stop - 1:  # the group's last layer: its rows leave
                 keep = (~torch.isin(compute, group.rows)).nonzero().flatten()
-            if keep is not None:  # the dropped rows' queries and hidden states are not needed further
                 compute, q, residual = compute[keep], q[keep], residual[keep]
-                if len(compute) == 0:
-                    continue  # later layers still place the other rows
+            if len(compute) == 0:
+                continue  # later layers still place the other rows
             started = time.perf_counter()
             out = self._attend(q, compute, attn, name, block_ids)
             stats.attention_s += time.perf_counter() - started

@@ -42,6 +42,9 @@ METHODS: dict[str, MethodInfo] = {m.name: m for m in [
     MethodInfo("droidspeak", "reuse, then recompute one contiguous layer group for all shared tokens from the "
                "source's saved residual stream (deepest 20% of layers, at least 2)",
                impl="kvbench.methods.droidspeak.DroidSpeak", approximate=True),
+    MethodInfo("relaycaching", "reuse, compute every reused row through det_layer (1), then only those whose values "
+               "deviate or that the prompt's tail attends to, up to end_layer", impl="kvbench.methods.relaycaching.RelayCaching",
+               approximate=True),
     MethodInfo("graphflow", "one calibrated correction per (slot, target agent), no online matching",
                impl="kvbench.methods.graphflow.GraphFlow", approximate=True),
 ]}

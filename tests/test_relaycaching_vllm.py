@@ -1,0 +1,80 @@
+"""RelayCaching inside a real vLLM server: every reused row is computed up to the detection
+layer, then only the rows whose values deviate or that the prompt's tail attends to, until the
+band's last layer. Picking every row gives the dense cache; picking none leaves FullShared's
+error past the detection layer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import method_server
+from test_methods_vllm import (  # noqa: F401
+    _complete, _dense, _key, _kv_error, _request_stats, _reuse_q, _set_params, _small_replay, prompts)
+
+from kvbench.replay.server import ServerError, VLLMServer
+
+pytestmark = pytest.mark.engine
+
+DET_LAYER, LAYERS = 1, 4  # the method's default detection layer; the embedded model's depth
+NEVER = 1e6  # a threshold no token reaches
+
+
+@pytest.fixture(scope="module")
+def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    yield from method_server("relaycaching", default_model, tmp_path_factory)
+
+
+def test_detection_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+    source, dense = _key(), _key()
+    _dense(server, prompts["p0"], source)  # A0: decoded by vLLM itself; RelayCaching needs no saved stream
+    _dense(server, prompts["p1"], dense)  # what A1's cache should be
+    q = len(prompts["q"])
+    errors, stats = {}, {}
+    for name, taus in (("all", {"tau_dev": 0, "tau_inf": NEVER}), ("none", {"tau_dev": NEVER, "tau_inf": NEVER}),
+                       ("default", {"tau_dev": 1.5, "tau_inf": 1.45}), ("influence", {"tau_dev": NEVER, "tau_inf": 1.45})):
+        _set_params(server, **taus)
+        key = _key()
+        _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key), salt=key)
+        errors[name], stats[name] = _kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"], _request_stats(server, key)
+    close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
+    relay = {name: s["relay"] for name, s in stats.items()}
+    assert all(r["det_layer"] == DET_LAYER and r["candidate_tokens"] == q for r in relay.values())
+    # tau_dev 0 picks every row (1 - cos >= 0): computed in every layer, the dense cache.
+    assert relay["all"]["picked_tokens"] == q and all(close(layer) for layer in errors["all"]), errors["all"]
+    assert stats["all"]["reused_tokens"] == 0
+    # Nothing picked: layers up to the detection layer are computed, the others keep the reuse error.
+    assert relay["none"]["picked_tokens"] == 0
+    assert all(close(layer) for layer in errors["none"][:DET_LAYER + 1]), errors["none"]
+    assert not close(errors["none"][-1]), errors["none"]
+    assert stats["none"]["reused_tokens"] == round(q * (LAYERS - DET_LAYER - 1) / LAYERS)
+    # The paper's thresholds pick a minority by either criterion (Eq. 9: their union) and remove
+    # part of the error past the detection layer.
+    default = relay["default"]
+    assert 0 < default["picked_tokens"] < q / 2
+    assert max(default["deviation_tokens"], default["influence_tokens"]) <= default["picked_tokens"]
+    assert default["picked_tokens"] <= default["deviation_tokens"] + default["influence_tokens"]
+    assert default["influence_tokens"] > 0 and relay["influence"]["picked_tokens"] == default["influence_tokens"]
+    for layer in range(DET_LAYER + 1, LAYERS):
+        for kv in ("k_rel", "v_rel"):
+            assert errors["default"][layer][kv] < errors["none"][layer][kv], (layer, kv, errors)
+    picked = default["picked_tokens"]  # reused (token, layer) entries: 2 of 4 layers, picked rows none
+    assert stats["default"]["reused_tokens"] == round((q - picked) * (LAYERS - DET_LAYER - 1) / LAYERS)
+    _set_params(server, tau_dev=1.5, tau_inf=1.45)
+
+
+def test_detection_layer_must_lie_inside_the_band(server: VLLMServer) -> None:
+    with pytest.raises(ServerError, match=r"the check layer \(1\) must lie in the recomputed layers \[0, 2\)"):
+        _set_params(server, end_layer=1)
+    assert _set_params(server, end_layer=-1)["end_layer"] == -1
+
+
+def test_replay_reports_entry_reuse(server: VLLMServer, tmp_path: Path) -> None:
+    requests, summary, stats = _small_replay(server, "relaycaching", tmp_path)
+    relayed = [s["relay"] for s in stats if "relay" in s]
+    assert len(relayed) == 6  # A1-A3 of both trajectories; decoded outputs are reused too (no stream needed)
+    assert all(0 <= r["picked_tokens"] <= r["candidate_tokens"] for r in relayed)
+    assert summary["realized_rho"] == pytest.approx(requests["reused_tokens"].sum() / requests["eligible_tokens"].sum())
+    # Every reused row is computed in layers 0-1 (half the entries); picked ones in all four.
+    assert 0.25 <= summary["realized_rho"] <= 0.5
