@@ -72,10 +72,17 @@ def main() -> None:
                              "pools (steady state) unless --cold")
     parser.add_argument("--cold", action="store_true",
                         help="reset method state after the warm-ups: anchor pools start empty (cold start)")
+    parser.add_argument("--methods", default="",
+                        help="a subset of the compared methods (comma-separated; default: all five); the target "
+                             "ratios are printed only when all five ran")
     parser.add_argument("--extra-methods", default="cacheblend",
                         help="more methods measured beside the ones the targets compare (comma-separated; '' for none)")
     args = parser.parse_args()
-    methods = METHODS + [(m, {}) for m in args.extra_methods.split(",") if m]
+    chosen = args.methods.split(",") if args.methods else [name for name, _ in METHODS]
+    if unknown := set(chosen) - {name for name, _ in METHODS}:
+        parser.error(f"--methods: not a compared method: {', '.join(sorted(unknown))} (others go in --extra-methods)")
+    compared = [(name, params) for name, params in METHODS if name in chosen]
+    methods = compared + [(m, {}) for m in args.extra_methods.split(",") if m]
     contexts = [int(c) for c in args.contexts.split(",")]
     loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))
     tokenizer = load_tokenizer(None)
@@ -122,6 +129,22 @@ def main() -> None:
     print()
     print(table.to_markdown(index=False, floatfmt=".3f"))
     print()
+    if len(compared) == len(METHODS):
+        print_targets(table, contexts, loaded)
+    p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
+    errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
+    for method, _ in methods[len(compared):]:
+        for context in contexts:
+            e = errors.loc[(method, context)]
+            versus = {q: (f" ({p50[(method, context, q)] / p50[('kvcmas', context, q)]:.2f}x KVCMAS)"
+                          if ("kvcmas", context, q) in p50.index else "") for q in (0.0, loaded[context])}
+            print(f"ctx {context}: {method} p50 {p50[(method, context, 0.0)]:.0f} ms at QPS 0{versus[0.0]}, "
+                  f"{p50[(method, context, loaded[context])]:.0f} ms at QPS {loaded[context]:g}{versus[loaded[context]]}; "
+                  f"KV error (all turns) {e['kv_error']:.4f} at rho {e['realized_rho']:.2f}")
+
+
+def print_targets(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float]) -> None:
+    """Issue 7's ratios, measured side by side."""
     # Two medians: vLLM's (over requests) and the paper's (over trajectories of their mean TTFT,
     # KVCMAS paper §4.1). The first weighs every dense turn on its own; the second averages each
     # trajectory's dense first agent with its reuse turns.
@@ -134,7 +157,6 @@ def main() -> None:
                       f"(target >= 2 under load); KVCMAS/FullShared {k / p50[('fullshared', context, qps)]:.2f}x "
                       f"(target <= 1.3); KVCMAS is {1 - k / p50[('kvcmas-nonchained', context, qps)]:.0%} lower "
                       "than kvcmas-nonchained (target >= 30% under load)")
-    p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
     for context in contexts:
         e = errors.xs(context, level="context")
@@ -144,14 +166,6 @@ def main() -> None:
               "(targets: KVCMAS <= KVComm at equal rho, both < FullShared); turns with the query reused: "
               f"KVCMAS {e.loc['kvcmas', 'kv_error_q_reused']:.4f}, KVComm {e.loc['kvcomm', 'kv_error_q_reused']:.4f}, "
               f"FullShared {e.loc['fullshared', 'kv_error_q_reused']:.4f}")
-    for method, _ in methods[len(METHODS):]:
-        for context in contexts:
-            e = errors.loc[(method, context)]
-            print(f"ctx {context}: {method} p50 {p50[(method, context, 0.0)]:.0f} ms at QPS 0 "
-                  f"({p50[(method, context, 0.0)] / p50[('kvcmas', context, 0.0)]:.2f}x KVCMAS), "
-                  f"{p50[(method, context, loaded[context])]:.0f} ms at QPS {loaded[context]:g} "
-                  f"({p50[(method, context, loaded[context])] / p50[('kvcmas', context, loaded[context])]:.2f}x KVCMAS); "
-                  f"KV error (all turns) {e['kv_error']:.4f} at rho {e['realized_rho']:.2f}")
     # Shapes of the embedded model: L layers is irrelevant to the ratio; D = KV features per layer.
     d = 4 * 32
     rank = 32
