@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,12 @@ class SweepSpec:
         data["methods"] = [MethodConfig(**m) for m in data["methods"]]
         return cls(**data)
 
+    def extends(self, stored: "SweepSpec") -> bool:
+        """This grid is `stored` (a sweep already on disk) with possibly more method
+        configurations and nothing else changed: its finished cells stay valid."""
+        return (replace(self, methods=stored.methods) == stored
+                and all(method in self.methods for method in stored.methods))
+
     def trace_specs(self) -> dict[str, TraceSpec]:
         specs = {}
         for context, agents, rounds in itertools.product(self.shared_tokens, self.agents, self.rounds):
@@ -88,8 +94,9 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
 
     root.mkdir(parents=True, exist_ok=True)
     spec_path = root / SWEEP_FILE
-    if spec_path.exists() and SweepSpec.from_json(json.loads(spec_path.read_text())) != spec:
-        raise ValueError(f"{root} holds a different sweep ({spec_path}); use another directory")
+    if spec_path.exists() and not spec.extends(SweepSpec.from_json(json.loads(spec_path.read_text()))):
+        raise ValueError(f"{root} holds a different sweep ({spec_path}); use another directory "
+                         "(a sweep may only grow by methods)")
     spec_path.write_text(json.dumps(spec.to_json(), indent=2) + "\n")
     tokenizer = load_tokenizer(spec.model)
     model = resolve_model(spec.model)

@@ -152,3 +152,15 @@ def test_sweep_runs_a_grid_with_repeats_and_resumes(default_model: str, tmp_path
     assert rendered.exit_code == 0
     assert "±" in (tmp_path / "t7" / "table7.md").read_text()  # two repeats: confidence intervals
     assert _invoke("sweep", "-o", str(out), "--methods", "telepathy").exit_code == 2
+
+
+def test_a_sweep_grows_by_methods_only() -> None:
+    from kvbench.replay.sweep import MethodConfig, SweepSpec
+
+    stored = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("kvcmas", {"V": 5})], qps=[0.0, 1.0])
+    grown = SweepSpec(methods=[*stored.methods, MethodConfig("droidspeak")], qps=[0.0, 1.0])
+    assert grown.extends(stored) and stored.extends(stored)
+    assert not stored.extends(grown)  # dropping a method
+    assert not SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("kvcmas", {"V": 10})],
+                         qps=[0.0, 1.0]).extends(stored)  # another parameter is another configuration
+    assert not SweepSpec(methods=grown.methods, qps=[0.0]).extends(stored)  # another grid
