@@ -137,7 +137,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         self._finished_sending: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._saves_done_for: KVConnectorMetadata | None = None
-        # save key -> (residual stream [n, hidden], valid rows [n], layer) captured at the load,
+        # save key -> (rows, their residual stream [rows, hidden], layer) captured at the load,
         # attached to the cache when the request finishes (methods with recompute_layers only)
         self._hidden_for_save: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         logger.info("kvbench connector (%s) for method %s, params %s", role.name, self.settings.method,
@@ -344,11 +344,10 @@ class KVBenchConnector(KVConnectorBase_V1):
                 assert keys is not None and values is not None
                 entry = SavedKV(torch.tensor(save.token_ids, dtype=torch.long), keys, values)
                 if (captured := self._hidden_for_save.pop(save.key, None)) is not None:
-                    hidden, valid, layer = captured  # rows past the prompt (generated tokens) have none
-                    entry.hidden = hidden.new_zeros((n, hidden.shape[1]))
+                    rows, stream, layer = captured  # rows vLLM computed (generated tokens) have none
+                    entry.hidden = stream.new_zeros((n, stream.shape[1]))
                     entry.hidden_valid = torch.zeros(n, dtype=torch.bool)
-                    rows = min(n, len(hidden))
-                    entry.hidden[:rows], entry.hidden_valid[:rows] = hidden[:rows], valid[:rows]
+                    entry.hidden[rows.to(stream.device)], entry.hidden_valid[rows] = stream, True
                     entry.hidden_layer = layer
                 self.store.put(save.key, entry)
                 self.request_stats.setdefault(save.key, {})["save_s"] = time.perf_counter() - started
@@ -480,11 +479,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         forward = self.forward.run(tokens, block_ids, slots, compute, placed_rows,
                                    narrow if check is not None else None, group, capture)
         if capture is not None and forward.captured is not None:
-            captured_rows, stream = forward.captured
-            hidden = stream.new_zeros((n, stream.shape[1]))
-            valid = torch.zeros(n, dtype=torch.bool)
-            hidden[captured_rows.to(stream.device)], valid[captured_rows] = stream, True
-            self._hidden_for_save[str(spec.plan.save_as)] = (hidden, valid, capture)
+            self._hidden_for_save[str(spec.plan.save_as)] = (*forward.captured, capture)
             while len(self._hidden_for_save) > MAX_PENDING_HIDDEN:  # requests aborted before their save
                 self._hidden_for_save.pop(next(iter(self._hidden_for_save)))
         # Selective recomputation: reused rows count as reused when served from reuse after the
@@ -497,9 +492,9 @@ class KVBenchConnector(KVConnectorBase_V1):
         else:
             layers, (start, stop) = self.num_layers, group_layers
             all_width = (check + 1 - start) if check is not None else (stop - start)  # layers every reused row computes
-            served = reused_count * (layers - all_width) - n_picked * ((stop - start) - all_width)
-            recomputed = int(len(compute)) + reused_count - round(served / layers)
-            reused_count = round(served / layers)
+            served = round((reused_count * (layers - all_width) - n_picked * ((stop - start) - all_width)) / layers)
+            recomputed = int(len(compute)) + reused_count - served
+            reused_count = served
         stats: dict[str, Any] = {
             "method": self.method.name,
             "reused_tokens": reused_count,
