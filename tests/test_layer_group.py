@@ -25,3 +25,22 @@ def test_group_counts_only_the_layers_after_its_first() -> None:
 def test_group_never_exceeds_the_model(rho: float, group: tuple[int, int]) -> None:
     # rho 0.3 of 3 layers: 2 layers; [1, 3) corrects layer 2 (0.4), [0, 2) layers 0 and 1 (0.3).
     assert layer_group([0.1, 0.2, 0.4], rho) == group
+
+
+def test_layer_selective_methods_reject_bad_parameters() -> None:
+    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.registry import method_class
+
+    for bad in ([3, 1], [0], [-1, 2], [0.5, 2]):
+        with pytest.raises(MethodConfigError, match="layers must be"):
+            method_class("droidspeak")({"layers": bad})
+    with pytest.raises(MethodConfigError, match="reuse_ratio must be"):
+        method_class("droidspeak")({"reuse_ratio": 1.0})
+    with pytest.raises(MethodConfigError, match="start_layer .* must be <= det_layer"):
+        method_class("relaycaching")({"start_layer": 2, "det_layer": 1})
+    with pytest.raises(MethodConfigError, match="end_layer must be"):
+        method_class("relaycaching")({"end_layer": -2})
+    with pytest.raises(MethodConfigError, match="tau_inf must be"):
+        method_class("relaycaching")({"tau_inf": -0.1})
+    with pytest.raises(MethodConfigError, match="has no parameter"):
+        method_class("relaycaching")({"tau": 0.3})
