@@ -11,6 +11,10 @@ loaded QPS per context. Prints, measured side by side in one run:
     over the turns whose shared query was served from a reused cache.
 
     .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5] [--cold]
+        [--kvcmas-tau 0.4]
+
+--kvcmas-tau adds KVCMAS at other reliability thresholds (other reuse ratios rho) beside the default
+tau: the TTFT ratios and the KV error at each operating point, measured in the same run.
 
 By default the warm-up trajectories prime the methods' anchor pools (the steady state of a long
 run); --cold starts every measured run with empty pools, as a fresh server would.
@@ -77,12 +81,23 @@ def main() -> None:
                              "ratios are printed only when all five ran")
     parser.add_argument("--extra-methods", default="cacheblend",
                         help="more methods measured beside the ones the targets compare (comma-separated; '' for none)")
+    parser.add_argument("--kvcmas-tau", default="",
+                        help="more KVCMAS operating points: reliability thresholds tau besides the default "
+                             "(comma-separated), each a row `kvcmas(tau=X)` with its realized rho")
     args = parser.parse_args()
     chosen = args.methods.split(",") if args.methods else [name for name, _ in METHODS]
     if unknown := set(chosen) - {name for name, _ in METHODS}:
         parser.error(f"--methods: not a compared method: {', '.join(sorted(unknown))} (others go in --extra-methods)")
-    compared = [(name, params) for name, params in METHODS if name in chosen]
-    methods = compared + [(m, {}) for m in args.extra_methods.split(",") if m]
+    compared = [(name, name, params) for name, params in METHODS if name in chosen]
+    try:
+        taus = [float(t) for t in args.kvcmas_tau.split(",") if t]
+    except ValueError:
+        parser.error(f"--kvcmas-tau: expected comma-separated numbers, got {args.kvcmas_tau!r}")
+    if any(not 0 <= t <= 1 for t in taus):
+        parser.error("--kvcmas-tau: a normalized entropy threshold lies in [0, 1]")
+    # (label, method, params): the label names the row, so one method may run at several settings
+    methods = compared + [(f"kvcmas(tau={t:g})", "kvcmas", {"tau": t}) for t in taus] \
+        + [(m, m, {}) for m in args.extra_methods.split(",") if m]
     contexts = [int(c) for c in args.contexts.split(",")]
     loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))
     tokenizer = load_tokenizer(None)
@@ -100,12 +115,12 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for method, params in methods:
-            config = method_server_config(method, model, params, log_path=Path(tmp) / f"{method}.log")
+        for label, method, params in methods:
+            config = method_server_config(method, model, params, log_path=Path(tmp) / f"{label}.log")
             with VLLMServer(config) as server:
                 for context in contexts:
                     for qps in (0.0, loaded[context]):
-                        out = Path(tmp) / f"{method}-{context}-{qps:g}"
+                        out = Path(tmp) / f"{label}-{context}-{qps:g}"
                         summary = run_replay(ReplayConfig(
                             trace=trace_for(context, qps), tokenizer=tokenizer, method=method, base_urls=[server.base_url],
                             result_dir=out, qps=qps, num_warmups=args.warmups, prime_method_state=not args.cold,
@@ -114,7 +129,7 @@ def main() -> None:
                         requests = pd.read_parquet(out / "requests.parquet")
                         state = summary.get("method_state_bytes") or {}
                         rows.append({
-                            "method": method, "context": context, "qps": qps,
+                            "method": label, "context": context, "qps": qps,
                             "p50_ttft_ms": summary["p50_ttft_ms"], "p90_ttft_ms": summary["p90_ttft_ms"],
                             "p50_trajectory_ttft_ms": summary["p50_trajectory_ttft_ms"],
                             "failed": summary["failed"], "realized_rho": summary["realized_rho"],
@@ -133,7 +148,9 @@ def main() -> None:
         print_targets(table, contexts, loaded)
     p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
-    for method, _ in methods[len(compared):]:
+    if taus and {"fullshared", "kvcmas"} <= set(chosen):
+        print_operating_points(table, contexts, loaded, [label for label, _, _ in methods if label.startswith("kvcmas(")])
+    for method, _, _ in methods[len(compared) + len(taus):]:
         for context in contexts:
             e = errors.loc[(method, context)]
             versus = {q: (f" ({p50[(method, context, q)] / p50[('kvcmas', context, q)]:.2f}x KVCMAS)"
@@ -141,6 +158,31 @@ def main() -> None:
             print(f"ctx {context}: {method} p50 {p50[(method, context, 0.0)]:.0f} ms at QPS 0{versus[0.0]}, "
                   f"{p50[(method, context, loaded[context])]:.0f} ms at QPS {loaded[context]:g}{versus[loaded[context]]}; "
                   f"KV error (all turns) {e['kv_error']:.4f} at rho {e['realized_rho']:.2f}")
+
+
+def print_operating_points(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float],
+                           labels: list[str]) -> None:
+    """KVCMAS at the default tau and at each extra one: its realized rho, the TTFT ratios of the
+    targets (over both medians) and the KV error, so the targets can be read as functions of rho."""
+    cells = table.set_index(["method", "context", "qps"])
+    for label in ["kvcmas", *labels]:
+        for context in contexts:
+            error = cells.loc[(label, context, 0.0)]
+            parts = [f"{label} ctx {context}: rho {error['realized_rho']:.2f} (QPS 0), KV error (all turns) "
+                     f"{error['kv_error']:.4f} (FullShared {cells.loc[('fullshared', context, 0.0), 'kv_error']:.4f})"]
+            for qps in (0.0, loaded[context]):
+                ratios = []
+                for column, short in (("p50_ttft_ms", "req"), ("p50_trajectory_ttft_ms", "traj")):
+                    k = cells.loc[(label, context, qps), column]
+                    text = f"{short}: /FullShared {k / cells.loc[('fullshared', context, qps), column]:.2f}x"
+                    if ("nonshared", context, qps) in cells.index:
+                        text += f", NonShared/ {cells.loc[('nonshared', context, qps), column] / k:.2f}x"
+                    if ("kvcmas-nonchained", context, qps) in cells.index:
+                        text += f", {1 - k / cells.loc[('kvcmas-nonchained', context, qps), column]:.0%} below non-chained"
+                    ratios.append(text)
+                parts.append(f"QPS {qps:g} (rho {cells.loc[(label, context, qps), 'realized_rho']:.2f}): "
+                             + "; ".join(ratios))
+            print("; ".join(parts[:1]) + "\n    " + "\n    ".join(parts[1:]))
 
 
 def print_targets(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float]) -> None:

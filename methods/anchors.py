@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -318,15 +319,23 @@ def weighted_corrections(deltas: list[Stored], weights: torch.Tensor, layers: in
 def interpolated_delta(current_k: torch.Tensor, current_v: torch.Tensor, anchors: list[Anchor], edge: str,
                        n: int, temperature: float = 1.0,
                        value_distances: torch.Tensor | None = None,
-                       path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       path: str | None = None,
+                       sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       ranks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 8 with token-wise weights: for each token, softmax over anchors of minus the mean
     absolute distance between the current cache and the anchor's base (K and V separately),
     then the weighted sum of the anchors' corrections. Rows [0, n) only; the value distances may
-    come from the gate's pass (`anchor_distances`, whose `path` this passes on)."""
-    layers, features = current_v.shape[0], current_v.shape[2]
+    come from the gate's pass (`anchor_distances`, whose `path` this passes on), already summed
+    over ranks. Under tensor parallelism each of the `ranks` holds some heads: distances are
+    summed over them with `sum_over_ranks` and the mean is over all their features."""
+    layers, features = current_v.shape[0], current_v.shape[2] * ranks
     if value_distances is None:
         value_distances, _ = anchor_distances(current_v, [a.base_v for a in anchors], n, path=path)
+        if sum_over_ranks is not None:
+            value_distances = sum_over_ranks(value_distances)
     key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n, path=path)
+    if sum_over_ranks is not None:
+        key_distances = sum_over_ranks(key_distances)
     w_k = token_weights(key_distances, layers, features, temperature)
     w_v = token_weights(value_distances, layers, features, temperature)
     delta_k = weighted_corrections([a.deltas[edge][0] for a in anchors], w_k, layers, n)

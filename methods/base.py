@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -11,6 +12,11 @@ import torch
 
 from kvbench.methods.plan import Plan, PlanSegment
 from kvbench.methods.store import SavedKV
+
+
+def rows_digest(mask: torch.Tensor) -> str:
+    """A short fingerprint of a row selection, to compare selections across tensor-parallel ranks."""
+    return hashlib.sha1(mask.to(torch.bool).cpu().numpy().tobytes()).hexdigest()[:12]
 
 
 class MethodConfigError(ValueError):
@@ -45,6 +51,14 @@ class CoreServices(Protocol):
 
     aligner: Any  # kvbench.methods.rope.RopeAligner
     num_layers: int  # decoder layers of this worker's model
+    # Tensor-parallel ranks of the worker group; each holds its share of the KV heads, so a
+    # quantity summed over heads is partial on one rank.
+    tensor_parallel_size: int
+
+    def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        """`partial` summed over the tensor-parallel ranks (itself with one rank). Whatever decides
+        which rows are reused or computed must come from such sums: the ranks run the partial
+        forward's collectives together, so they must all decide alike."""
 
     def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
         """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference)."""

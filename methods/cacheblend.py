@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.methods.base import LoadContext, MethodConfigError, SharingMethod
+from kvbench.methods.base import LoadContext, MethodConfigError, SharingMethod, rows_digest
 
 
 class CacheBlend(SharingMethod):
@@ -35,9 +35,12 @@ class CacheBlend(SharingMethod):
                   reused_k: torch.Tensor, reused_v: torch.Tensor, influence: torch.Tensor | None = None) -> torch.Tensor:
         fresh, reused = (fresh_v, reused_v) if self.params["deviation"] == "value" else (fresh_k, reused_k)
         deviation = (fresh.float() - reused.float()).square().sum(dim=(1, 2))  # one value per token
+        assert self.core is not None
+        deviation = self.core.sum_over_ranks(deviation)  # over every rank's heads: all ranks pick alike
         count = min(len(deviation), math.ceil(float(self.params["recompute_ratio"]) * len(deviation)))
         picked = torch.zeros(len(deviation), dtype=torch.bool, device=deviation.device)
         picked[torch.topk(deviation, count).indices] = True
         ctx.stats["blend"] = {"check_layer": layer, "picked_tokens": count, "candidate_tokens": len(deviation),
+                              "picked_digest": rows_digest(picked),
                               "deviation_picked_share": float(deviation[picked].sum() / deviation.sum().clamp_min(1e-30))}
         return picked

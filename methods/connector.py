@@ -237,6 +237,19 @@ class KVBenchConnector(KVConnectorBase_V1):
         assert self.forward is not None, "model not attached"
         return len(self.forward.layers)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+
+    def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel_size == 1:
+            return partial
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(partial.contiguous())
+
     def _check_method_fits(self, method: SharingMethod) -> None:
         """Selective recomputation narrows after its check layer, so that layer needs one after it;
         a recomputed layer group must lie inside the model."""
@@ -261,7 +274,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         name = self.forward.layer_names[layer]
         keys, _ = self.layouts[name].read(self.kv_caches[name], block_ids, int(q_rows.max()) + 1)
         scale = self.forward.layers[layer].self_attn.attn.impl.scale
-        return attention_mass(q, q_rows, keys, scale).cpu()
+        return self.sum_over_ranks(attention_mass(q, q_rows, keys, scale)).cpu()  # over all heads
 
     def _hidden_layer(self) -> int | None:
         """The layer whose entering residual stream the method recomputes from (None: none kept)."""
@@ -547,6 +560,8 @@ class KVBenchConnector(KVConnectorBase_V1):
                                ("v", entry.v[layer, rows], ref.v[layer, rows])):
                 diff = a.float() - b.float()
                 row[f"{name}_rel"] = float(diff.norm() / b.float().norm().clamp_min(1e-30))
+                # this rank's share of the squared norms: tensor-parallel ranks' shards add up
+                row[f"{name}_sq_err"], row[f"{name}_sq_ref"] = float(diff.square().sum()), float(b.float().square().sum())
                 row[f"{name}_max_abs"] = float(diff.abs().max())
             layers.append(row)
         identical = bool(torch.equal(entry.k[:, rows], ref.k[:, rows]) and torch.equal(entry.v[:, rows], ref.v[:, rows]))

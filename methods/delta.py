@@ -184,13 +184,21 @@ class DeltaCorrection(SharingMethod):
         started = time.perf_counter()
         value_distances, value_squares = anchor_distances(current_v, [a.base_v for a in eligible], covered,
                                                           gate_rows=k)
+        assert self.core is not None
+        ranks = self.core.tensor_parallel_size
+        if ranks > 1:  # each rank holds some heads: the gate and weights are over all of them
+            summed = self.core.sum_over_ranks(torch.cat((value_distances.flatten(), value_squares)))
+            value_distances, value_squares = summed[:value_distances.numel()].view_as(value_distances), \
+                summed[value_distances.numel():]
         gate = gate_from_distances(value_squares, self.threshold())
         gate_s = time.perf_counter() - started
         if not gate.accept:
             return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
                     "anchors": len(eligible), "gate_s": gate_s}
         delta_k, delta_v = interpolated_delta(current_k, current_v, eligible, edge, covered,
-                                              value_distances=value_distances)
+                                              value_distances=value_distances,
+                                              sum_over_ranks=self.core.sum_over_ranks if ranks > 1 else None,
+                                              ranks=ranks)
         interpolate_s = time.perf_counter() - started - gate_s
         order = torch.argsort(gate.weights, descending=True)
         mass = 0.0

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod, rows_digest
 from kvbench.methods.droidspeak import with_saved_stream
 
 
@@ -59,7 +59,12 @@ class RelayCaching(SharingMethod):
     def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
                   reused_k: torch.Tensor, reused_v: torch.Tensor, influence: torch.Tensor | None = None) -> torch.Tensor:
         fresh, reused = fresh_v.flatten(1).float(), reused_v.flatten(1).float()
-        deviation = 1 - torch.nn.functional.cosine_similarity(fresh, reused, dim=1)  # Eq. 1, one per token
+        # Eq. 1, one per token, over all heads: the dot product and norms are summed over the
+        # tensor-parallel ranks (each holds some heads) so that every rank picks the same rows.
+        assert self.core is not None
+        sums = self.core.sum_over_ranks(torch.stack(((fresh * reused).sum(1), fresh.square().sum(1),
+                                                     reused.square().sum(1))))
+        deviation = 1 - sums[0] / (sums[1].sqrt() * sums[2].sqrt()).clamp_min(1e-8)
         by_deviation = deviation >= float(self.params["tau_dev"]) * deviation.mean()  # Eq. 5
         by_influence = torch.zeros_like(by_deviation)
         if influence is not None and len(influence):
@@ -67,5 +72,6 @@ class RelayCaching(SharingMethod):
             by_influence = influence >= float(self.params["tau_inf"]) * influence.mean()  # Eq. 6
         picked = by_deviation | by_influence  # Eq. 9
         ctx.stats["relay"] = {"det_layer": layer, "candidate_tokens": len(picked), "picked_tokens": int(picked.sum()),
-                              "deviation_tokens": int(by_deviation.sum()), "influence_tokens": int(by_influence.sum())}
+                              "deviation_tokens": int(by_deviation.sum()), "influence_tokens": int(by_influence.sum()),
+                              "picked_digest": rows_digest(picked)}
         return picked

@@ -5,6 +5,7 @@ and the connector compares the two saved caches layer by layer."""
 from __future__ import annotations
 
 import json
+import math
 import urllib.request
 from typing import Any
 
@@ -31,9 +32,20 @@ def turn_layer_errors(base_url: str, model: str, turn: pd.Series) -> list[dict[s
         raise ValueError("the run did not store prompt token ids (replay with --save-prompt-ids)")
     reference = str(turn["request_id"]).replace("/", "_") + "-dense"
     dense_reference(base_url, model, [int(t) for t in turn["prompt_token_ids"]], reference)
-    result = collective_rpc(base_url, "kvbench_kv_error", key=turn["request_id"], reference=reference,
-                            start="0", stop=str(int(turn["prompt_tokens"]) - 1))[0]
-    return [{"k_rel": float(layer["k_rel"]), "v_rel": float(layer["v_rel"])} for layer in result["layers"]]
+    ranks = collective_rpc(base_url, "kvbench_kv_error", key=turn["request_id"], reference=reference,
+                           start="0", stop=str(int(turn["prompt_tokens"]) - 1))
+    return combine_ranks([rank["layers"] for rank in ranks])
+
+
+def combine_ranks(per_rank: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per layer {k_rel, v_rel} over all heads from each tensor-parallel rank's share of them
+    (sqrt of summed squared errors over summed squared reference norms)."""
+    layers = []
+    for shards in zip(*per_rank):
+        layers.append({f"{name}_rel": math.sqrt(sum(s[f"{name}_sq_err"] for s in shards)
+                                                / max(sum(s[f"{name}_sq_ref"] for s in shards), 1e-30))
+                       for name in ("k", "v")})
+    return layers
 
 
 def reused_segments(turn: pd.Series) -> set[str]:

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import hashlib
 import json
+import logging
 import platform
 import secrets
 import subprocess
@@ -31,6 +32,8 @@ from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.tracegen.arrivals import arrival_times
 from kvbench.tracegen.schema import Trace, Trajectory, Turn
 from kvbench.tracegen.tokenizer import TraceTokenizer
+
+logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 SUMMARY_NAME = "summary.json"
@@ -387,18 +390,29 @@ class Replayer:
         return result.success
 
     async def _collect_method_stats(self, writer: ResultsWriter) -> dict[str, Any]:
-        """Merge the connector's per-request stats (keyed by request id) into the records."""
+        """Merge the connector's per-request stats (keyed by request id) into the records. A
+        tensor-parallel server answers once per rank: each holds a shard of every cache, so bytes
+        add up over its ranks (the peak of a server is taken over servers), and the ranks must
+        have decided alike (the first rank's stats are kept; a disagreement is recorded)."""
         by_request: dict[str, dict[str, Any]] = {}
         state: dict[str, Any] = {"store_peak_bytes": 0, "method_state_bytes": {}}
         for url in self.config.base_urls:
-            for worker in await self._rpc(url, "kvbench_stats", clear="true"):
-                if not isinstance(worker, dict):
-                    continue
-                by_request.update(worker["requests"])
-                state["store_peak_bytes"] = max(state["store_peak_bytes"], worker["store_peak_bytes"])
-                state["store_evictions"] = state.get("store_evictions", 0) + worker["store_evictions"]
-                for name, value in worker["method_state_bytes"].items():
-                    state["method_state_bytes"][name] = max(state["method_state_bytes"].get(name, 0), value)
+            workers = [w for w in await self._rpc(url, "kvbench_stats", clear="true") if isinstance(w, dict)]
+            if not workers:
+                continue
+            state["store_peak_bytes"] = max(state["store_peak_bytes"], sum(w["store_peak_bytes"] for w in workers))
+            state["store_evictions"] = state.get("store_evictions", 0) + workers[0]["store_evictions"]
+            for name in workers[0]["method_state_bytes"]:
+                total = sum(w["method_state_bytes"].get(name, 0) for w in workers)
+                state["method_state_bytes"][name] = max(state["method_state_bytes"].get(name, 0), total)
+            for key, stats in workers[0]["requests"].items():
+                if len(workers) > 1:
+                    stats = {**stats, "tp_ranks": len(workers)}
+                    if mismatch := rank_mismatch([w["requests"].get(key, {}) for w in workers]):
+                        stats["rank_mismatch"] = mismatch
+                        state["rank_mismatched_requests"] = state.get("rank_mismatched_requests", 0) + 1
+                        logger.warning("request %s: tensor-parallel ranks decided differently: %s", key, mismatch)
+                by_request[key] = stats
         for record in writer.records:
             stats = by_request.get(record["request_id"])
             if stats is None or "reused_tokens" not in stats:
@@ -459,6 +473,8 @@ class Replayer:
             **sampler.summary(),
             "method_store_peak_bytes": self.method_state.get("store_peak_bytes"),
             "method_state_bytes": self.method_state.get("method_state_bytes"),
+            # requests whose tensor-parallel ranks decided differently (should always be 0)
+            "rank_mismatched_requests": self.method_state.get("rank_mismatched_requests", 0),
             "aborted": self.abort_reason,
             "config": run_config,
         }
@@ -476,3 +492,28 @@ def _json_default(value: Any) -> Any:
 
 def run_replay(config: ReplayConfig) -> dict[str, Any]:
     return asyncio.run(Replayer(config).run())
+
+
+# Per-request stats every tensor-parallel rank must agree on: what was reused or computed, and
+# each segment's decision. Timings and bytes differ between ranks by nature.
+RANK_INVARIANT_STATS = ("reused_tokens", "recomputed_tokens", "fallback")
+
+
+def rank_mismatch(per_rank: list[dict[str, Any]]) -> list[str]:
+    """Names of the stats in which the ranks' views of one request differ (empty: they agree)."""
+    first, differ = per_rank[0], []
+    for name in RANK_INVARIANT_STATS:
+        if any(stats.get(name) != first.get(name) for stats in per_rank[1:]):
+            differ.append(name)
+    decisions = [[(d.get("id"), d.get("decision")) for d in stats.get("decisions", [])] for stats in per_rank]
+    if any(d != decisions[0] for d in decisions[1:]):
+        differ.append("decisions")
+    entropies = [[d.get("entropy") for d in stats.get("decisions", [])] for stats in per_rank]
+    if any(e != entropies[0] for e in entropies[1:]):
+        differ.append("entropy")
+    for name in ("blend", "relay"):  # selective recomputation: the same rows picked everywhere
+        for field_name in ("picked_tokens", "picked_digest"):
+            if any(stats.get(name, {}).get(field_name) != first.get(name, {}).get(field_name)
+                   for stats in per_rank[1:]):
+                differ.append(f"{name}.{field_name}")
+    return differ

@@ -67,6 +67,33 @@ def tail(path: Path, max_lines: int = 40) -> str:
     return "\n".join(lines[-max_lines:])
 
 
+def tensor_parallel_size(args: list[str]) -> int:
+    """The --tensor-parallel-size (-tp) among vLLM arguments (1 when absent)."""
+    for index, arg in enumerate(args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if arg == flag and index + 1 < len(args):
+                return int(args[index + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return 1
+
+
+def cpu_binding(cores: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers: the cores split into contiguous shares,
+    e.g. "0,1|2,3"."""
+    if len(cores) < ranks:
+        raise ServerError(f"tensor parallelism over {ranks} CPU workers needs at least {ranks} cores; "
+                          f"this process may use {len(cores)}")
+    shares = [cores[len(cores) * r // ranks: len(cores) * (r + 1) // ranks] for r in range(ranks)]
+    return "|".join(",".join(str(c) for c in share) for share in shares)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` (the `vllm` script is broken in vllm-cpu).
 
@@ -112,6 +139,11 @@ class VLLMServer:
         # Dev endpoints: /reset_prefix_cache between runs and /collective_rpc for method stats.
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        tp = tensor_parallel_size(self.config.extra_args)
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and not _has_cuda():
+            # vLLM's CPU backend binds each rank to a NUMA node and refuses more ranks than nodes
+            # (one, on most machines); give each rank its own share of this process's cores.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), tp)
         return env
 
     def start(self) -> "VLLMServer":

@@ -154,9 +154,14 @@ class _Rotary(torch.nn.Module):
 
 
 class _FakeCore:
+    tensor_parallel_size = 1
+
     def __init__(self) -> None:
         self.aligner = RopeAligner(_Rotary())
         self.prefills = 0
+
+    def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
 
     def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
         self.prefills += 1

@@ -128,9 +128,14 @@ def test_plain_layout_round_trip_on_cuda() -> None:
 class _Core:
     """What a delta method asks of the connector core, on one device (no engine)."""
 
+    tensor_parallel_size = 1
+
     def __init__(self, device: str) -> None:
         self.aligner = RopeAligner.from_theta(HEAD_DIM, 20000, 10000.0).to(device)
         self.device = device
+
+    def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
 
     def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
         g = torch.Generator().manual_seed(int(tokens.sum()))

@@ -1,0 +1,122 @@
+"""Methods under tensor parallelism: each rank holds half of the KV heads, and the ranks run the
+partial forward's collectives together, so whatever decides which rows are reused or computed
+(KVCMAS's gate and weights, RelayCaching's and CacheBlend's picks) must be summed over all ranks' heads. Two CPU
+workers of vLLM (tensor-parallel size 2) against one, on the same trace."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvbench.replay.kv_error import reused_segments, turn_layer_errors
+from kvbench.replay.runner import ReplayConfig, rank_mismatch, run_replay
+from kvbench.replay.server import ServerError, VLLMServer, cpu_binding, method_server_config, tensor_parallel_size
+from kvbench.tracegen.generate import TraceSpec, generate_trace
+from kvbench.tracegen.schema import Trace
+from kvbench.tracegen.tokenizer import load_tokenizer
+
+TAU = 0.3  # KVCMAS's default threshold
+
+
+def test_rank_mismatch_names_what_differs() -> None:
+    same = {"reused_tokens": 10, "recomputed_tokens": 2, "decisions": [{"id": "q", "decision": "accepted",
+                                                                       "entropy": 0.1, "gate_s": 0.01}]}
+    other_timing = {**same, "decisions": [{**same["decisions"][0], "gate_s": 0.02}], "load_s": 5.0}
+    assert rank_mismatch([same, other_timing]) == []
+    dense = {"reused_tokens": 0, "recomputed_tokens": 12, "decisions": [{"id": "q", "decision": "dense_gate",
+                                                                        "entropy": 0.35}]}
+    assert rank_mismatch([same, dense]) == ["reused_tokens", "recomputed_tokens", "decisions", "entropy"]
+    picks = [{"relay": {"picked_tokens": 5, "picked_digest": digest}} for digest in ("aaa", "bbb")]
+    assert rank_mismatch(picks) == ["relay.picked_digest"]
+
+
+def test_tensor_parallel_flag_and_cpu_binding() -> None:
+    assert tensor_parallel_size(["--max-num-seqs", "4"]) == 1
+    assert tensor_parallel_size(["--tensor-parallel-size", "2"]) == 2
+    assert tensor_parallel_size(["-tp=4"]) == 4
+    assert cpu_binding([0, 1], 2) == "0|1"
+    assert cpu_binding([0, 1, 2, 3, 4], 2) == "0,1|2,3,4"
+    with pytest.raises(ServerError, match="at least 3 cores"):
+        cpu_binding([0, 1], 3)
+
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two cores")
+
+
+@pytest.fixture(scope="module")
+def trace() -> tuple[Trace, object]:
+    """Seven four-agent trajectories over a 1K query with 32-token outputs; the first three warm up
+    the anchor pools."""
+    tokenizer = load_tokenizer(None)
+    header, trajectories = generate_trace(TraceSpec(shared_tokens=1024, output_len=32, num_trajectories=7, seed=3),
+                                          tokenizer)
+    return Trace(header=header, trajectories=trajectories), tokenizer
+
+
+def _replay(method: str, model: str, ranks: int, trace: tuple[Trace, object], tmp: Path,
+            error_turns: int = 0) -> tuple[dict, list[dict], list[float]]:
+    """Replay the trace on a fresh server with `ranks` tensor-parallel CPU workers: the summary,
+    each request's method stats and the KV error of the last `error_turns` turns whose query was
+    reused (mean over layers of the K and V errors, over all heads)."""
+    config = method_server_config(method, model, {}, log_path=tmp / f"{method}-tp{ranks}.log", max_model_len=4096,
+                                  extra_args=["--tensor-parallel-size", str(ranks)])
+    full_trace, tokenizer = trace
+    out = tmp / f"{method}-tp{ranks}"
+    with VLLMServer(config) as server:
+        summary = run_replay(ReplayConfig(trace=full_trace, tokenizer=tokenizer, method=method,  # type: ignore[arg-type]
+                                          base_urls=[server.base_url], result_dir=out, qps=0, num_warmups=3,
+                                          prime_method_state=True, save_prompt_ids=True, show_progress=False))
+        requests = pd.read_parquet(out / "requests.parquet")
+        assert requests["success"].all() and len(requests) == 16
+        errors = []
+        q_reused = requests.apply(lambda turn: "q" in reused_segments(turn), axis=1)
+        for _, turn in requests[q_reused].tail(error_turns).iterrows():
+            layers = turn_layer_errors(server.base_url, config.model, turn)
+            errors.append(sum((layer["k_rel"] + layer["v_rel"]) / 2 for layer in layers) / len(layers))
+    return summary, requests["method_stats"].map(lambda s: json.loads(s) if s else {}).tolist(), errors
+
+
+@needs_two_cores
+def test_kvcmas_two_ranks_decide_as_one(default_model: str, trace: tuple[Trace, object], tmp_path: Path) -> None:
+    one, one_stats, one_errors = _replay("kvcmas", default_model, 1, trace, tmp_path, error_turns=2)
+    two, two_stats, two_errors = _replay("kvcmas", default_model, 2, trace, tmp_path, error_turns=2)
+    # The ranks agreed on every request (same reuse, decisions and entropies), and reported as two.
+    assert two["rank_mismatched_requests"] == 0
+    assert all(stats.get("tp_ranks") == 2 for stats in two_stats if "decisions" in stats)
+    # ...and as one rank does: the gate sees all heads (only bf16 rounding of the split GEMMs differs).
+    decided = 0
+    for a, b in zip(one_stats, two_stats):
+        for da, db in zip(a.get("decisions", []), b.get("decisions", []), strict=True):
+            assert da["id"] == db["id"]
+            if da.get("entropy") is not None and db.get("entropy") is not None:
+                assert abs(da["entropy"] - db["entropy"]) < 0.1, (da, db)
+                if abs(da["entropy"] - TAU) > 0.1:
+                    assert da["decision"] == db["decision"], (da, db)
+                    decided += 1
+    assert decided >= 20
+    assert one["realized_rho"] > 0.2 and abs(one["realized_rho"] - two["realized_rho"]) < 0.05
+    # The corrected caches match too: KV error over both ranks' heads, as with one rank.
+    assert len(one_errors) == len(two_errors) == 2
+    for e1, e2 in zip(one_errors, two_errors):
+        assert 0 < e2 < 0.2 and abs(e1 - e2) <= 0.25 * e1, (one_errors, two_errors)
+    # Each rank factorizes its own heads' share of an anchor: B factors split between the ranks,
+    # A factors [tokens, r] are kept by each. The run reports the server's bytes, over both ranks.
+    pool_one, pool_two = (run["method_state_bytes"]["peak_anchor_pool"] for run in (one, two))
+    assert pool_one < pool_two < 2 * pool_one
+
+
+@needs_two_cores
+@pytest.mark.parametrize(("method", "stats_key"), [("relaycaching", "relay"), ("cacheblend", "blend")])
+def test_selective_recomputation_ranks_pick_the_same_rows(default_model: str, trace: tuple[Trace, object],
+                                                          tmp_path: Path, method: str, stats_key: str) -> None:
+    """The rows to recompute are picked from deviations (and RelayCaching's attention influence)
+    over all heads: both ranks pick the same rows (compared by digest)."""
+    summary, stats, _ = _replay(method, default_model, 2, trace, tmp_path)
+    assert summary["rank_mismatched_requests"] == 0
+    picks = [s[stats_key] for s in stats if stats_key in s]
+    assert len(picks) == 12 and all(p["picked_digest"] for p in picks)
+    assert 0 < sum(p["picked_tokens"] for p in picks) < sum(p["candidate_tokens"] for p in picks)
