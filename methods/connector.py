@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,7 @@ from kvbench.methods.store import SavedKV, SegmentStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,10 +68,15 @@ class ConnectorSettings:
     # Tests of the dense fallback: "all" raises inside every load, "flagged" inside loads whose
     # plan has inject_fault.
     fault_injection: str | None
+    # 0: a request's cache is materialized in the engine step that schedules it (vLLM's sync
+    # load). N > 0: loads are asynchronous and each engine step runs partial-forward layers of the
+    # waiting loads, in arrival order, until about N tokens' worth of rows went through all
+    # layers (at least one layer per step), so one long load cannot stall the batch for long.
+    max_load_tokens_per_step: int = 0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
-        known = {"method", "params", "max_store_bytes", "fault_injection"}
+        known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step"}
         if unknown := set(extra) - known:
             raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
         if "method" not in extra:
@@ -79,7 +87,10 @@ class ConnectorSettings:
         fault = extra.get("fault_injection")
         if fault not in (None, "all", "flagged"):
             raise MethodConfigError(f"fault_injection must be 'all', 'flagged' or absent, got {fault!r}")
-        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault)
+        budget = extra.get("max_load_tokens_per_step", 0)
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise MethodConfigError(f"max_load_tokens_per_step must be an integer >= 0, got {budget!r}")
+        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget)
 
 
 @dataclass
@@ -98,6 +109,20 @@ class SaveSpec:
     key: str
     token_ids: list[int]
     block_ids: list[int]
+
+
+@dataclass
+class LoadJob:
+    """A load in progress on the worker: its spec and the generator doing its work."""
+
+    spec: LoadSpec
+    work: Generator[int, None, dict[str, Any]]
+    started: float = field(default_factory=time.perf_counter)
+    steps: int = 0  # engine steps it ran in
+
+    @property
+    def key(self) -> str:
+        return self.spec.plan.save_as or self.spec.req_id
 
 
 @dataclass
@@ -126,6 +151,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, LoadSpec] = {}
         self._pending_saves: list[SaveSpec] = []
         self._unsaved_keys: set[str] = set()  # a producer is running or its save is unconfirmed
+        self._failed_loads: set[str] = set()  # async loads that failed: vLLM computes them itself
         # worker side
         self.store = SegmentStore(self.settings.max_store_bytes)
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -135,6 +161,10 @@ class KVBenchConnector(KVConnectorBase_V1):
         self.request_stats: dict[str, dict[str, Any]] = {}
         self._saved_this_step: set[str] = set()
         self._finished_sending: set[str] = set()
+        # asynchronous loads (max_load_tokens_per_step > 0): run in order, a few layers per step
+        self._load_queue: deque[LoadJob] = deque()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._saves_done_for: KVConnectorMetadata | None = None
         # save key -> (rows, their residual stream [rows, hidden], layer) captured at the load,
@@ -148,9 +178,13 @@ class KVBenchConnector(KVConnectorBase_V1):
         plan = parse_plan(request.kv_transfer_params)
         if plan is None or not plan.claim:
             return 0, False
+        if request.request_id in self._failed_loads:  # asked again after a failed async load
+            self._failed_loads.discard(request.request_id)
+            return 0, False
         if plan.sources & self._unsaved_keys:
             return None, False  # a source is still being produced: ask again next step
-        return max(0, request.num_prompt_tokens - 1 - num_computed_tokens), False
+        count = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
+        return count, count > 0 and self.settings.max_load_tokens_per_step > 0
 
     def on_new_request(self, request: "Request") -> None:
         plan = parse_plan(request.kv_transfer_params)
@@ -181,6 +215,8 @@ class KVBenchConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids and (spec := self._pending_loads.pop(req_id, None)) is not None:
                 spec.block_ids = list(cached.new_block_ids[index][0])
                 meta.loads.append(spec)
+        if self.settings.max_load_tokens_per_step > 0:  # async: the requests wait unscheduled
+            meta.loads.extend(self._pending_loads.values())
         self._pending_loads.clear()
         meta.saves, self._pending_saves = self._pending_saves, []
         return meta
@@ -189,10 +225,12 @@ class KVBenchConnector(KVConnectorBase_V1):
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVBenchWorkerMetadata):
             self._unsaved_keys -= worker_meta.saved_keys
+        self._failed_loads |= set(getattr(connector_output, "failed_recving", None) or ())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        self._failed_loads.discard(request.request_id)
         plan = parse_plan(request.kv_transfer_params)
         if plan is None or not plan.save_as:
             return False, None
@@ -289,24 +327,62 @@ class KVBenchConnector(KVConnectorBase_V1):
             self.method.run_deferred()
         except Exception:  # noqa: BLE001 - method state updates must never take the engine down
             logger.exception("kvbench: deferred work of %s failed", self.method.name)
-        for spec in meta.loads:
-            started = time.perf_counter()
-            key = spec.plan.save_as or spec.req_id
-            try:
-                stats = self._materialize(spec)
-            except Exception as exc:  # noqa: BLE001 - any failure falls back to vLLM's own prefill
-                logger.exception("kvbench: load of %s failed; vLLM recomputes it densely", key)
-                first_block = spec.num_local // self.block_size
-                self._failed_blocks.update(spec.block_ids[first_block:])
-                stats = {"fallback": "dense", "error": f"{type(exc).__name__}: {exc}",
-                         "reused_tokens": 0, "recomputed_tokens": spec.num_target - spec.num_local}
-            stats["load_s"] = time.perf_counter() - started
-            stats.update(turn=spec.plan.turn, agent=spec.plan.agent, local_tokens=spec.num_local,
-                         claimed_tokens=spec.num_target - spec.num_local)
-            self._record_stats(key, stats)
+        if self.settings.max_load_tokens_per_step > 0:
+            self._load_queue.extend(LoadJob(spec, self._materialize_steps(spec)) for spec in meta.loads)
+            layers = len(self.forward.layers) if self.forward is not None else 1
+            self._advance_loads(self.settings.max_load_tokens_per_step * layers)  # in rows through one layer
+            return
+        for spec in meta.loads:  # synchronous: each load ends in this step, before the forward
+            job = LoadJob(spec, self._materialize_steps(spec))
+            stats, _ = self._run_load(job, budget=None)
+            assert stats is not None
+            self._finish_load(job, stats)
+
+    def _run_load(self, job: "LoadJob", budget: int | None) -> tuple[dict[str, Any] | None, int]:
+        """Run a load's layers until it ends or `budget` rows were computed (None: to the end).
+        Returns (its stats when it ended, else None; rows computed)."""
+        spent = 0
+        job.steps += 1
+        try:
+            while True:
+                spent += next(job.work)
+                if budget is not None and spent >= budget:
+                    return None, spent
+        except StopIteration as done:
+            return done.value, spent
+        except Exception as exc:  # noqa: BLE001 - any failure falls back to vLLM's own prefill
+            logger.exception("kvbench: load of %s failed; vLLM recomputes it densely", job.key)
+            spec = job.spec
+            if self.settings.max_load_tokens_per_step > 0:
+                self._failed_recving.add(spec.req_id)  # vLLM recomputes the whole request
+            else:
+                self._failed_blocks.update(spec.block_ids[spec.num_local // self.block_size:])
+            return {"fallback": "dense", "error": f"{type(exc).__name__}: {exc}",
+                    "reused_tokens": 0, "recomputed_tokens": spec.num_target - spec.num_local}, spent
+
+    def _advance_loads(self, budget: int) -> None:
+        """One engine step's share of the asynchronous loads: layers of the oldest waiting load
+        (then the next) until `budget` rows went through a layer; at least one layer."""
+        spent = 0
+        while self._load_queue and (spent < budget or spent == 0):
+            job = self._load_queue[0]
+            stats, rows = self._run_load(job, budget - spent)
+            spent += max(rows, 1)
+            if stats is None:
+                return
+            self._load_queue.popleft()
+            self._finish_load(job, stats)
+            self._finished_recving.add(job.spec.req_id)
+
+    def _finish_load(self, job: "LoadJob", stats: dict[str, Any]) -> None:
+        spec = job.spec
+        stats["load_s"] = time.perf_counter() - job.started
+        stats.update(turn=spec.plan.turn, agent=spec.plan.agent, local_tokens=spec.num_local,
+                     claimed_tokens=spec.num_target - spec.num_local, load_steps=job.steps)
+        self._record_stats(job.key, stats)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv, before the forward
+        return None  # sync loads complete in start_load_kv, before the forward; async ones are not scheduled yet
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # finished requests are copied once, from their held blocks
@@ -318,7 +394,16 @@ class KVBenchConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._finished_sending = self._finished_sending, set()
-        return (done or None), None
+        loaded, self._finished_recving = self._finished_recving, set()
+        return (done or None), (loaded or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        # a failed load also ends the request's wait (vLLM then recomputes it)
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -399,7 +484,8 @@ class KVBenchConnector(KVConnectorBase_V1):
         return candidates, missing
 
     @torch.inference_mode()
-    def _materialize(self, spec: LoadSpec) -> dict[str, Any]:
+    def _materialize_steps(self, spec: LoadSpec) -> Generator[int, None, dict[str, Any]]:
+        """A request's load, one partial-forward layer at a time (yields the rows each computed)."""
         fault = self.settings.fault_injection
         if fault == "all" or (fault == "flagged" and spec.plan.inject_fault):
             raise RuntimeError("injected fault (kv_connector_extra_config.fault_injection)")
@@ -489,8 +575,8 @@ class KVBenchConnector(KVConnectorBase_V1):
             return keep.nonzero().flatten()
 
         started = time.perf_counter()
-        forward = self.forward.run(tokens, block_ids, slots, compute, placed_rows,
-                                   narrow if check is not None else None, group, capture)
+        forward = yield from self.forward.steps(tokens, block_ids, slots, compute, placed_rows,
+                                                narrow if check is not None else None, group, capture)
         if capture is not None and forward.captured is not None:
             self._hidden_for_save[str(spec.plan.save_as)] = (*forward.captured, capture)
             while len(self._hidden_for_save) > MAX_PENDING_HIDDEN:  # requests aborted before their save

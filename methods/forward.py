@@ -10,7 +10,8 @@ mlp), shared by Llama, Mistral, Qwen2 and most vLLM decoder models.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import TypeVar
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,18 @@ RowsForLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # (layer index, computed rows, their Q, K, V) -> positions in the computed rows to keep computing
 # in the layers after this one, or None to keep them all (selective recomputation)
 NarrowRows = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
+
+
+Result = TypeVar("Result")
+
+
+def run_to_end(steps: Generator[int, None, Result]) -> Result:
+    """Drive a step generator (`PartialForward.steps`, the connector's loads) to its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 @dataclass
@@ -58,11 +71,19 @@ class PartialForward:
     def rotary_emb(self) -> torch.nn.Module:
         return self.layers[0].self_attn.rotary_emb
 
-    @torch.inference_mode()
     def run(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
             placed_rows: RowsForLayer, narrow: NarrowRows | None = None, group: LayerGroup | None = None,
             capture_layer: int | None = None) -> ForwardStats:
-        """`tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute.
+        """All layers at once (see `steps`)."""
+        return run_to_end(self.steps(tokens, block_ids, slots, compute, placed_rows, narrow, group, capture_layer))
+
+    @torch.inference_mode()  # entered again at every resumption of the generator
+    def steps(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
+              placed_rows: RowsForLayer, narrow: NarrowRows | None = None, group: LayerGroup | None = None,
+              capture_layer: int | None = None) -> Generator[int, None, ForwardStats]:
+        """The partial forward one layer at a time: yields the rows computed in each layer, so
+        that a caller may spread the layers over engine steps; returns the stats.
+        `tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute.
         `narrow` may shrink the computed rows after a layer's K/V is written: the dropped rows
         keep their placed K/V in the layers after it. `group` adds rows computed in a range of
         layers only (`narrow` may drop some of them before the range ends). `capture_layer`: keep
@@ -78,7 +99,11 @@ class PartialForward:
         if group is not None and group.start == 0:  # the group enters with its token embeddings
             compute, hidden, residual = self._join(compute, hidden, None, group.rows, self.embed(tokens[group.rows]),
                                                    before_first_layer=True)
+        layer_rows = 0
         for index, (layer, name) in enumerate(zip(self.layers, self.layer_names)):
+            if index:
+                yield layer_rows  # the previous layer is done: a caller may pause here
+                layer_rows = 0
             rows, k_rows, v_rows = placed_rows(index)
             layout, cache = self.layouts[name], self.kv_caches[name]
             layout.write(cache, slots[rows], k_rows, v_rows)
@@ -94,6 +119,7 @@ class PartialForward:
                 stats.captured = (compute.clone(), residual.clone())
             layout.write(cache, slots[compute], k, v)
             stats.computed_layer_rows += len(compute)
+            layer_rows = len(compute)
             if index == len(self.layers) - 1:
                 break  # the last layer's K/V is all the cache needs
             # Dropped rows keep the K/V placed for them in later layers; their queries and hidden

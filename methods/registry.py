@@ -57,7 +57,8 @@ def get_method(name: str) -> MethodInfo:
 
 
 def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_store_bytes: int | None = None,
-                       fault_injection: str | None = None) -> dict[str, Any] | None:
+                       fault_injection: str | None = None,
+                       max_load_tokens_per_step: int | None = None) -> dict[str, Any] | None:
     """The server's --kv-transfer-config for a method (None for plain vLLM)."""
     info = get_method(name)
     if not info.uses_connector:
@@ -69,6 +70,8 @@ def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_stor
         extra["max_store_bytes"] = max_store_bytes
     if fault_injection is not None:
         extra["fault_injection"] = fault_injection
+    if max_load_tokens_per_step:
+        extra["max_load_tokens_per_step"] = max_load_tokens_per_step
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,

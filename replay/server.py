@@ -239,12 +239,14 @@ def collective_rpc(base_url: str, method: str, timeout_s: float = 120.0, **kwarg
         raise ServerError(f"collective_rpc {method} on {base_url} failed: {exc}") from None
 
 
-def method_server_config(method: str, model: str, params: dict[str, Any] | None = None, **options: Any) -> ServerConfig:
+def method_server_config(method: str, model: str, params: dict[str, Any] | None = None,
+                         max_load_tokens_per_step: int = 0, **options: Any) -> ServerConfig:
     """A server for a sharing method: plain vLLM, or vLLM with the kvbench connector, its worker
     extension and the model handed to the connector once the server is up."""
     from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
 
     uses_connector = get_method(method).uses_connector
-    return ServerConfig(model=model, kv_transfer_config=kv_transfer_config(method, params),
+    transfer = kv_transfer_config(method, params, max_load_tokens_per_step=max_load_tokens_per_step if uses_connector else None)
+    return ServerConfig(model=model, kv_transfer_config=transfer,
                         worker_extension_cls=WORKER_EXTENSION if uses_connector else None,
                         post_start_rpcs=["kvbench_attach_model"] if uses_connector else [], **options)

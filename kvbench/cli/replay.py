@@ -29,6 +29,11 @@ def _server_options(func):  # noqa: ANN001, ANN202
         click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
                      help="Extra argument passed to the vLLM server verbatim (repeatable), e.g. "
                           "--vllm-arg=--gpu-memory-utilization=0.8."),
+        click.option("--max-load-tokens-per-step", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Spread each request's cache materialization over engine steps: every step runs "
+                          "partial-forward layers of the waiting loads for about this many tokens (vLLM's async "
+                          "KV load), so a long load does not stall the batch. 0: all in the step that schedules "
+                          "the request."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -58,12 +63,13 @@ def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
 
 def _server_config(method_name: str, params: dict[str, Any], model: str, port: int | None, host: str,
                    max_model_len: int | None, cpu_kv_cache_gib: float, startup_timeout: float,
-                   vllm_args: tuple[str, ...], log_path: Path | None) -> Any:
+                   vllm_args: tuple[str, ...], log_path: Path | None, max_load_tokens_per_step: int = 0) -> Any:
     from kvbench.replay.server import method_server_config
 
     return method_server_config(method_name, model, params, host=host, port=port, max_model_len=max_model_len,
                                 cpu_kv_cache_gib=cpu_kv_cache_gib, extra_args=list(vllm_args),
-                                startup_timeout_s=startup_timeout, log_path=log_path)
+                                startup_timeout_s=startup_timeout, log_path=log_path,
+                                max_load_tokens_per_step=max_load_tokens_per_step)
 
 
 def _check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
@@ -130,7 +136,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
                    model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
-                   server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...]) -> None:
+                   server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...],
+                   max_load_tokens_per_step: int) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.replay.runner import ReplayConfig, ReplayError, run_replay
@@ -156,11 +163,12 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
         method_params=params,
         extra_config={"model": model, "method_params": params,
-                      "trace_path": str(trace_path) if trace_path else None},
+                      "trace_path": str(trace_path) if trace_path else None,
+                      "max_load_tokens_per_step": max_load_tokens_per_step if not base_urls else None},
     )
     try:
         with _servers(config, method, params, model, port, max_model_len, cpu_kv_cache_gib, server_startup_timeout,
-                      vllm_args):
+                      vllm_args, max_load_tokens_per_step):
             summary = run_replay(config)
     except (ServerError, ReplayError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -221,7 +229,8 @@ def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: in
 @contextlib.contextmanager
 def _servers(config: Any, method: str, params: dict[str, Any], model: str, port: int | None,
              max_model_len: int | None,
-             cpu_kv_cache_gib: float, startup_timeout: float, vllm_args: tuple[str, ...]) -> Iterator[None]:
+             cpu_kv_cache_gib: float, startup_timeout: float, vllm_args: tuple[str, ...],
+             max_load_tokens_per_step: int = 0) -> Iterator[None]:
     """Start a server unless --base-url was given; it is stopped however the run ends."""
     from kvbench.replay.server import VLLMServer
 
@@ -230,7 +239,8 @@ def _servers(config: Any, method: str, params: dict[str, Any], model: str, port:
         return
     config.result_dir.mkdir(parents=True, exist_ok=True)
     server_config = _server_config(method, params, model, port, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
-                                   startup_timeout, vllm_args, config.result_dir / "server.log")
+                                   startup_timeout, vllm_args, config.result_dir / "server.log",
+                                   max_load_tokens_per_step)
     click.echo(f"starting vLLM ({method}) for {model} ... log: {server_config.log_path}", err=True)
     with VLLMServer(server_config) as server:
         config.base_urls = [server.base_url]
@@ -279,7 +289,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 @_server_options
 def serve_command(method: str, host: str, port: int, model: str | None, max_model_len: int | None,
                   cpu_kv_cache_gib: float, server_startup_timeout: float, method_params: tuple[str, ...],
-                  vllm_args: tuple[str, ...]) -> None:
+                  vllm_args: tuple[str, ...], max_load_tokens_per_step: int) -> None:
     """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
     import time
 
@@ -288,7 +298,7 @@ def serve_command(method: str, host: str, port: int, model: str | None, max_mode
 
     params = _check_method(method, method_params)
     config = _server_config(method, params, resolve_model(model), port, host, max_model_len, cpu_kv_cache_gib,
-                            server_startup_timeout, vllm_args, None)
+                            server_startup_timeout, vllm_args, None, max_load_tokens_per_step)
     try:
         with VLLMServer(config) as server:
             click.echo(json.dumps({"base_url": server.base_url, "method": method, "model": config.model,
@@ -330,7 +340,8 @@ def methods_command() -> None:
 def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
                       shared_tokens: int, output_len: int, iterations: int, base_url: str | None, seed: int,
                       model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
-                      server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...]) -> None:
+                      server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...],
+                      max_load_tokens_per_step: int) -> None:
     """Find the gate threshold (tau; gamma for kvcomm) that reaches a target reuse ratio, or
     DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.methods.registry import method_class
@@ -342,7 +353,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     if cls is not None and getattr(cls, "layer_profiled", False):
         trace, tokenizer, served = _load_trace(trace_path, model, num_trajectories, 0, shared_tokens, output_len, seed)
         _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, max_model_len,
-                                cpu_kv_cache_gib, server_startup_timeout, vllm_args)
+                                cpu_kv_cache_gib, server_startup_timeout, vllm_args, max_load_tokens_per_step)
         return
     if cls is None or not getattr(cls, "matching", False):
         raise click.BadParameter(f"{method!r} has no reliability gate or layer group to calibrate",
@@ -358,7 +369,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
                                         iterations, show)
         else:
             config = _server_config(method, params, served, None, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
-                                    server_startup_timeout, vllm_args, None)
+                                    server_startup_timeout, vllm_args, None, max_load_tokens_per_step)
             with VLLMServer(config) as server:
                 steps = calibrate_threshold(trace, tokenizer, method, server.base_url, target_rho, cls.threshold_name,
                                             iterations, show)
@@ -370,7 +381,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
 def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tokenizer: Any, served: str,
                             target_rho: float, base_url: str | None, max_model_len: int | None,
                             cpu_kv_cache_gib: float, server_startup_timeout: float,
-                            vllm_args: tuple[str, ...]) -> None:
+                            vllm_args: tuple[str, ...], max_load_tokens_per_step: int = 0) -> None:
     """DroidSpeak's profiling: the layer group to recompute for a target reuse ratio."""
     from kvbench.replay.calibrate import profile_layers
     from kvbench.replay.server import ServerError, VLLMServer
@@ -380,7 +391,7 @@ def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tok
             profile = profile_layers(trace, tokenizer, method, base_url.rstrip("/"), served, target_rho)
         else:
             config = _server_config(method, params, served, None, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
-                                    server_startup_timeout, vllm_args, None)
+                                    server_startup_timeout, vllm_args, None, max_load_tokens_per_step)
             with VLLMServer(config) as server:
                 profile = profile_layers(trace, tokenizer, method, server.base_url, served, target_rho)
     except (ServerError, ValueError) as exc:

@@ -1,0 +1,110 @@
+"""Loads spread over engine steps (`max_load_tokens_per_step`): the connector answers vLLM's
+scheduler with an asynchronous load, runs a few partial-forward layers of the waiting loads in
+each engine step and reports the request loaded when its last layer is done. The cache must be
+the one a load in a single step makes, and the running requests must keep decoding meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from test_methods_vllm import _complete, _dense, _key, _kv_error, _max_dlogprob, _request_stats, bf16_noise, prompts  # noqa: F401
+
+from kvbench.replay.client import stream_completion
+from kvbench.replay.server import VLLMServer, method_server_config
+
+pytestmark = pytest.mark.engine
+
+LAYERS = 4  # the embedded model
+BUDGET = 128  # tokens per engine step: 512 rows through one layer; a 1.5K-row load takes a layer per step
+
+
+@pytest.fixture(scope="module")
+def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """KVCMAS with asynchronous loads; plans with inject_fault make their load fail."""
+    config = method_server_config("kvcmas", default_model, max_load_tokens_per_step=BUDGET, max_model_len=4096,
+                                  log_path=Path(tmp_path_factory.mktemp("async-loads")) / "server.log")
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config["kv_connector_extra_config"]["fault_injection"] = "flagged"
+    with VLLMServer(config) as server:
+        yield server
+
+
+def _compute_all(prompt: list[int], key: str) -> dict:
+    """A plan that claims the prompt and computes every row in the connector's partial forward."""
+    return {"save_as": key, "segments": [{"kind": "pf", "id": "all", "start": 0, "length": len(prompt)}]}
+
+
+def test_a_load_over_engine_steps_matches_dense(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:  # noqa: F811
+    dense_key, key = _key(), _key()
+    dense = _dense(server, prompts["p0"], dense_key)
+    computed = _complete(server, prompts["p0"], _compute_all(prompts["p0"], key), salt=key)
+    assert _max_dlogprob(dense, computed) <= bf16_noise["p0"]
+    n = len(prompts["p0"]) - 1
+    error = _kv_error(server, key, dense_key, 0, n)
+    assert all(layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01 for layer in error["layers"]), error
+    stats = _request_stats(server, key)
+    assert stats["recomputed_tokens"] == n and stats["reused_tokens"] == 0
+    assert stats["load_steps"] == LAYERS  # n >= 512 rows: one layer per engine step
+
+
+def test_a_failed_load_is_computed_by_vllm(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:  # noqa: F811
+    """A load that fails ends the request's wait as failed: vLLM computes the prompt itself
+    (once: the connector does not claim it again), and the answer is the dense one."""
+    key = _key()
+    dense = _dense(server, prompts["p1"], _key(), max_tokens=16)
+    faulty = _complete(server, prompts["p1"], {**_compute_all(prompts["p1"], key), "inject_fault": True},
+                       salt=key, max_tokens=16)
+    assert faulty["text"] == dense["text"]
+    assert _max_dlogprob(dense, faulty) <= bf16_noise["p1"]
+    stats = _request_stats(server, key)
+    assert stats["fallback"] == "dense" and "injected fault" in stats["error"]
+
+
+def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+    """A request decoding while a long load runs gets tokens between the load's steps: its longest
+    wait for a token is about one layer of the load, where a load in one step (budget 0) makes it
+    wait for the whole load (measured: a gap of at least load_s)."""
+
+    async def scenario() -> tuple:
+        url = f"{server.base_url}/v1/completions"
+        common = {"model": server.config.model, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            decoding = asyncio.create_task(stream_completion(
+                session, url, {**common, "prompt": prompts["q"][:64], "max_tokens": 1500}, 300, "decoding"))
+            await asyncio.sleep(1.0)  # the first request is past its prefill and decoding
+            key = _key()
+            load = await stream_completion(session, url, {
+                **common, "prompt": prompts["p1"], "max_tokens": 1, "cache_salt": key,
+                "kv_transfer_params": {"kvbench": _compute_all(prompts["p1"], key)}}, 300, "load")
+            return await decoding, load, key
+
+    decoding, load, key = asyncio.run(scenario())
+    assert decoding.success and load.success, (decoding.error_message, load.error_message)
+    assert load.sent_ns > decoding.first_token_ns and decoding.end_ns > load.first_token_ns  # overlapped
+    stats = _request_stats(server, key)
+    assert stats["load_steps"] == LAYERS
+    # The decoding request's token arrivals around the load (one before it was sent, one after its
+    # first token): the longest gap between them against the load's wall time over its steps.
+    before = max(t for t in decoding.chunk_ns if t <= load.sent_ns)
+    after = min(t for t in decoding.chunk_ns if t > load.first_token_ns)
+    window = [t for t in decoding.chunk_ns if before <= t <= after]
+    longest_gap_s = max(b - a for a, b in zip(window, window[1:])) / 1e9
+    assert longest_gap_s < 0.75 * stats["load_s"], (longest_gap_s, stats["load_s"], len(window))
+
+
+def test_the_load_budget_reaches_the_connector() -> None:
+    from kvbench.cli.replay import _server_config
+    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.connector import ConnectorSettings
+
+    config = _server_config("kvcmas", {}, "model", None, "127.0.0.1", None, 2.0, 60.0, (), None, 512)
+    extra = config.kv_transfer_config["kv_connector_extra_config"]
+    assert ConnectorSettings.from_extra_config(extra).max_load_tokens_per_step == 512
+    assert _server_config("nonshared", {}, "model", None, "127.0.0.1", None, 2.0, 60.0, (), None,
+                          512).kv_transfer_config is None  # plain vLLM: no connector to configure
+    with pytest.raises(MethodConfigError, match="max_load_tokens_per_step"):
+        ConnectorSettings.from_extra_config({"method": "kvcmas", "max_load_tokens_per_step": -1})
