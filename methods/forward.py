@@ -11,8 +11,8 @@ mlp), shared by Llama, Mistral, Qwen2 and most vLLM decoder models.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import TypeVar
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 

@@ -68,13 +68,14 @@ def tail(path: Path, max_lines: int = 40) -> str:
 
 
 def tensor_parallel_size(args: list[str]) -> int:
-    """The --tensor-parallel-size (-tp) among vLLM arguments (1 when absent)."""
+    """The --tensor-parallel-size (-tp) among vLLM arguments (1 when absent or not a number:
+    vLLM itself reports a bad value)."""
     for index, arg in enumerate(args):
         for flag in ("--tensor-parallel-size", "-tp"):
-            if arg == flag and index + 1 < len(args):
-                return int(args[index + 1])
-            if arg.startswith(flag + "="):
-                return int(arg.split("=", 1)[1])
+            value = args[index + 1] if arg == flag and index + 1 < len(args) else \
+                arg.split("=", 1)[1] if arg.startswith(flag + "=") else None
+            if value is not None:
+                return int(value) if value.isdigit() else 1
     return 1
 
 
