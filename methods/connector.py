@@ -15,6 +15,7 @@ modules. Any internal error reports the request's blocks as failed, and vLLM (lo
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Generator
@@ -644,10 +645,13 @@ class KVBenchConnector(KVConnectorBase_V1):
             row = {}
             for name, a, b in (("k", entry.k[layer, rows], ref.k[layer, rows]),
                                ("v", entry.v[layer, rows], ref.v[layer, rows])):
-                diff = a.float() - b.float()
-                row[f"{name}_rel"] = float(diff.norm() / b.float().norm().clamp_min(1e-30))
-                # this rank's share of the squared norms: tensor-parallel ranks' shards add up
-                row[f"{name}_sq_err"], row[f"{name}_sq_ref"] = float(diff.square().sum()), float(b.float().square().sum())
+                reference = b.float()
+                diff = a.float() - reference
+                # this rank's share of the squared norms (tensor-parallel ranks' shards add up), and
+                # the relative error they give
+                sq_err, sq_ref = float(diff.square().sum()), float(reference.square().sum())
+                row[f"{name}_sq_err"], row[f"{name}_sq_ref"] = sq_err, sq_ref
+                row[f"{name}_rel"] = math.sqrt(sq_err) / max(math.sqrt(sq_ref), 1e-30)
                 row[f"{name}_max_abs"] = float(diff.abs().max())
             layers.append(row)
         identical = bool(torch.equal(entry.k[:, rows], ref.k[:, rows]) and torch.equal(entry.v[:, rows], ref.v[:, rows]))
