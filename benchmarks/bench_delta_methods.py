@@ -11,10 +11,12 @@ loaded QPS per context. Prints, measured side by side in one run:
     over the turns whose shared query was served from a reused cache.
 
     .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5] [--cold]
-        [--kvcmas-tau 0.4]
+        [--kvcmas-tau 0.4] [--kvcmas-prematch]
 
 --kvcmas-tau adds KVCMAS at other reliability thresholds (other reuse ratios rho) beside the default
 tau: the TTFT ratios and the KV error at each operating point, measured in the same run.
+--kvcmas-prematch adds KVCMAS with `prematch` on (a saved turn's segments are matched against the
+anchor pools after its first token, not at the next edge's load), at the default tau.
 
 By default the warm-up trajectories prime the methods' anchor pools (the steady state of a long
 run); --cold starts every measured run with empty pools, as a fresh server would.
@@ -84,6 +86,9 @@ def main() -> None:
     parser.add_argument("--kvcmas-tau", default="",
                         help="more KVCMAS operating points: reliability thresholds tau besides the default "
                              "(comma-separated), each a row `kvcmas(tau=X)` with its realized rho")
+    parser.add_argument("--kvcmas-prematch", action="store_true",
+                        help="also KVCMAS with prematch on (row `kvcmas(prematch)`): matching of a saved turn's "
+                             "segments moves from the next edge's TTFT to after the saved turn's first token")
     args = parser.parse_args()
     chosen = args.methods.split(",") if args.methods else [name for name, _ in METHODS]
     if unknown := set(chosen) - {name for name, _ in METHODS}:
@@ -96,8 +101,9 @@ def main() -> None:
     if any(not 0 <= t <= 1 for t in taus):
         parser.error("--kvcmas-tau: a normalized entropy threshold lies in [0, 1]")
     # (label, method, params): the label names the row, so one method may run at several settings
-    methods = compared + [(f"kvcmas(tau={t:g})", "kvcmas", {"tau": t}) for t in taus] \
-        + [(m, m, {}) for m in args.extra_methods.split(",") if m]
+    variants = [(f"kvcmas(tau={t:g})", "kvcmas", {"tau": t}) for t in taus] \
+        + ([("kvcmas(prematch)", "kvcmas", {"prematch": True})] if args.kvcmas_prematch else [])
+    methods = compared + variants + [(m, m, {}) for m in args.extra_methods.split(",") if m]
     contexts = [int(c) for c in args.contexts.split(",")]
     loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))
     tokenizer = load_tokenizer(None)
@@ -132,6 +138,7 @@ def main() -> None:
                             "method": label, "context": context, "qps": qps,
                             "p50_ttft_ms": summary["p50_ttft_ms"], "p90_ttft_ms": summary["p90_ttft_ms"],
                             "p50_trajectory_ttft_ms": summary["p50_trajectory_ttft_ms"],
+                            "p99_itl_ms": summary.get("p99_itl_ms"),
                             "failed": summary["failed"], "realized_rho": summary["realized_rho"],
                             "pool_mib": state.get("peak_anchor_pool", 0) / 2**20,
                             "references_mib": state.get("peak_references", 0) / 2**20,
@@ -148,9 +155,9 @@ def main() -> None:
         print_targets(table, contexts, loaded)
     p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
-    if taus and {"fullshared", "kvcmas"} <= set(chosen):
-        print_operating_points(table, contexts, loaded, [label for label, _, _ in methods if label.startswith("kvcmas(")])
-    for method, _, _ in methods[len(compared) + len(taus):]:
+    if variants and {"fullshared", "kvcmas"} <= set(chosen):
+        print_operating_points(table, contexts, loaded, [label for label, _, _ in variants])
+    for method, _, _ in methods[len(compared) + len(variants):]:
         for context in contexts:
             e = errors.loc[(method, context)]
             versus = {q: (f" ({p50[(method, context, q)] / p50[('kvcmas', context, q)]:.2f}x KVCMAS)"

@@ -7,6 +7,7 @@ keys are kept in canonical positions (the segment rotated as if it started at po
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,6 +22,7 @@ EVICTION_WINDOW = 5  # LFU among the 5 oldest anchors (KVComm's policy, kept by 
 EXACT_EIGH_MAX_FEATURES = 256
 SUBSPACE_OVERSAMPLING = 16
 SUBSPACE_ITERATIONS = 4
+_ANCHOR_SERIALS = itertools.count()  # identity of an anchor's base, for memoized distances
 
 
 def top_right_singular_vectors(z: torch.Tensor, rank: int, exact: bool | None = None) -> torch.Tensor:
@@ -61,6 +63,11 @@ class FullRank:
         return (self.z[:, :n] if layer is None else self.z[layer, :n]).float()
 
     @property
+    def shape(self) -> tuple[int, int, int]:
+        """[layers, n, D] of the tensor it stands for."""
+        return tuple(self.z.shape)  # type: ignore[return-value]
+
+    @property
     def nbytes(self) -> int:
         return self.z.nbytes
 
@@ -96,6 +103,11 @@ class LowRank:
         return torch.matmul(self.a[:, :n], self.b).float()
 
     @property
+    def shape(self) -> tuple[int, int, int]:
+        """[layers, n, D] of the tensor it stands for."""
+        return (self.a.shape[0], self.a.shape[1], self.b.shape[-1])
+
+    @property
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
 
@@ -116,6 +128,9 @@ class Anchor:
     base_v: Stored
     deltas: dict[str, tuple[Stored, Stored]] = field(default_factory=dict)  # edge -> (dK, dV)
     uses: int = 0
+    # Unique for the process's life (an evicted anchor's id may come back with another base):
+    # distances to this base may be memoized under it.
+    serial: int = field(default_factory=lambda: next(_ANCHOR_SERIALS))
 
     @property
     def length(self) -> int:
@@ -193,11 +208,14 @@ def _stacked_rows(stored: list[Stored], layer: int, n: int, minus: torch.Tensor 
 
 
 def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_rows: int = 0,
-                     per_token: bool = True, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     per_token: bool = True, path: str | None = None,
+                     squares_per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Distances between the current cache [layers, >=n, D] and each stored base, in one pass
     per layer: ([anchors, n] absolute differences summed over layers and features, for the
     token-wise weights; [anchors] squared differences summed over the first `gate_rows` rows and
-    all layers, for the gate of Eq. 9).
+    all layers, for the gate of Eq. 9). `squares_per_row`: the squared differences are left per
+    row, [anchors, gate_rows] (summed over layers and features only), so that a gate over any
+    first k <= gate_rows rows can be taken from them later.
 
     `path`: "loop" (a GEMM per anchor and layer), "batched" (one batched GEMM per layer for all
     low-rank anchors of one rank), "fused" (one Triton kernel per layer, CUDA, bf16/fp16 factors).
@@ -214,11 +232,15 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
 
         rows = n if per_token else gate_rows
         l1, l2 = low_rank_distances(current, *_low_rank_stack(stored, rows), rows)
-        squares = l2[:, :gate_rows].sum(dim=-1) if gate_rows else torch.zeros(count, device=current.device)
+        if squares_per_row:
+            squares = l2[:, :gate_rows]
+        else:
+            squares = l2[:, :gate_rows].sum(dim=-1) if gate_rows else torch.zeros(count, device=current.device)
         return (l1 if per_token else l1[:, :0]), squares
     stack = _low_rank_stack(stored, n) if path == "batched" else None
     sums = torch.zeros(count, n if per_token else 0, device=current.device)
-    squares = torch.zeros(count, device=current.device)
+    squares = torch.zeros(count, gate_rows, device=current.device) if squares_per_row else \
+        torch.zeros(count, device=current.device)
     for layer in range(current.shape[0]):  # one [anchors, n, D] reconstruction alive at a time
         if stack is not None:  # A B - c for all anchors in one batched GEMM (beta = -1)
             a, b = stack[0][layer], stack[1][layer]
@@ -230,7 +252,8 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
         # several times faster on the CPU than fp32 outputs); sums over tokens and layers in fp32.
         if gate_rows:
             gate = diff[:, :gate_rows]
-            squares += torch.linalg.vecdot(gate, gate).float().sum(dim=-1)
+            per_row = torch.linalg.vecdot(gate, gate).float()
+            squares += per_row if squares_per_row else per_row.sum(dim=-1)
         if per_token:
             sums += diff.abs_().sum(dim=-1).float()
     return sums, squares
@@ -321,21 +344,23 @@ def interpolated_delta(current_k: torch.Tensor, current_v: torch.Tensor, anchors
                        value_distances: torch.Tensor | None = None,
                        path: str | None = None,
                        sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                       ranks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                       ranks: int = 1,
+                       key_distances: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 8 with token-wise weights: for each token, softmax over anchors of minus the mean
     absolute distance between the current cache and the anchor's base (K and V separately),
     then the weighted sum of the anchors' corrections. Rows [0, n) only; the value distances may
     come from the gate's pass (`anchor_distances`, whose `path` this passes on), already summed
-    over ranks. Under tensor parallelism each of the `ranks` holds some heads: distances are
+    over ranks, and so may the key distances (memoized ones). Under tensor parallelism each of the `ranks` holds some heads: distances are
     summed over them with `sum_over_ranks` and the mean is over all their features."""
     layers, features = current_v.shape[0], current_v.shape[2] * ranks
     if value_distances is None:
         value_distances, _ = anchor_distances(current_v, [a.base_v for a in anchors], n, path=path)
         if sum_over_ranks is not None:
             value_distances = sum_over_ranks(value_distances)
-    key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n, path=path)
-    if sum_over_ranks is not None:
-        key_distances = sum_over_ranks(key_distances)
+    if key_distances is None:
+        key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n, path=path)
+        if sum_over_ranks is not None:
+            key_distances = sum_over_ranks(key_distances)
     w_k = token_weights(key_distances, layers, features, temperature)
     w_v = token_weights(value_distances, layers, features, temperature)
     delta_k = weighted_corrections([a.deltas[edge][0] for a in anchors], w_k, layers, n)

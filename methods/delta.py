@@ -12,17 +12,21 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from kvbench.methods.anchors import AnchorPool, anchor_distances, gate_from_distances, interpolated_delta
+from kvbench.methods.anchors import (Anchor, AnchorPool, anchor_distances, gate_from_distances, token_weights,
+                                     weighted_corrections)
 from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.match_memo import MatchMemo, SegmentDistances
 from kvbench.methods.plan import PlanSegment
 from kvbench.methods.store import SavedKV
 
 MAX_REFERENCES = 256
+Rows = tuple[torch.Tensor, torch.Tensor]  # keys (canonical positions), values: [layers, n, D]
 
 
 def content_key(tokens: torch.Tensor) -> str:
@@ -50,18 +54,49 @@ class Fallback:
     edge: str
 
 
+@dataclass
+class Prematch:
+    """A segment of a request that will be saved: matched against its slot's anchors after the
+    request's first token, when its rows are final, for the edges that will read it."""
+
+    key: Hashable  # (save key, start in that cache, slot): what a consumer's segment names
+    slot: str
+    start: int
+    read: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # its rows [layers, n, H, hd] from the paged cache
+
+
+class LazyRows:
+    """A decision's source rows, computed on first use only (memoized distances may spare them)."""
+
+    def __init__(self, compute: Callable[[], Rows]) -> None:
+        self._compute, self._rows, self.seconds = compute, None, 0.0
+
+    def __call__(self) -> Rows:
+        if self._rows is None:
+            started = time.perf_counter()
+            self._rows = self._compute()
+            self.seconds = time.perf_counter() - started
+        return self._rows
+
+
 class DeltaCorrection(SharingMethod):
     chained: ClassVar[bool] = True
     low_rank: ClassVar[bool] = True
     matching: ClassVar[bool] = True
     correct_layer0: ClassVar[bool] = True
     threshold_name: ClassVar[str] = "tau"
-    defaults: ClassVar[dict[str, Any]] = {"V": 10, "tau": 0.3, "r_c": 32, "r_delta": 32, "gate_tokens": 0}
+    # prematch: match a saved request's segments against the anchor pools right after its first
+    # token (its rows are final), so that the edges reading them later only combine the kept
+    # distances; off: every edge matches its source at load time, inside its TTFT.
+    defaults: ClassVar[dict[str, Any]] = {"V": 10, "tau": 0.3, "r_c": 32, "r_delta": 32, "gate_tokens": 0,
+                                          "prematch": False}
 
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)
         self.pools: dict[str, AnchorPool] = {}
         self.references: OrderedDict[tuple[str, str], SavedKV] = OrderedDict()
+        self.memo = MatchMemo()  # distances of sources to anchor bases, by source segment
+        self.prematches: list[Prematch] = []
         self.pending: list[PendingAnchor] = []
         self._corrections: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
         self._fallbacks: dict[str, list[Fallback]] = {}
@@ -74,6 +109,11 @@ class DeltaCorrection(SharingMethod):
                 raise MethodConfigError(f"{self.name}: {name} must be a positive integer, got {p[name]!r}")
         if "gate_tokens" in p and (not isinstance(p["gate_tokens"], int) or p["gate_tokens"] < 0):
             raise MethodConfigError(f"{self.name}: gate_tokens must be an integer >= 0, got {p['gate_tokens']!r}")
+        if not isinstance(p.get("prematch", False), bool):
+            raise MethodConfigError(f"{self.name}: prematch must be true or false, got {p['prematch']!r}")
+        if p.get("prematch") and not self.chained:
+            raise MethodConfigError(f"{self.name}: prematch applies to chained sources only (a context-free "
+                                    "reference's distances are always kept for the agents after the first)")
         threshold = p.get(self.threshold_name)
         if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
             raise MethodConfigError(f"{self.name}: {self.threshold_name} must be in [0, 1], got {threshold!r}")
@@ -101,11 +141,12 @@ class DeltaCorrection(SharingMethod):
         return self._flat(k), self._flat(v)
 
     # -------------------------------------------------------------- sources
-    def _reference(self, ctx: LoadContext, segment: PlanSegment) -> SegmentReuse | None:
-        """Non-chained: the segment's context-free reference, prefilled on first sight."""
+    def _reference(self, ctx: LoadContext, segment: PlanSegment) -> tuple[SegmentReuse | None, Hashable]:
+        """Non-chained: the segment's context-free reference, prefilled on first sight, and the key
+        of its memoized distances."""
         start, stop = max(segment.start, ctx.num_local), min(segment.start + segment.length, len(ctx.tokens))
         if stop <= start or start != segment.start:
-            return None  # partly in vLLM's prefix cache or cut by the prompt end: leave to dense
+            return None, None  # partly in vLLM's prefix cache or cut by the prompt end: leave to dense
         key = (segment.id, content_key(ctx.tokens[start:stop]))
         reference = self.references.get(key)
         if reference is None:
@@ -120,7 +161,26 @@ class DeltaCorrection(SharingMethod):
         else:
             self.references.move_to_end(key)
         dst = torch.arange(start, stop)
-        return SegmentReuse(segment, reference, dst, dst - segment.start)
+        return SegmentReuse(segment, reference, dst, dst - segment.start), ("ref", *key)
+
+    def _source_memo(self, reuse: SegmentReuse) -> tuple[Hashable, SegmentDistances | None]:
+        """The memoized distances of a chained source's segment (prematched after its producer's
+        first token), when this load reads it whole from its first row and it is still the cache
+        they were taken from."""
+        segment = reuse.segment
+        n = len(reuse.dst)
+        if (not self.params.get("prematch") or segment.source is None or segment.source_start is None or n == 0
+                or int(reuse.dst[0]) != segment.start or int(reuse.dst[-1]) - int(reuse.dst[0]) != n - 1):
+            return None, None
+        key = (segment.source, segment.source_start, segment.id)
+        entry = self.memo.get(key)
+        if entry is None:
+            return None, None
+        start = segment.source_start
+        if not entry.matches(self._flat(reuse.source.v[:, start: start + min(n, entry.rows)])):
+            self.memo.drop(key)  # not the cache the distances were taken from
+            return None, None
+        return key, entry
 
     # -------------------------------------------------------------- the method
     def select(self, ctx: LoadContext) -> list[SegmentReuse]:
@@ -133,17 +193,27 @@ class DeltaCorrection(SharingMethod):
         for segment in ctx.plan.segments:
             if segment.kind != "ph":
                 continue
-            reuse = by_segment.get(segment.id) if self.chained else self._reference(ctx, segment)
+            memo: SegmentDistances | None = None
+            if self.chained:
+                reuse = by_segment.get(segment.id)
+                if reuse is not None:
+                    _, memo = self._source_memo(reuse)
+            else:
+                reuse, memo_key = self._reference(ctx, segment)
+                if reuse is not None and self.matching:
+                    memo = self.memo.get(memo_key)
+                    if memo is None:
+                        memo = SegmentDistances(rows=len(reuse.dst))
+                        self.memo.put(memo_key, memo)
             if reuse is None:
                 continue
             eligible += len(reuse.dst)
             started = time.perf_counter()
             source = segment.source_agent if self.chained else "ref"
             edge = f"{source}->{ctx.plan.agent}"
-            current_k, current_v = self._source_rows(reuse, exact=False)
-            rows_s = time.perf_counter() - started
-            decision = self._decide(segment.id, edge, current_k, current_v)
-            decision.update(id=segment.id, rows_s=rows_s)
+            rows = LazyRows(lambda reuse=reuse: self._source_rows(reuse, exact=False))
+            decision = self._decide(segment.id, edge, len(reuse.dst), rows, memo)
+            decision.update(id=segment.id, rows_s=rows.seconds)
             if decision.pop("accept"):
                 delta_k, delta_v, covered = decision.pop("delta")
                 self._corrections[id(reuse)] = (delta_k, delta_v, covered, segment.start)
@@ -159,9 +229,10 @@ class DeltaCorrection(SharingMethod):
     def threshold(self) -> float:
         return float(self.params[self.threshold_name])
 
-    def _decide(self, slot: str, edge: str, current_k: torch.Tensor, current_v: torch.Tensor) -> dict[str, Any]:
+    def _decide(self, slot: str, edge: str, n: int, rows: Callable[[], Rows],
+                memo: SegmentDistances | None) -> dict[str, Any]:
+        """Accept (with the correction) or reject one segment of n source rows for this edge."""
         pool = self.pools.setdefault(slot, AnchorPool(int(self.params.get("V", 1))))
-        n = current_v.shape[1]
         compatible = pool.compatible(edge, min_length=1)
         if not self.matching:  # one calibrated correction per relation, applied without matching
             if not compatible:
@@ -182,8 +253,8 @@ class DeltaCorrection(SharingMethod):
         # One pass over the value states serves the gate (Eq. 9, first k rows) and, on accept,
         # the token-wise value weights (all covered rows).
         started = time.perf_counter()
-        value_distances, value_squares = anchor_distances(current_v, [a.base_v for a in eligible], covered,
-                                                          gate_rows=k)
+        value_distances, value_rows, kept = self._distances(eligible, covered, rows, memo, keys=False)
+        value_squares = value_rows[:, :k].sum(dim=-1)
         assert self.core is not None
         ranks = self.core.tensor_parallel_size
         if ranks > 1:  # each rank holds some heads: the gate and weights are over all of them
@@ -194,11 +265,17 @@ class DeltaCorrection(SharingMethod):
         gate_s = time.perf_counter() - started
         if not gate.accept:
             return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
-                    "anchors": len(eligible), "gate_s": gate_s}
-        delta_k, delta_v = interpolated_delta(current_k, current_v, eligible, edge, covered,
-                                              value_distances=value_distances,
-                                              sum_over_ranks=self.core.sum_over_ranks if ranks > 1 else None,
-                                              ranks=ranks)
+                    "anchors": len(eligible), "gate_s": gate_s, "memo_anchors": kept}
+        key_distances, _, kept_keys = self._distances(eligible, covered, rows, memo, keys=True)
+        if ranks > 1:
+            key_distances = self.core.sum_over_ranks(key_distances)
+        # Eq. 8 with token-wise weights (softmax over anchors of minus the mean absolute distance
+        # over layers and all ranks' features), K and V separately.
+        layers, _, width = eligible[0].base_v.shape
+        w_k = token_weights(key_distances, layers, width * ranks)
+        w_v = token_weights(value_distances, layers, width * ranks)
+        delta_k = weighted_corrections([a.deltas[edge][0] for a in eligible], w_k, layers, covered)
+        delta_v = weighted_corrections([a.deltas[edge][1] for a in eligible], w_v, layers, covered)
         interpolate_s = time.perf_counter() - started - gate_s
         order = torch.argsort(gate.weights, descending=True)
         mass = 0.0
@@ -209,7 +286,42 @@ class DeltaCorrection(SharingMethod):
                 break
         return {"accept": True, "decision": "accepted", "entropy": gate.normalized_entropy, "anchors": len(eligible),
                 "covered": covered, "delta": (delta_k, delta_v, covered), "gate_s": gate_s,
-                "interpolate_s": interpolate_s}
+                "interpolate_s": interpolate_s, "memo_anchors": min(kept, kept_keys)}
+
+    def _distances(self, anchors: list[Anchor], n: int, rows: Callable[[], Rows], memo: SegmentDistances | None,
+                   keys: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's distances of the source's first n rows to each anchor's base, values
+        ([anchors, n] L1 per token, [anchors, n] squares per row) or keys (L1; no squares): kept
+        ones from `memo`, the others computed (from `rows`) and kept there. Also how many were kept."""
+        table = None if memo is None else (memo.keys if keys else memo.values)
+        kept = {i: table[a.serial] for i, a in enumerate(anchors)
+                if table is not None and a.serial in table and table[a.serial].shape[-1] >= n}
+        missing = [i for i in range(len(anchors)) if i not in kept]
+        computed_l1 = computed_sq = None
+        if missing:
+            current_k, current_v = rows()
+            bases = [anchors[i].base_k if keys else anchors[i].base_v for i in missing]
+            computed_l1, computed_sq = anchor_distances(current_k if keys else current_v, bases, n,
+                                                        gate_rows=0 if keys else n, squares_per_row=not keys)
+            if table is not None:
+                for j, i in enumerate(missing):
+                    table[anchors[i].serial] = (computed_l1[j].clone() if keys
+                                                else torch.stack((computed_l1[j], computed_sq[j])))
+        if not kept:
+            return computed_l1, computed_sq, 0  # type: ignore[return-value]
+        device = next(iter(kept.values())).device
+        l1 = torch.empty(len(anchors), n, device=device)
+        squares = None if keys else torch.empty(len(anchors), n, device=device)
+        for i, stored in kept.items():
+            if keys:
+                l1[i] = stored[:n]
+            else:
+                l1[i], squares[i] = stored[0, :n], stored[1, :n]  # type: ignore[index]
+        for j, i in enumerate(missing):
+            l1[i] = computed_l1[j]  # type: ignore[index]
+            if not keys:
+                squares[i] = computed_sq[j]  # type: ignore[index]
+        return l1, squares, len(kept)  # type: ignore[return-value]
 
     def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,6 +342,13 @@ class DeltaCorrection(SharingMethod):
 
     def after_load(self, ctx: LoadContext) -> None:
         self._corrections.clear()
+        if self.params.get("prematch") and self.chained and self.matching and ctx.plan.save_as:
+            for segment in ctx.plan.segments:  # this request's rows are a later edge's source
+                stop = min(segment.start + segment.length, len(ctx.tokens))
+                if segment.kind == "ph" and stop > segment.start:
+                    rows = torch.arange(segment.start, stop)
+                    self.prematches.append(Prematch((ctx.plan.save_as, segment.start, segment.id), segment.id,
+                                                    segment.start, lambda rows=rows: ctx.read_rows(rows)))
         for fallback in self._fallbacks.pop(ctx.request_key, []):
             # The segment was computed densely: its exact cache against the (aligned) source gives
             # the correction this edge needed. Only the target rows are read now (their blocks
@@ -261,18 +380,43 @@ class DeltaCorrection(SharingMethod):
             target_v = self._flat(job.target_v).float()
             pool.add(anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
                      rank_base, rank_delta, torch.bfloat16)
+        prematches, self.prematches = self.prematches, []
+        for prematch in prematches:  # after the new anchors: they are matched too
+            self._prematch(prematch)
         self._track_peak()
+
+    def _prematch(self, job: Prematch) -> None:
+        """Distances of a saved request's segment to every anchor of its slot, keys and values,
+        as the edge reading it would compute them (same rows, same rotation)."""
+        pool = self.pools.get(job.slot)
+        if pool is None or len(pool.anchors) < 2:
+            return  # nothing to match yet: a later edge computes what it needs
+        assert self.core is not None
+        k, v = job.read()  # [layers, n, H, hd]; the blocks are this (saved, so still held) request's
+        current = (self._flat(self.core.aligner.rotate(k, -job.start, exact=False)), self._flat(v))
+        n = current[1].shape[1]
+        entry = SegmentDistances(rows=n, check=current[1].index_select(
+            1, SegmentDistances.check_rows(n).to(current[1].device)).clone())
+        by_length: dict[int, list[Anchor]] = {}
+        for anchor in pool.anchors.values():
+            by_length.setdefault(min(n, anchor.length), []).append(anchor)
+        for length, anchors in by_length.items():
+            self._distances(anchors, length, lambda: current, entry, keys=False)
+            self._distances(anchors, length, lambda: current, entry, keys=True)
+        self.memo.put(job.key, entry)
 
     # -------------------------------------------------------------- accounting
     def state_bytes(self) -> dict[str, int]:
         current = {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
-                   "references": sum(r.nbytes for r in self.references.values())}
+                   "references": sum(r.nbytes for r in self.references.values()),
+                   "match_memo": self.memo.nbytes}
         self._track_peak(current)
         return {**current, **{f"peak_{k}": v for k, v in self.peak_bytes.items()}}
 
     def _track_peak(self, current: dict[str, int] | None = None) -> None:
         current = current or {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
-                              "references": sum(r.nbytes for r in self.references.values())}
+                              "references": sum(r.nbytes for r in self.references.values()),
+                              "match_memo": self.memo.nbytes}
         for key, value in current.items():
             self.peak_bytes[key] = max(self.peak_bytes.get(key, 0), value)
 
@@ -280,6 +424,8 @@ class DeltaCorrection(SharingMethod):
         self.pools.clear()
         self.references.clear()
         self.pending.clear()
+        self.memo.clear()
+        self.prematches.clear()
         self._corrections.clear()
         self._fallbacks.clear()
         self.peak_bytes.clear()

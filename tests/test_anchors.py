@@ -247,3 +247,79 @@ def test_references_and_anchors_are_keyed_by_content_not_trajectory_id(name: str
         method.run_deferred()
     assert len(method.pools["q"].anchors) == 2  # two contents, two anchors
     assert core.prefills == (0 if name == "kvcmas" else 2)  # no stale reference served for new content
+
+
+def _primed(name: str, **params):  # noqa: ANN202
+    """A method whose q pool holds three anchors (three dense fallbacks of distinct contents)."""
+    method = method_class(name)({"r_c": 64, "r_delta": 64, **params})
+    method.bind(_FakeCore())
+    for index in range(3):
+        ctx, _, _ = _context(name, f"t{index}", seed=index)
+        method.select(ctx)
+        method.after_load(ctx)
+        method.run_deferred()
+    return method
+
+
+def _producer(source: SavedKV, trajectory: str) -> LoadContext:
+    """A0's own load, whose cache (q at position 7) is what A1 reads: saved as run/t/A0.r0."""
+    plan = Plan(trajectory, "A0.r0", "A0", "run/t/A0.r0",
+                (PlanSegment("pf", "system", 0, 7), PlanSegment("ph", "q", 7, 64)))
+    return LoadContext(plan.save_as, plan, source.token_ids, 0, [],
+                       read_rows=lambda rows: (source.k[:, rows], source.v[:, rows]))
+
+
+def _corrected(method, ctx: LoadContext) -> tuple[list[dict], torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    chosen = method.select(ctx)
+    assert len(chosen) == 1
+    reuse = chosen[0]
+    keys, values = method.correct(2, reuse, reuse.source.k[2, reuse.src].clone(), reuse.source.v[2, reuse.src].clone())
+    return ctx.stats["decisions"], keys, values
+
+
+def test_prematched_distances_give_the_same_decision_without_recomputing_the_source() -> None:
+    import copy
+
+    method = _primed("kvcmas", prematch=True)
+    at_load = copy.deepcopy(method)
+    at_load.params["prematch"] = False
+    ctx, _, source = _context("kvcmas", "t1", seed=1)  # content seen before: accepted
+    method.after_load(_producer(source, "t1"))  # the producer's load: its q is queued...
+    method.run_deferred()  # ...and matched after its first token
+    assert method.memo.nbytes > 0 and method.state_bytes()["match_memo"] == method.memo.nbytes
+    decisions, keys, values = _corrected(method, ctx)
+    expected, expected_keys, expected_values = _corrected(at_load, _context("kvcmas", "t1", seed=1)[0])
+    assert decisions[0]["decision"] == expected[0]["decision"] == "accepted"
+    assert decisions[0]["memo_anchors"] == decisions[0]["anchors"] == 3 and expected[0]["memo_anchors"] == 0
+    assert decisions[0]["rows_s"] == 0.0 < expected[0]["rows_s"]  # the source rows were never rebuilt
+    assert decisions[0]["entropy"] == pytest.approx(expected[0]["entropy"], abs=1e-12)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+
+
+def test_prematched_distances_of_another_cache_are_not_used() -> None:
+    method = _primed("kvcmas", prematch=True)
+    ctx, _, source = _context("kvcmas", "t1", seed=1)
+    stale = SavedKV(source.token_ids, source.k.clone(), source.v.clone() + 1.0)  # what was saved is not this
+    method.after_load(_producer(stale, "t1"))
+    method.run_deferred()
+    decisions, _, _ = _corrected(method, ctx)
+    assert decisions[0]["decision"] == "accepted" and decisions[0]["memo_anchors"] == 0
+    assert ("run/t/A0.r0", 7, "q") not in method.memo.entries  # dropped, not trusted again
+
+
+def test_a_reference_is_matched_once_for_every_agent_reading_it() -> None:
+    method = _primed("kvcmas-nonchained")
+    first, keys, values = _corrected(method, _context("kvcmas-nonchained", "t1", seed=1)[0])
+    again, keys_again, values_again = _corrected(method, _context("kvcmas-nonchained", "t1", seed=1)[0])
+    assert first[0]["decision"] == again[0]["decision"] == "accepted"
+    assert again[0]["memo_anchors"] == again[0]["anchors"] == 3 and again[0]["rows_s"] == 0.0
+    assert torch.equal(keys, keys_again) and torch.equal(values, values_again)
+
+
+def test_prematch_is_validated() -> None:
+    from kvbench.methods.base import MethodConfigError
+
+    with pytest.raises(MethodConfigError, match="prematch must be true or false"):
+        method_class("kvcmas")({"prematch": "yes"})
+    with pytest.raises(MethodConfigError, match="chained sources only"):
+        method_class("kvcmas-nonchained")({"prematch": True})

@@ -109,3 +109,37 @@ def test_warmups_prime_the_anchor_pools_only_when_asked(method_server: tuple[str
     assert pools["primed"] and "dense_few_anchors" not in [d["decision"] for d in pools["primed"]]
     # ...and only they: the earlier runs on this server (same trajectory ids) left nothing behind.
     assert max(d.get("anchors", 0) for d in pools["primed"]) <= 3
+
+
+def test_prematch_decides_alike_from_distances_kept_at_the_source(method_server: tuple[str, VLLMServer],
+                                                                  tmp_path: Path) -> None:
+    """prematch moves the matching of a saved request's segments to after its first token: later
+    edges then make the same decisions from kept distances, without rebuilding the source rows."""
+    method, server = method_server
+    if method != "kvcmas":
+        pytest.skip("prematch applies to chained sources")
+    runs = {}
+    try:
+        for prematch in (False, True):
+            collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps({"prematch": prematch}))
+            out = tmp_path / f"prematch-{prematch}"
+            result = _replay(server, method, out, "--num-warmups", "3", "--prime-method-state")
+            assert result.exit_code == 0, result.output
+            requests = pd.read_parquet(out / "requests.parquet").sort_values(["trajectory_id", "turn_id"])
+            runs[prematch] = [(row.trajectory_id, row.turn_id, d) for row, s in
+                              zip(requests.itertuples(), requests["method_stats"].map(json.loads))
+                              for d in s.get("decisions", [])]
+    finally:
+        collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps({"prematch": False}))
+    off, on = runs[False], runs[True]
+    assert [(t, turn, d["id"]) for t, turn, d in off] == [(t, turn, d["id"]) for t, turn, d in on]
+    gated = [(a, b) for (_, _, a), (_, _, b) in zip(off, on) if "entropy" in a]
+    assert len(gated) >= 10
+    for a, b in gated:
+        assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)
+        if abs(a["entropy"] - 0.3) > 1e-3:
+            assert a["decision"] == b["decision"]
+    assert all(d.get("memo_anchors", 0) == 0 for _, _, d in off)
+    # The query read from a saved turn's prompt was matched ahead: no source rows rebuilt at load.
+    queries = [d for _, _, d in on if d["id"] == "q" and "entropy" in d]
+    assert queries and all(d["memo_anchors"] == d["anchors"] and d["rows_s"] == 0 for d in queries)

@@ -58,11 +58,12 @@ def trace() -> tuple[Trace, object]:
 
 
 def _replay(method: str, model: str, ranks: int, trace: tuple[Trace, object], tmp: Path,
-            error_turns: int = 0) -> tuple[dict, list[dict], list[float]]:
+            error_turns: int = 0, params: dict | None = None) -> tuple[dict, list[dict], list[float]]:
     """Replay the trace on a fresh server with `ranks` tensor-parallel CPU workers: the summary,
     each request's method stats and the KV error of the last `error_turns` turns whose query was
     reused (mean over layers of the K and V errors, over all heads)."""
-    config = method_server_config(method, model, {}, log_path=tmp / f"{method}-tp{ranks}.log", max_model_len=4096,
+    config = method_server_config(method, model, params or {}, log_path=tmp / f"{method}-tp{ranks}.log",
+                                  max_model_len=4096,
                                   extra_args=["--tensor-parallel-size", str(ranks)])
     full_trace, tokenizer = trace
     out = tmp / f"{method}-tp{ranks}"
@@ -83,10 +84,14 @@ def _replay(method: str, model: str, ranks: int, trace: tuple[Trace, object], tm
 @needs_two_cores
 def test_kvcmas_two_ranks_decide_as_one(default_model: str, trace: tuple[Trace, object], tmp_path: Path) -> None:
     one, one_stats, one_errors = _replay("kvcmas", default_model, 1, trace, tmp_path, error_turns=2)
-    two, two_stats, two_errors = _replay("kvcmas", default_model, 2, trace, tmp_path, error_turns=2)
+    # Two ranks with prematch: each keeps its heads' share of the distances, summed when deciding.
+    two, two_stats, two_errors = _replay("kvcmas", default_model, 2, trace, tmp_path, error_turns=2,
+                                         params={"prematch": True})
     # The ranks agreed on every request (same reuse, decisions and entropies), and reported as two.
     assert two["rank_mismatched_requests"] == 0
     assert all(stats.get("tp_ranks") == 2 for stats in two_stats if "decisions" in stats)
+    queries = [d for stats in two_stats for d in stats.get("decisions", []) if d["id"] == "q" and "entropy" in d]
+    assert queries and all(d["memo_anchors"] == d["anchors"] for d in queries)
     # ...and as one rank does: the gate sees all heads (only bf16 rounding of the split GEMMs differs).
     decided = 0
     for a, b in zip(one_stats, two_stats):
