@@ -10,6 +10,7 @@ anchor matching with the entropy gate) or one fixed calibration per relation (Gr
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -26,6 +27,7 @@ from kvbench.methods.plan import PlanSegment
 from kvbench.methods.store import SavedKV
 
 MAX_REFERENCES = 256
+logger = logging.getLogger("kvbench.methods.delta")
 Rows = tuple[torch.Tensor, torch.Tensor]  # keys (canonical positions), values: [layers, n, D]
 
 
@@ -176,8 +178,7 @@ class DeltaCorrection(SharingMethod):
         entry = self.memo.get(key)
         if entry is None:
             return None, None
-        start = segment.source_start
-        if not entry.matches(self._flat(reuse.source.v[:, start: start + min(n, entry.rows)])):
+        if not entry.matches(reuse.source.v, segment.source_start):
             self.memo.drop(key)  # not the cache the distances were taken from
             return None, None
         return key, entry
@@ -382,7 +383,10 @@ class DeltaCorrection(SharingMethod):
                      rank_base, rank_delta, torch.bfloat16)
         prematches, self.prematches = self.prematches, []
         for prematch in prematches:  # after the new anchors: they are matched too
-            self._prematch(prematch)
+            try:
+                self._prematch(prematch)
+            except Exception:  # noqa: BLE001 - its readers then match at load, as without prematch
+                logger.exception("kvbench: prematch of %s failed", prematch.key)
         self._track_peak()
 
     def _prematch(self, job: Prematch) -> None:

@@ -38,15 +38,17 @@ class SegmentDistances:
     def check_rows(rows: int) -> torch.Tensor:
         return torch.tensor(sorted({0, rows // 2, rows - 1}), dtype=torch.long)
 
-    def matches(self, values: torch.Tensor) -> bool:
-        """Whether `values` [layers, >= rows, D] (canonical order) are the rows these distances
-        describe: always, without a check (a reference is its own identity)."""
+    def matches(self, values: torch.Tensor, start: int) -> bool:
+        """Whether the cache `values` [layers, tokens, H, hd] holds, from row `start` on, the rows
+        these distances describe (only the checked rows are read); always, without a check (a
+        reference is its own identity)."""
         if self.check is None:
             return True
-        index = self.check_rows(self.rows)
+        index = self.check_rows(self.rows) + start
         if values.shape[1] <= int(index[-1]):
             return False
-        return bool(torch.equal(values.index_select(1, index.to(values.device)), self.check))
+        rows = values.index_select(1, index.to(values.device))
+        return bool(torch.equal(rows.reshape(*self.check.shape), self.check))
 
     @property
     def nbytes(self) -> int:

@@ -323,3 +323,19 @@ def test_prematch_is_validated() -> None:
         method_class("kvcmas")({"prematch": "yes"})
     with pytest.raises(MethodConfigError, match="chained sources only"):
         method_class("kvcmas-nonchained")({"prematch": True})
+
+
+def test_a_failed_prematch_leaves_the_matching_to_the_load(caplog: pytest.LogCaptureFixture) -> None:
+    method = _primed("kvcmas", prematch=True)
+    ctx, _, source = _context("kvcmas", "t1", seed=1)
+    producer = _producer(source, "t1")
+
+    def unreadable(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("blocks gone")
+
+    producer.read_rows = unreadable
+    method.after_load(producer)
+    method.run_deferred()  # logged, not raised: deferred work never takes the engine down
+    assert "prematch of" in caplog.text and ("run/t/A0.r0", 7, "q") not in method.memo.entries
+    decisions, _, _ = _corrected(method, ctx)
+    assert decisions[0]["decision"] == "accepted" and decisions[0]["memo_anchors"] == 0
