@@ -339,8 +339,8 @@ def weighted_corrections(deltas: list[Stored], weights: torch.Tensor, layers: in
     return torch.stack(out)
 
 
-def interpolated_delta(current_k: torch.Tensor, current_v: torch.Tensor, anchors: list[Anchor], edge: str,
-                       n: int, temperature: float = 1.0,
+def interpolated_delta(current_k: torch.Tensor | None, current_v: torch.Tensor | None, anchors: list[Anchor],
+                       edge: str, n: int, temperature: float = 1.0,
                        value_distances: torch.Tensor | None = None,
                        path: str | None = None,
                        sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -348,16 +348,21 @@ def interpolated_delta(current_k: torch.Tensor, current_v: torch.Tensor, anchors
                        key_distances: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 8 with token-wise weights: for each token, softmax over anchors of minus the mean
     absolute distance between the current cache and the anchor's base (K and V separately),
-    then the weighted sum of the anchors' corrections. Rows [0, n) only; the value distances may
-    come from the gate's pass (`anchor_distances`, whose `path` this passes on), already summed
-    over ranks, and so may the key distances (memoized ones). Under tensor parallelism each of the `ranks` holds some heads: distances are
-    summed over them with `sum_over_ranks` and the mean is over all their features."""
-    layers, features = current_v.shape[0], current_v.shape[2] * ranks
+    then the weighted sum of the anchors' corrections. Rows [0, n) only.
+
+    Distances given (the gate's value pass, memoized ones) must already be summed over ranks; a
+    current cache is needed only for the distances not given (computed along `path`). Under
+    tensor parallelism each of the `ranks` holds some heads: computed distances are summed over
+    them with `sum_over_ranks`, and the mean is over all their features."""
+    layers, _, width = anchors[0].base_v.shape
+    features = width * ranks
     if value_distances is None:
+        assert current_v is not None, "value distances need the current values"
         value_distances, _ = anchor_distances(current_v, [a.base_v for a in anchors], n, path=path)
         if sum_over_ranks is not None:
             value_distances = sum_over_ranks(value_distances)
     if key_distances is None:
+        assert current_k is not None, "key distances need the current keys"
         key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n, path=path)
         if sum_over_ranks is not None:
             key_distances = sum_over_ranks(key_distances)

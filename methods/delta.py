@@ -19,8 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.methods.anchors import (Anchor, AnchorPool, anchor_distances, gate_from_distances, token_weights,
-                                     weighted_corrections)
+from kvbench.methods.anchors import Anchor, AnchorPool, anchor_distances, gate_from_distances, interpolated_delta
 from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
 from kvbench.methods.match_memo import MatchMemo, SegmentDistances
 from kvbench.methods.plan import PlanSegment
@@ -270,13 +269,8 @@ class DeltaCorrection(SharingMethod):
         key_distances, _, kept_keys = self._distances(eligible, covered, rows, memo, keys=True)
         if ranks > 1:
             key_distances = self.core.sum_over_ranks(key_distances)
-        # Eq. 8 with token-wise weights (softmax over anchors of minus the mean absolute distance
-        # over layers and all ranks' features), K and V separately.
-        layers, _, width = eligible[0].base_v.shape
-        w_k = token_weights(key_distances, layers, width * ranks)
-        w_v = token_weights(value_distances, layers, width * ranks)
-        delta_k = weighted_corrections([a.deltas[edge][0] for a in eligible], w_k, layers, covered)
-        delta_v = weighted_corrections([a.deltas[edge][1] for a in eligible], w_v, layers, covered)
+        delta_k, delta_v = interpolated_delta(None, None, eligible, edge, covered, value_distances=value_distances,
+                                              key_distances=key_distances, ranks=ranks)
         interpolate_s = time.perf_counter() - started - gate_s
         order = torch.argsort(gate.weights, descending=True)
         mass = 0.0
