@@ -164,7 +164,7 @@ class DeltaCorrection(SharingMethod):
         dst = torch.arange(start, stop)
         return SegmentReuse(segment, reference, dst, dst - segment.start), ("ref", *key)
 
-    def _source_memo(self, reuse: SegmentReuse) -> tuple[Hashable, SegmentDistances | None]:
+    def _source_memo(self, reuse: SegmentReuse) -> SegmentDistances | None:
         """The memoized distances of a chained source's segment (prematched after its producer's
         first token), when this load reads it whole from its first row and it is still the cache
         they were taken from."""
@@ -172,15 +172,13 @@ class DeltaCorrection(SharingMethod):
         n = len(reuse.dst)
         if (not self.params.get("prematch") or segment.source is None or segment.source_start is None or n == 0
                 or int(reuse.dst[0]) != segment.start or int(reuse.dst[-1]) - int(reuse.dst[0]) != n - 1):
-            return None, None
+            return None
         key = (segment.source, segment.source_start, segment.id)
         entry = self.memo.get(key)
-        if entry is None:
-            return None, None
-        if not entry.matches(reuse.source.v, segment.source_start):
+        if entry is not None and not entry.matches(reuse.source.v, segment.source_start):
             self.memo.drop(key)  # not the cache the distances were taken from
-            return None, None
-        return key, entry
+            return None
+        return entry
 
     # -------------------------------------------------------------- the method
     def select(self, ctx: LoadContext) -> list[SegmentReuse]:
@@ -197,7 +195,7 @@ class DeltaCorrection(SharingMethod):
             if self.chained:
                 reuse = by_segment.get(segment.id)
                 if reuse is not None:
-                    _, memo = self._source_memo(reuse)
+                    memo = self._source_memo(reuse)
             else:
                 reuse, memo_key = self._reference(ctx, segment)
                 if reuse is not None and self.matching:
