@@ -120,6 +120,9 @@ class LoadJob:
     work: Generator[int, None, dict[str, Any]]
     started: float = field(default_factory=time.perf_counter)
     steps: int = 0  # engine steps it ran in
+    # per step it ran in: how many other requests that engine step computed (running decodes and
+    # prefills); shows whether they advanced while this load was in progress
+    step_batches: list[int] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -130,6 +133,7 @@ class LoadJob:
 class KVBenchMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    scheduled_req_ids: frozenset[str] = frozenset()  # the requests this engine step computes
 
 
 @dataclass
@@ -204,7 +208,7 @@ class KVBenchConnector(KVConnectorBase_V1):
             num_target=num_target, plan=plan)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVBenchMetadata()
+        meta = KVBenchMetadata(scheduled_req_ids=frozenset(scheduler_output.num_scheduled_tokens))
         for new in scheduler_output.scheduled_new_reqs:
             if (spec := self._pending_loads.pop(new.req_id, None)) is not None:
                 spec.block_ids = list(new.block_ids[0])
@@ -331,19 +335,23 @@ class KVBenchConnector(KVConnectorBase_V1):
         if self.settings.max_load_tokens_per_step > 0:
             self._load_queue.extend(LoadJob(spec, self._materialize_steps(spec)) for spec in meta.loads)
             layers = len(self.forward.layers) if self.forward is not None else 1
-            self._advance_loads(self.settings.max_load_tokens_per_step * layers)  # in rows through one layer
+            # in rows through one layer
+            self._advance_loads(self.settings.max_load_tokens_per_step * layers, meta.scheduled_req_ids)
             return
         for spec in meta.loads:  # synchronous: each load ends in this step, before the forward
             job = LoadJob(spec, self._materialize_steps(spec))
-            stats, _ = self._run_load(job, budget=None)
+            stats, _ = self._run_load(job, None, meta.scheduled_req_ids)
             assert stats is not None
             self._finish_load(job, stats)
 
-    def _run_load(self, job: "LoadJob", budget: int | None) -> tuple[dict[str, Any] | None, int]:
-        """Run a load's layers until it ends or `budget` rows were computed (None: to the end).
-        Returns (its stats when it ended, else None; rows computed)."""
+    def _run_load(self, job: "LoadJob", budget: int | None,
+                  scheduled: frozenset[str]) -> tuple[dict[str, Any] | None, int]:
+        """Run a load's layers until it ends or `budget` rows were computed (None: to the end), in
+        an engine step that computes the requests `scheduled`. Returns (its stats when it ended,
+        else None; rows computed)."""
         spent = 0
         job.steps += 1
+        job.step_batches.append(len(scheduled - {job.spec.req_id}))
         try:
             while True:
                 spent += next(job.work)
@@ -361,13 +369,13 @@ class KVBenchConnector(KVConnectorBase_V1):
             return {"fallback": "dense", "error": f"{type(exc).__name__}: {exc}",
                     "reused_tokens": 0, "recomputed_tokens": spec.num_target - spec.num_local}, spent
 
-    def _advance_loads(self, budget: int) -> None:
+    def _advance_loads(self, budget: int, scheduled: frozenset[str]) -> None:
         """One engine step's share of the asynchronous loads: layers of the oldest waiting load
         (then the next) until `budget` rows went through a layer; at least one layer."""
         spent = 0
         while self._load_queue and (spent < budget or spent == 0):
             job = self._load_queue[0]
-            stats, rows = self._run_load(job, budget - spent)
+            stats, rows = self._run_load(job, budget - spent, scheduled)
             spent += max(rows, 1)
             if stats is None:
                 return
@@ -379,7 +387,8 @@ class KVBenchConnector(KVConnectorBase_V1):
         spec = job.spec
         stats["load_s"] = time.perf_counter() - job.started
         stats.update(turn=spec.plan.turn, agent=spec.plan.agent, local_tokens=spec.num_local,
-                     claimed_tokens=spec.num_target - spec.num_local, load_steps=job.steps)
+                     claimed_tokens=spec.num_target - spec.num_local, load_steps=job.steps,
+                     load_step_batches=job.step_batches)
         self._record_stats(job.key, stats)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -65,9 +65,11 @@ def test_a_failed_load_is_computed_by_vllm(server: VLLMServer, prompts: dict, bf
 
 
 def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
-    """A request decoding while a long load runs gets tokens between the load's steps: its longest
-    wait for a token is about one layer of the load, where a load in one step (budget 0) makes it
-    wait for the whole load (measured: a gap of at least load_s)."""
+    """A request decoding while a long load runs is computed in every engine step the load runs in:
+    it gets a token between each two layers of the load, where a load in one step (budget 0) holds
+    it for the whole load. Checked from the engine's own record of each step's batch, not from
+    token arrival times, which a busy machine stretches (the ITL gain is measured in
+    reports/benchmarks-cpu.md)."""
 
     async def scenario() -> tuple:
         url = f"{server.base_url}/v1/completions"
@@ -87,13 +89,8 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
     assert load.sent_ns > decoding.first_token_ns and decoding.end_ns > load.first_token_ns  # overlapped
     stats = _request_stats(server, key)
     assert stats["load_steps"] == LAYERS
-    # The decoding request's token arrivals around the load (one before it was sent, one after its
-    # first token): the longest gap between them against the load's wall time over its steps.
-    before = max(t for t in decoding.chunk_ns if t <= load.sent_ns)
-    after = min(t for t in decoding.chunk_ns if t > load.first_token_ns)
-    window = [t for t in decoding.chunk_ns if before <= t <= after]
-    longest_gap_s = max(b - a for a, b in zip(window, window[1:])) / 1e9
-    assert longest_gap_s < 0.75 * stats["load_s"], (longest_gap_s, stats["load_s"], len(window))
+    # The decoding request is the only other one: it was computed in each of the load's steps.
+    assert stats["load_step_batches"] == [1] * LAYERS, stats["load_step_batches"]
 
 
 def test_the_load_budget_reaches_the_connector() -> None:
