@@ -86,7 +86,9 @@ def test_arrivals_follow_the_schedule(default_model: str, stub: StubServer, tmp_
     first = requests[requests["turn_id"] == "A0.r0"].sort_values("scheduled_ns")
     assert list((first["scheduled_ns"] / 1e6).round().astype(int)) == [100 * i for i in range(20)]
     lag_ms = (first["sent_ns"] - first["scheduled_ns"]) / 1e6
-    assert lag_ms.max() < 50  # loose here; benchmarks/bench_replay_overhead.py measures it properly
+    # open loop: each is sent on time, not after the one before it ends. The median, because one
+    # stall of a busy machine delays a single send; benchmarks/bench_replay_overhead.py measures the lag
+    assert lag_ms.median() < 50
 
 
 def test_fan_out_turns_run_concurrently(default_model: str, tmp_path: Path) -> None:
