@@ -54,6 +54,9 @@ class CoreServices(Protocol):
     # Tensor-parallel ranks of the worker group; each holds its share of the KV heads, so a
     # quantity summed over heads is partial on one rank.
     tensor_parallel_size: int
+    # Loads spread over engine steps (max_load_tokens_per_step > 0): a request whose load ends in
+    # one step has its first token computed in the next one, not in the same one.
+    async_loads: bool
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         """`partial` summed over the tensor-parallel ranks (itself with one rank). Whatever decides
@@ -131,8 +134,9 @@ class SharingMethod:
         """Called once the request's cache is materialized (e.g. to update method state)."""
 
     def run_deferred(self) -> None:
-        """Work queued by after_load, run at the start of the next engine step, i.e. after the
-        request's first token (outside its TTFT, inside E2E)."""
+        """Work queued by after_load, run at the start of a later engine step, after the request's
+        first token (outside its TTFT, inside E2E): the next step, or the one after it with
+        `core.async_loads`."""
 
     def state_bytes(self) -> dict[str, int]:
         """Exact tensor bytes of the method's own state (anchor pools, references...)."""

@@ -67,7 +67,8 @@ class ConnectorSettings:
     params: dict[str, Any]
     max_store_bytes: int
     # Tests of the dense fallback: "all" raises inside every load, "flagged" inside loads whose
-    # plan has inject_fault.
+    # plan has inject_fault; "flagged_nonfinite_rank0" makes such loads place a non-finite value
+    # on tensor-parallel rank 0 only (every rank must still fall back together).
     fault_injection: str | None
     # 0: a request's cache is materialized in the engine step that schedules it (vLLM's sync
     # load). N > 0: loads are asynchronous and each engine step runs partial-forward layers of the
@@ -86,8 +87,9 @@ class ConnectorSettings:
         if max_bytes <= 0:
             raise MethodConfigError(f"max_store_bytes must be > 0, got {max_bytes}")
         fault = extra.get("fault_injection")
-        if fault not in (None, "all", "flagged"):
-            raise MethodConfigError(f"fault_injection must be 'all', 'flagged' or absent, got {fault!r}")
+        if fault not in (None, "all", "flagged", "flagged_nonfinite_rank0"):
+            raise MethodConfigError(f"fault_injection must be 'all', 'flagged', 'flagged_nonfinite_rank0' or "
+                                    f"absent, got {fault!r}")
         budget = extra.get("max_load_tokens_per_step", 0)
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise MethodConfigError(f"max_load_tokens_per_step must be an integer >= 0, got {budget!r}")
@@ -281,10 +283,19 @@ class KVBenchConnector(KVConnectorBase_V1):
         return len(self.forward.layers)
 
     @property
+    def async_loads(self) -> bool:
+        return self.settings.max_load_tokens_per_step > 0
+
+    @property
     def tensor_parallel_size(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         return get_tensor_model_parallel_world_size()
+
+    def _tensor_parallel_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() if self.tensor_parallel_size > 1 else 0
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         if self.tensor_parallel_size == 1:
@@ -508,6 +519,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         positions = torch.arange(n, dtype=torch.long)
         slots = block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
         candidates, missing = self._candidates(spec, tokens)
+        poison = fault == "flagged_nonfinite_rank0" and spec.plan.inject_fault and self._tensor_parallel_rank() == 0
 
         def read_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             n_read = int(rows.max()) + 1 if len(rows) else 0
@@ -559,7 +571,12 @@ class KVBenchConnector(KVConnectorBase_V1):
                 ks.append(k)
                 vs.append(v)
             k_all, v_all = torch.cat(ks), torch.cat(vs)
-            if not (torch.isfinite(k_all).all() and torch.isfinite(v_all).all()):
+            if poison:
+                k_all.view(-1)[0] = float("nan")
+            # Summed over tensor-parallel ranks (each holds other heads), so that all of them raise
+            # together: a rank falling back alone would leave the others waiting in a collective.
+            bad = (~torch.isfinite(k_all)).sum() + (~torch.isfinite(v_all)).sum()
+            if float(self.sum_over_ranks(bad.float().reshape(1))) > 0:
                 raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
             if layer == check:  # written, then overwritten by the fresh rows: kept for the comparison
                 placed_at_check.append((k_all, v_all))

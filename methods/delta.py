@@ -99,6 +99,8 @@ class DeltaCorrection(SharingMethod):
         self.memo = MatchMemo()  # distances of sources to anchor bases, by source segment
         self.prematches: list[Prematch] = []
         self.pending: list[PendingAnchor] = []
+        # with asynchronous loads: what after_load queued one step before, held back for a step
+        self._held: tuple[list[PendingAnchor], list[Prematch]] = ([], [])
         self._corrections: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
         self._fallbacks: dict[str, list[Fallback]] = {}
         self.peak_bytes: dict[str, int] = {}
@@ -358,7 +360,12 @@ class DeltaCorrection(SharingMethod):
     def run_deferred(self) -> None:
         rank_base = int(self.params["r_c"]) if self.low_rank else None
         rank_delta = int(self.params["r_delta"]) if self.low_rank else None
-        jobs, self.pending = self.pending, []
+        jobs, prematches = self.pending, self.prematches
+        self.pending, self.prematches = [], []
+        if self.core is not None and self.core.async_loads:
+            # Queued by a load that ended in the previous step: its request is computed in this
+            # one, so the work waits a step more, out of that request's TTFT.
+            (jobs, prematches), self._held = self._held, (jobs, prematches)
         for job in jobs:
             pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
             anchor_id = job.anchor_id
@@ -373,7 +380,6 @@ class DeltaCorrection(SharingMethod):
             target_v = self._flat(job.target_v).float()
             pool.add(anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
                      rank_base, rank_delta, torch.bfloat16)
-        prematches, self.prematches = self.prematches, []
         for prematch in prematches:  # after the new anchors: they are matched too
             try:
                 self._prematch(prematch)
@@ -420,6 +426,7 @@ class DeltaCorrection(SharingMethod):
         self.pools.clear()
         self.references.clear()
         self.pending.clear()
+        self._held = ([], [])
         self.memo.clear()
         self.prematches.clear()
         self._corrections.clear()

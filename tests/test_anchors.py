@@ -155,6 +155,7 @@ class _Rotary(torch.nn.Module):
 
 class _FakeCore:
     tensor_parallel_size = 1
+    async_loads = False
 
     def __init__(self) -> None:
         self.aligner = RopeAligner(_Rotary())
@@ -213,6 +214,38 @@ def test_chaining_uses_the_source_cache_and_never_prefills_a_reference(name: str
     keys, values = method.correct(2, chosen[0], chosen[0].source.k[2, chosen[0].src], chosen[0].source.v[2, chosen[0].src])
     assert not torch.equal(values, chosen[0].source.v[2, chosen[0].src])  # a correction was applied
     assert method.state_bytes()["anchor_pool"] > 0
+
+
+@pytest.mark.parametrize("prematch", [False, True])
+def test_with_async_loads_deferred_work_waits_for_the_step_after_the_first_token(prematch: bool) -> None:
+    """A request whose load ends in step s is computed in step s + 1 with asynchronous loads: the
+    anchor construction and prematching its load queued run in step s + 2, not in s + 1."""
+    method = method_class("kvcmas")({"r_c": 64, "r_delta": 64, "prematch": prematch})
+    core = _FakeCore()
+    core.async_loads = True
+    method.bind(core)
+    for index in range(3):
+        ctx, _, source = _context("kvcmas", f"t{index}", seed=index)
+        method.select(ctx)
+        method.after_load(ctx)  # step s: a dense fallback queues its anchor
+        if prematch:
+            method.after_load(_producer(source, f"t{index}"))
+        method.run_deferred()  # step s + 1: the request's first token
+        assert _anchors(method) == index
+        memo_before = method.memo.nbytes
+        method.run_deferred()  # step s + 2
+        assert _anchors(method) == index + 1
+        if prematch and index:  # with two anchors or more, the producer's q is matched now
+            assert method.memo.nbytes > memo_before
+    method.after_load(_context("kvcmas", "t3", seed=3)[0])
+    method.reset()
+    method.run_deferred()
+    method.run_deferred()
+    assert _anchors(method) == 0  # held work goes with the rest of the state
+
+
+def _anchors(method) -> int:  # noqa: ANN001
+    return len(method.pools["q"].anchors) if "q" in method.pools else 0
 
 
 def test_method_parameters_are_validated() -> None:

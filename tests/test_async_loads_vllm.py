@@ -94,14 +94,22 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
 
 
 def test_the_load_budget_reaches_the_connector() -> None:
-    from kvbench.cli.replay import _server_config
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.cli.server_options import ServerOptions
     from kvbench.methods.base import MethodConfigError
     from kvbench.methods.connector import ConnectorSettings
 
-    config = _server_config("kvcmas", {}, "model", None, "127.0.0.1", None, 2.0, 60.0, (), None, 512)
-    extra = config.kv_transfer_config["kv_connector_extra_config"]
+    options = ServerOptions(model=None, max_model_len=None, cpu_kv_cache_gib=2.0, startup_timeout_s=60.0,
+                            method_params=(), vllm_args=(), max_load_tokens_per_step=512)
+    extra = options.server_config("kvcmas", {}, "model").kv_transfer_config["kv_connector_extra_config"]
     assert ConnectorSettings.from_extra_config(extra).max_load_tokens_per_step == 512
-    assert _server_config("nonshared", {}, "model", None, "127.0.0.1", None, 2.0, 60.0, (), None,
-                          512).kv_transfer_config is None  # plain vLLM: no connector to configure
+    # plain vLLM: no connector to configure
+    assert options.server_config("nonshared", {}, "model").kv_transfer_config is None
     with pytest.raises(MethodConfigError, match="max_load_tokens_per_step"):
         ConnectorSettings.from_extra_config({"method": "kvcmas", "max_load_tokens_per_step": -1})
+    # every command that starts a server takes the flag
+    for command in ("replay", "serve", "calibrate"):
+        result = CliRunner().invoke(main, [command, "--help"])
+        assert result.exit_code == 0 and "--max-load-tokens-per-step" in result.output, (command, result.output)

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_methods_vllm import _complete, _dense, _key, _reuse_q, prompts  # noqa: F401
 
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.runner import ReplayConfig, rank_mismatch, run_replay
-from kvbench.replay.server import ServerError, VLLMServer, cpu_binding, method_server_config, tensor_parallel_size
+from kvbench.replay.server import (ServerError, VLLMServer, collective_rpc, cpu_binding, method_server_config,
+                                   tensor_parallel_size)
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -125,3 +127,25 @@ def test_selective_recomputation_ranks_pick_the_same_rows(default_model: str, tr
     picks = [s[stats_key] for s in stats if stats_key in s]
     assert len(picks) == 12 and all(p["picked_digest"] for p in picks)
     assert 0 < sum(p["picked_tokens"] for p in picks) < sum(p["candidate_tokens"] for p in picks)
+
+
+@needs_two_cores
+def test_a_load_failing_on_one_rank_falls_back_on_every_rank(default_model: str, prompts: dict,  # noqa: F811
+                                                              tmp_path: Path) -> None:
+    """Rank 0 alone places a non-finite value: both ranks must give up the load together (the
+    check is summed over ranks), else rank 1 would run the partial forward's collectives alone and
+    the engine would hang. vLLM then computes the request itself: the dense answer."""
+    config = method_server_config("fullshared", default_model, log_path=tmp_path / "tp2-fault.log",
+                                  max_model_len=4096, extra_args=["--tensor-parallel-size", "2"])
+    config.kv_transfer_config["kv_connector_extra_config"]["fault_injection"] = "flagged_nonfinite_rank0"
+    with VLLMServer(config) as server:
+        source, key = _key(), _key()
+        _dense(server, prompts["p0"], source)
+        dense = _dense(server, prompts["p1"], _key(), max_tokens=8)
+        faulty = _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key, inject_fault=True),
+                           salt=key, max_tokens=8)
+        ranks = [worker["requests"][key] for worker in collective_rpc(server.base_url, "kvbench_stats")]
+    assert faulty["text"] == dense["text"]
+    assert len(ranks) == 2
+    for stats in ranks:
+        assert stats["fallback"] == "dense" and "non-finite" in stats["error"], stats

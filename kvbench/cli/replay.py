@@ -11,33 +11,8 @@ from typing import Any
 
 import click
 
+from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
-
-
-def _server_options(func):  # noqa: ANN001, ANN202
-    options = [
-        click.option("--model", default=None,
-                     help="Model to serve (path or hub name) [default: the trace's model, else the embedded one]."),
-        click.option("--max-model-len", type=click.IntRange(min=16), default=None, help="vLLM --max-model-len."),
-        click.option("--cpu-kv-cache-gib", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
-                     help="KV pool of vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."),
-        click.option("--server-startup-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
-                     help="Seconds to wait for the server's /health."),
-        click.option("--method-param", "method_params", multiple=True, metavar="KEY=VALUE",
-                     help="Method parameter (repeatable; VALUE is parsed as JSON when it can be), passed to "
-                          "the server's kv_connector_extra_config."),
-        click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
-                     help="Extra argument passed to the vLLM server verbatim (repeatable), e.g. "
-                          "--vllm-arg=--gpu-memory-utilization=0.8."),
-        click.option("--max-load-tokens-per-step", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Spread each request's cache materialization over engine steps: every step runs "
-                          "partial-forward layers of the waiting loads for about this many tokens (vLLM's async "
-                          "KV load), so a long load does not stall the batch. 0: all in the step that schedules "
-                          "the request."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
 
 
 def _key_values(items: tuple[str, ...], option: str) -> dict[str, str]:
@@ -59,17 +34,6 @@ def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
         except json.JSONDecodeError:
             params[key] = raw
     return params
-
-
-def _server_config(method_name: str, params: dict[str, Any], model: str, port: int | None, host: str,
-                   max_model_len: int | None, cpu_kv_cache_gib: float, startup_timeout: float,
-                   vllm_args: tuple[str, ...], log_path: Path | None, max_load_tokens_per_step: int = 0) -> Any:
-    from kvbench.replay.server import method_server_config
-
-    return method_server_config(method_name, model, params, host=host, port=port, max_model_len=max_model_len,
-                                cpu_kv_cache_gib=cpu_kv_cache_gib, extra_args=list(vllm_args),
-                                startup_timeout_s=startup_timeout, log_path=log_path,
-                                max_load_tokens_per_step=max_load_tokens_per_step)
 
 
 def _check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
@@ -128,16 +92,14 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
               help="Shared context of the in-memory trace (ignored with --trace).")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Agent output length of the in-memory trace (ignored with --trace).")
-@_server_options
+@server_options
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
                    num_warmups: int, prime_method_state: bool, seed: int, metric_percentiles: str,
                    result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
-                   model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
-                   server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...],
-                   max_load_tokens_per_step: int) -> None:
+                   server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.replay.runner import ReplayConfig, ReplayError, run_replay
@@ -147,10 +109,10 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         percentiles = parse_percentiles(metric_percentiles)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--metric-percentiles") from None
-    params = _check_method(method, method_params)
+    params = _check_method(method, server.method_params)
     if resume and result_dir is None:
         raise click.UsageError("--resume needs the --result-dir of the run to finish")
-    trace, tokenizer, model = _load_trace(trace_path, model, num_trajectories, num_warmups, shared_tokens,
+    trace, tokenizer, model = _load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
                                           output_len, seed)
     if result_dir is None:
         result_dir = Path("results") / f"{label or method}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
@@ -164,11 +126,10 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         method_params=params,
         extra_config={"model": model, "method_params": params,
                       "trace_path": str(trace_path) if trace_path else None,
-                      "max_load_tokens_per_step": max_load_tokens_per_step if not base_urls else None},
+                      "max_load_tokens_per_step": server.max_load_tokens_per_step if not base_urls else None},
     )
     try:
-        with _servers(config, method, params, model, port, max_model_len, cpu_kv_cache_gib, server_startup_timeout,
-                      vllm_args, max_load_tokens_per_step):
+        with _servers(config, method, params, model, port, server):
             summary = run_replay(config)
     except (ServerError, ReplayError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -228,9 +189,7 @@ def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: in
 
 @contextlib.contextmanager
 def _servers(config: Any, method: str, params: dict[str, Any], model: str, port: int | None,
-             max_model_len: int | None,
-             cpu_kv_cache_gib: float, startup_timeout: float, vllm_args: tuple[str, ...],
-             max_load_tokens_per_step: int = 0) -> Iterator[None]:
+             options: ServerOptions) -> Iterator[None]:
     """Start a server unless --base-url was given; it is stopped however the run ends."""
     from kvbench.replay.server import VLLMServer
 
@@ -238,9 +197,7 @@ def _servers(config: Any, method: str, params: dict[str, Any], model: str, port:
         yield
         return
     config.result_dir.mkdir(parents=True, exist_ok=True)
-    server_config = _server_config(method, params, model, port, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
-                                   startup_timeout, vllm_args, config.result_dir / "server.log",
-                                   max_load_tokens_per_step)
+    server_config = options.server_config(method, params, model, port=port, log_path=config.result_dir / "server.log")
     click.echo(f"starting vLLM ({method}) for {model} ... log: {server_config.log_path}", err=True)
     with VLLMServer(server_config) as server:
         config.base_urls = [server.base_url]
@@ -286,27 +243,24 @@ def print_summary(summary: dict[str, Any]) -> None:
 @click.option("--method", default="nonshared", show_default=True, help="KV sharing method the server runs.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@_server_options
-def serve_command(method: str, host: str, port: int, model: str | None, max_model_len: int | None,
-                  cpu_kv_cache_gib: float, server_startup_timeout: float, method_params: tuple[str, ...],
-                  vllm_args: tuple[str, ...], max_load_tokens_per_step: int) -> None:
+@server_options
+def serve_command(method: str, host: str, port: int, server: ServerOptions) -> None:
     """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
     import time
 
     from kvbench.model.store import resolve_model
     from kvbench.replay.server import ServerError, VLLMServer
 
-    params = _check_method(method, method_params)
-    config = _server_config(method, params, resolve_model(model), port, host, max_model_len, cpu_kv_cache_gib,
-                            server_startup_timeout, vllm_args, None, max_load_tokens_per_step)
+    params = _check_method(method, server.method_params)
+    config = server.server_config(method, params, resolve_model(server.model), host=host, port=port)
     try:
-        with VLLMServer(config) as server:
-            click.echo(json.dumps({"base_url": server.base_url, "method": method, "model": config.model,
-                                   "log": str(server.log_path)}))
-            while server.is_running():
+        with VLLMServer(config) as running:
+            click.echo(json.dumps({"base_url": running.base_url, "method": method, "model": config.model,
+                                   "log": str(running.log_path)}))
+            while running.is_running():
                 time.sleep(1)
-            raise click.ClickException(f"the vLLM server exited with code {server.process.returncode}; "
-                                       f"log: {server.log_path}")
+            raise click.ClickException(f"the vLLM server exited with code {running.process.returncode}; "
+                                       f"log: {running.log_path}")
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
@@ -336,29 +290,28 @@ def methods_command() -> None:
 @click.option("--iterations", type=click.IntRange(1, 12), default=6, show_default=True, help="Bisection steps.")
 @click.option("--base-url", default=None, help="A running server with the method [default: start one].")
 @click.option("--seed", type=int, default=1, show_default=True)
-@_server_options
+@server_options
 def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
                       shared_tokens: int, output_len: int, iterations: int, base_url: str | None, seed: int,
-                      model: str | None, max_model_len: int | None, cpu_kv_cache_gib: float,
-                      server_startup_timeout: float, method_params: tuple[str, ...], vllm_args: tuple[str, ...],
-                      max_load_tokens_per_step: int) -> None:
+                      server: ServerOptions) -> None:
     """Find the gate threshold (tau; gamma for kvcomm) that reaches a target reuse ratio, or
     DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.methods.registry import method_class
     from kvbench.replay.calibrate import calibrate_threshold, summary_dict
     from kvbench.replay.server import ServerError, VLLMServer
 
-    params = _check_method(method, method_params)
+    params = _check_method(method, server.method_params)
     cls = method_class(method) if method != "nonshared" else None
     if cls is not None and getattr(cls, "layer_profiled", False):
-        trace, tokenizer, served = _load_trace(trace_path, model, num_trajectories, 0, shared_tokens, output_len, seed)
-        _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, max_model_len,
-                                cpu_kv_cache_gib, server_startup_timeout, vllm_args, max_load_tokens_per_step)
+        trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
+                                               output_len, seed)
+        _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, server)
         return
     if cls is None or not getattr(cls, "matching", False):
         raise click.BadParameter(f"{method!r} has no reliability gate or layer group to calibrate",
                                  param_hint="--method")
-    trace, tokenizer, served = _load_trace(trace_path, model, num_trajectories, 0, shared_tokens, output_len, seed)
+    trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
+                                           output_len, seed)
 
     def show(step) -> None:  # noqa: ANN001
         click.echo(f"  {cls.threshold_name}={step.threshold:.4f} -> realized rho {step.realized_rho:.3f}", err=True)
@@ -368,10 +321,8 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
             steps = calibrate_threshold(trace, tokenizer, method, base_url.rstrip("/"), target_rho, cls.threshold_name,
                                         iterations, show)
         else:
-            config = _server_config(method, params, served, None, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
-                                    server_startup_timeout, vllm_args, None, max_load_tokens_per_step)
-            with VLLMServer(config) as server:
-                steps = calibrate_threshold(trace, tokenizer, method, server.base_url, target_rho, cls.threshold_name,
+            with VLLMServer(server.server_config(method, params, served)) as running:
+                steps = calibrate_threshold(trace, tokenizer, method, running.base_url, target_rho, cls.threshold_name,
                                             iterations, show)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
@@ -379,9 +330,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
 
 
 def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tokenizer: Any, served: str,
-                            target_rho: float, base_url: str | None, max_model_len: int | None,
-                            cpu_kv_cache_gib: float, server_startup_timeout: float,
-                            vllm_args: tuple[str, ...], max_load_tokens_per_step: int = 0) -> None:
+                            target_rho: float, base_url: str | None, server: ServerOptions) -> None:
     """DroidSpeak's profiling: the layer group to recompute for a target reuse ratio."""
     from kvbench.replay.calibrate import profile_layers
     from kvbench.replay.server import ServerError, VLLMServer
@@ -390,10 +339,8 @@ def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tok
         if base_url is not None:
             profile = profile_layers(trace, tokenizer, method, base_url.rstrip("/"), served, target_rho)
         else:
-            config = _server_config(method, params, served, None, "127.0.0.1", max_model_len, cpu_kv_cache_gib,
-                                    server_startup_timeout, vllm_args, None, max_load_tokens_per_step)
-            with VLLMServer(config) as server:
-                profile = profile_layers(trace, tokenizer, method, server.base_url, served, target_rho)
+            with VLLMServer(server.server_config(method, params, served)) as running:
+                profile = profile_layers(trace, tokenizer, method, running.base_url, served, target_rho)
     except (ServerError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps({"target_rho": target_rho, "layers": list(profile.layers),

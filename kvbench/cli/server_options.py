@@ -1,0 +1,69 @@
+"""The vLLM server options shared by every command that starts a server (replay, serve,
+calibrate), gathered into one value so that a new option is added in one place."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    model: str | None  # as given: None means the trace's model, else the embedded one
+    max_model_len: int | None
+    cpu_kv_cache_gib: float
+    startup_timeout_s: float
+    method_params: tuple[str, ...]  # KEY=VALUE, parsed by the command (it validates them)
+    vllm_args: tuple[str, ...]
+    max_load_tokens_per_step: int
+
+    def server_config(self, method: str, params: dict[str, Any], served_model: str, *, host: str = "127.0.0.1",
+                      port: int | None = None, log_path: Path | None = None) -> Any:
+        """The ServerConfig of a vLLM server running `method` with `params` for `served_model`."""
+        from kvbench.replay.server import method_server_config
+
+        return method_server_config(method, served_model, params, host=host, port=port,
+                                    max_model_len=self.max_model_len, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
+                                    extra_args=list(self.vllm_args), startup_timeout_s=self.startup_timeout_s,
+                                    log_path=log_path, max_load_tokens_per_step=self.max_load_tokens_per_step)
+
+
+_OPTIONS = [
+    click.option("--model", default=None,
+                 help="Model to serve (path or hub name) [default: the trace's model, else the embedded one]."),
+    click.option("--max-model-len", type=click.IntRange(min=16), default=None, help="vLLM --max-model-len."),
+    click.option("--cpu-kv-cache-gib", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+                 help="KV pool of vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."),
+    click.option("--server-startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=600.0,
+                 show_default=True, help="Seconds to wait for the server's /health."),
+    click.option("--method-param", "method_params", multiple=True, metavar="KEY=VALUE",
+                 help="Method parameter (repeatable; VALUE is parsed as JSON when it can be), passed to "
+                      "the server's kv_connector_extra_config."),
+    click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
+                 help="Extra argument passed to the vLLM server verbatim (repeatable), e.g. "
+                      "--vllm-arg=--gpu-memory-utilization=0.8."),
+    click.option("--max-load-tokens-per-step", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="Spread each request's cache materialization over engine steps: every step runs "
+                      "partial-forward layers of the waiting loads for about this many tokens (vLLM's async "
+                      "KV load), so a long load does not stall the batch. 0: all in the step that schedules "
+                      "the request."),
+]
+_FIELDS = tuple(ServerOptions.__dataclass_fields__)
+
+
+def server_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the server options to a click command, which receives them as one `server` argument."""
+
+    @functools.wraps(command)
+    def with_options(**kwargs: Any) -> Any:
+        server = ServerOptions(**{name: kwargs.pop(name) for name in _FIELDS})
+        return command(server=server, **kwargs)
+
+    for option in reversed(_OPTIONS):
+        with_options = option(with_options)
+    return with_options
