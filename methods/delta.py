@@ -409,17 +409,17 @@ class DeltaCorrection(SharingMethod):
 
     # -------------------------------------------------------------- accounting
     def state_bytes(self) -> dict[str, int]:
-        current = {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
-                   "references": sum(r.nbytes for r in self.references.values()),
-                   "match_memo": self.memo.nbytes}
+        current = self._current_bytes()
         self._track_peak(current)
         return {**current, **{f"peak_{k}": v for k, v in self.peak_bytes.items()}}
 
+    def _current_bytes(self) -> dict[str, int]:
+        return {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
+                "references": sum(r.nbytes for r in self.references.values()),
+                "match_memo": self.memo.nbytes}
+
     def _track_peak(self, current: dict[str, int] | None = None) -> None:
-        current = current or {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
-                              "references": sum(r.nbytes for r in self.references.values()),
-                              "match_memo": self.memo.nbytes}
-        for key, value in current.items():
+        for key, value in (current or self._current_bytes()).items():
             self.peak_bytes[key] = max(self.peak_bytes.get(key, 0), value)
 
     def reset(self) -> None:
