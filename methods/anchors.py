@@ -185,26 +185,20 @@ class GateResult:
     normalized_entropy: float
 
 
-def _stacked_rows(stored: list[Stored], layer: int, n: int, minus: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [0, n) of one layer of every stored tensor, as one [anchors, n, D] tensor in the
-    storage dtype, less `minus` [n, D] when given. Low-rank factors are multiplied straight into
-    their slice of the output (bf16 GEMMs accumulate in fp32 and run on AVX512-BF16/AMX or tensor
-    cores), with the subtraction fused into the GEMM: no stacking copies, no extra pass."""
-    first = stored[0].z if isinstance(stored[0], FullRank) else stored[0].b
-    out = torch.empty(len(stored), n, first.shape[-1], dtype=first.dtype, device=first.device)
-    if minus is not None:
-        minus = minus.to(first.dtype)
-    for index, s in enumerate(stored):
-        if isinstance(s, FullRank):
-            if minus is None:
-                out[index] = s.z[layer, :n]
-            else:
-                torch.sub(s.z[layer, :n], minus, out=out[index])
-        elif minus is None:
-            torch.mm(s.a[layer, :n], s.b[layer], out=out[index])
-        else:  # A B - c in one GEMM (beta = -1)
-            torch.addmm(minus, s.a[layer, :n], s.b[layer], beta=-1, out=out[index])
-    return out
+def _rows_into(s: Stored, layer: int, n: int, out: torch.Tensor, minus: torch.Tensor | None = None) -> None:
+    """Rows [0, n) of one layer of a stored tensor into `out` [n, D] (storage dtype), less `minus`
+    [n, D] (same dtype) when given. Low-rank factors are multiplied straight into `out` (bf16
+    GEMMs accumulate in fp32 and run on AVX512-BF16/AMX or tensor cores), the subtraction fused
+    into the GEMM (beta = -1): no stacking copies, no extra pass."""
+    if isinstance(s, FullRank):
+        if minus is None:
+            out.copy_(s.z[layer, :n])
+        else:
+            torch.sub(s.z[layer, :n], minus, out=out)
+    elif minus is None:
+        torch.mm(s.a[layer, :n], s.b[layer], out=out)
+    else:
+        torch.addmm(minus, s.a[layer, :n], s.b[layer], beta=-1, out=out)
 
 
 def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_rows: int = 0,
@@ -220,7 +214,7 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
     `path`: "loop" (a GEMM per anchor and layer), "batched" (one batched GEMM per layer for all
     low-rank anchors of one rank), "fused" (one Triton kernel per layer, CUDA, bf16/fp16 factors).
     Default: fused where it can run, else batched on accelerators and loop on the CPU, where bf16
-    bmm took twice as long as a loop of GEMMs (38 vs 22 ms at V=10, [4, 8192, 128], measured)."""
+    bmm took three times as long as the loop (79 vs 24 ms at V=10, [4, 8192, 128], measured)."""
     count = len(stored)
     paths = distance_paths(stored, current.device)
     if path is None:
@@ -241,21 +235,33 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
     sums = torch.zeros(count, n if per_token else 0, device=current.device)
     squares = torch.zeros(count, gate_rows, device=current.device) if squares_per_row else \
         torch.zeros(count, device=current.device)
-    for layer in range(current.shape[0]):  # one [anchors, n, D] reconstruction alive at a time
-        if stack is not None:  # A B - c for all anchors in one batched GEMM (beta = -1)
-            a, b = stack[0][layer], stack[1][layer]
-            rows = current[layer, :n].to(a.dtype)
-            diff = torch.baddbmm(rows.expand(count, *rows.shape), a, b, beta=-1)
-        else:
-            diff = _stacked_rows(stored, layer, n, minus=current[layer, :n])
-        # Reductions over features stay in the storage dtype (accumulated in fp32 inside, and
-        # several times faster on the CPU than fp32 outputs); sums over tokens and layers in fp32.
+
+    def accumulate(diff: torch.Tensor, into: slice) -> None:
+        """Reductions of differences [anchors, n, D] over features stay in the storage dtype
+        (accumulated in fp32 inside, several times faster on the CPU than fp32 outputs); sums
+        over tokens and layers in fp32."""
         if gate_rows:
             gate = diff[:, :gate_rows]
             per_row = torch.linalg.vecdot(gate, gate).float()
-            squares += per_row if squares_per_row else per_row.sum(dim=-1)
+            squares[into] += per_row if squares_per_row else per_row.sum(dim=-1)
         if per_token:
-            sums += diff.abs_().sum(dim=-1).float()
+            sums[into] += diff.abs_().sum(dim=-1).float()
+
+    first = stored[0].z if isinstance(stored[0], FullRank) else stored[0].b
+    buffer = None if stack is not None else torch.empty(1, n, first.shape[-1], dtype=first.dtype, device=first.device)
+    for layer in range(current.shape[0]):
+        if stack is not None:  # A B - c for all anchors in one batched GEMM (beta = -1)
+            a, b = stack[0][layer], stack[1][layer]
+            rows = current[layer, :n].to(a.dtype)
+            accumulate(torch.baddbmm(rows.expand(count, *rows.shape), a, b, beta=-1), slice(None))
+            continue
+        # One anchor at a time through one [n, D] buffer: its reductions read it while it is
+        # still in cache. A [anchors, n, D] stack took twice as long at V = 10 on the CPU (43 vs
+        # 23 ms at [4, 8192, 128], measured), its passes running from memory.
+        rows = current[layer, :n].to(first.dtype)
+        for index, s in enumerate(stored):
+            _rows_into(s, layer, n, buffer[0], minus=rows)
+            accumulate(buffer, slice(index, index + 1))
     return sums, squares
 
 
@@ -321,22 +327,85 @@ def token_weights(distance_sums: torch.Tensor, layers: int, features: int, tempe
     return torch.softmax(-distance_sums / (layers * features) / temperature, dim=0)
 
 
+class Correction:
+    """Eq. 8 for rows [0, n) of one segment: sum over anchors of w_v[t] * delta_v[t], kept as the
+    anchors' stored corrections and the weights, and reconstructed one layer at a time where it is
+    applied. No [layers, n, D] copy of the correction is ever made (on Llama-3.1-8B at 8K, K and V
+    corrections for all layers would be 1 GiB). `weights` [anchors, n]; None: one correction,
+    weight 1 (GraphFlow's calibrated relation)."""
+
+    def __init__(self, deltas: list[Stored], weights: torch.Tensor | None, n: int) -> None:
+        if weights is None and len(deltas) != 1:
+            raise ValueError("a correction without weights takes exactly one stored delta")
+        self.deltas, self.weights, self.n = deltas, weights, n
+
+    def _scaled_factors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, anchors*r] (the weights folded into the A factors) and the stacked B [anchors*r, D]:
+        their product is this layer's correction, one GEMM with no per-anchor [n, D] reconstruction."""
+        first = self.deltas[0].a  # type: ignore[union-attr]
+        if self.weights is None:
+            return first[layer, :self.n], self.deltas[0].b[layer]  # type: ignore[union-attr]
+        scaled = torch.empty(self.n, len(self.deltas), first.shape[-1], dtype=first.dtype, device=first.device)
+        for index, d in enumerate(self.deltas):  # w_v[t] * A_v[t], written into its slice of [n, V, r]
+            torch.mul(d.a[layer, :self.n], self.weights[index, :, None].to(first.dtype), out=scaled[:, index])  # type: ignore[union-attr]
+        return scaled.view(self.n, -1), torch.cat([d.b[layer] for d in self.deltas])  # type: ignore[union-attr]
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """This layer's correction [n, D]: in the storage dtype (low rank, one GEMM), or summed in
+        fp32 one anchor at a time (full-dimensional: a [anchors, n, D] stack and an einsum took
+        35 ms per layer at V = 20, [8192, 128] on the CPU, against 3 ms, measured)."""
+        if _one_rank(self.deltas):
+            a, b = self._scaled_factors(layer)
+            return a @ b
+        if self.weights is None:
+            return self.deltas[0].rows(self.n, layer)
+        first = self.deltas[0]  # low-rank ones of other ranks (segments shorter than r) land here too
+        device = (first.z if isinstance(first, FullRank) else first.b).device
+        out = torch.zeros(self.n, first.shape[-1], device=device)
+        for weights, d in zip(self.weights, self.deltas):
+            out.addcmul_(d.rows(self.n, layer) if isinstance(d, LowRank) else d.z[layer, :self.n], weights[:, None])
+        return out
+
+    def add_to(self, layer: int, out: torch.Tensor,
+               rotate: Callable[[torch.Tensor, bool], torch.Tensor] | None = None) -> None:
+        """out[:n] += this layer's correction, in place; out is [>= n, D]. `rotate(x, exact)` maps
+        rows [m, D] from canonical to target positions (keys). RoPE is linear in the features, so a
+        low-rank correction is rotated through its B factors (anchors*r rows, exactly) rather than
+        its n reconstructed rows, and added inside the GEMM (beta = 1: one rounding, no extra pass)."""
+        target = out[:self.n]
+        if _one_rank(self.deltas):
+            a, b = self._scaled_factors(layer)
+            if rotate is not None:
+                b = rotate(b, True)
+            if target.dtype == a.dtype and target.is_contiguous():
+                target.addmm_(a, b.to(a.dtype))
+            else:
+                target += (a @ b.to(a.dtype)).to(target.dtype)
+            return
+        rows = self.layer(layer)
+        if rotate is not None:  # a correction is a few percent of the key: its rotation's bf16 error is noise
+            rows = rotate(rows, False)
+        target += rows.to(target.dtype)
+
+
 def weighted_corrections(deltas: list[Stored], weights: torch.Tensor, layers: int, n: int) -> torch.Tensor:
-    """Sum over anchors of w_v[t] * delta_v[t] for rows [0, n), as [layers, n, D] in the storage dtype.
-    Low rank: one batched GEMM over layers, [n, anchors*r] (weights folded into the A factors)
-    times the stacked B factors [anchors*r, D]; no [n, D] reconstruction per anchor."""
-    if _one_rank(deltas):
-        first = deltas[0].a  # type: ignore[union-attr]
-        scaled = torch.empty(layers, n, len(deltas), first.shape[-1], dtype=first.dtype, device=first.device)
-        for index, d in enumerate(deltas):  # w_v[t] * A_v[t], written into its slice of [layers, n, V, r]
-            torch.mul(d.a[:layers, :n], weights[index, :, None].to(first.dtype), out=scaled[:, :, index])  # type: ignore[union-attr]
-        b = torch.cat([d.b[:layers] for d in deltas], dim=1)  # type: ignore[union-attr]  [layers, V*r, D]
-        return torch.bmm(scaled.view(layers, n, -1), b)
-    out = []
-    for layer in range(layers):
-        rows = _stacked_rows(deltas, layer, n)
-        out.append(torch.einsum("vn,vnd->nd", weights.to(rows.dtype), rows))
-    return torch.stack(out)
+    """Sum over anchors of w_v[t] * delta_v[t] for rows [0, n), as [layers, n, D] in the storage dtype
+    (every layer materialized: for tests and timing scripts; the methods apply a `Correction`)."""
+    correction = Correction(deltas, weights, n)
+    return torch.stack([correction.layer(layer) for layer in range(layers)])
+
+
+def token_weighted_corrections(anchors: list[Anchor], edge: str, n: int, key_distances: torch.Tensor,
+                               value_distances: torch.Tensor, features: int,
+                               temperature: float = 1.0) -> tuple[Correction, Correction]:
+    """Eq. 8 with token-wise weights from distances already summed over ranks: for each token,
+    softmax over anchors of minus the mean absolute distance (over layers and all ranks'
+    `features`), K and V separately. The corrections are applied layer by layer (`Correction`)."""
+    layers = anchors[0].base_v.shape[0]
+    w_k = token_weights(key_distances, layers, features, temperature)
+    w_v = token_weights(value_distances, layers, features, temperature)
+    return (Correction([a.deltas[edge][0] for a in anchors], w_k, n),
+            Correction([a.deltas[edge][1] for a in anchors], w_v, n))
 
 
 def interpolated_delta(current_k: torch.Tensor | None, current_v: torch.Tensor | None, anchors: list[Anchor],
@@ -366,8 +435,7 @@ def interpolated_delta(current_k: torch.Tensor | None, current_v: torch.Tensor |
         key_distances, _ = anchor_distances(current_k, [a.base_k for a in anchors], n, path=path)
         if sum_over_ranks is not None:
             key_distances = sum_over_ranks(key_distances)
-    w_k = token_weights(key_distances, layers, features, temperature)
-    w_v = token_weights(value_distances, layers, features, temperature)
-    delta_k = weighted_corrections([a.deltas[edge][0] for a in anchors], w_k, layers, n)
-    delta_v = weighted_corrections([a.deltas[edge][1] for a in anchors], w_v, layers, n)
-    return delta_k, delta_v
+    correction_k, correction_v = token_weighted_corrections(anchors, edge, n, key_distances, value_distances,
+                                                            features, temperature)
+    return (torch.stack([correction_k.layer(layer) for layer in range(layers)]),
+            torch.stack([correction_v.layer(layer) for layer in range(layers)]))

@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.methods.anchors import Anchor, AnchorPool, anchor_distances, gate_from_distances, interpolated_delta
+from kvbench.methods.anchors import (Anchor, AnchorPool, Correction, anchor_distances, gate_from_distances,
+                                     token_weighted_corrections)
 from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
 from kvbench.methods.match_memo import MatchMemo, SegmentDistances
 from kvbench.methods.plan import PlanSegment
@@ -46,6 +47,17 @@ class PendingAnchor:
     source: SegmentReuse  # the rows the correction would have been applied to
     target_k: torch.Tensor  # the dense rows as computed [layers, n, H, hd], keys at the target positions
     target_v: torch.Tensor
+
+
+@dataclass
+class AcceptedCorrection:
+    """What an accepted segment's reused rows get, layer by layer, in `correct`."""
+
+    k: Correction
+    v: Correction
+    segment_start: int  # corrections live in canonical positions: keys are turned to this start
+    segment_id: str
+    apply_s: float = 0.0  # time spent applying them, over the layers
 
 
 @dataclass
@@ -101,7 +113,7 @@ class DeltaCorrection(SharingMethod):
         self.pending: list[PendingAnchor] = []
         # with asynchronous loads: what after_load queued one step before, held back for a step
         self._held: tuple[list[PendingAnchor], list[Prematch]] = ([], [])
-        self._corrections: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._corrections: dict[int, AcceptedCorrection] = {}  # by id(reuse)
         self._fallbacks: dict[str, list[Fallback]] = {}
         self.peak_bytes: dict[str, int] = {}
 
@@ -215,8 +227,8 @@ class DeltaCorrection(SharingMethod):
             decision = self._decide(segment.id, edge, len(reuse.dst), rows, memo)
             decision.update(id=segment.id, rows_s=rows.seconds)
             if decision.pop("accept"):
-                delta_k, delta_v, covered = decision.pop("delta")
-                self._corrections[id(reuse)] = (delta_k, delta_v, covered, segment.start)
+                correction_k, correction_v = decision.pop("correction")
+                self._corrections[id(reuse)] = AcceptedCorrection(correction_k, correction_v, segment.start, segment.id)
                 chosen.append(reuse)
             else:
                 fallbacks.append(Fallback(segment, reuse, edge))
@@ -241,7 +253,8 @@ class DeltaCorrection(SharingMethod):
             covered = min(n, anchor.covers(edge))
             anchor.uses += 1
             return {"accept": True, "decision": "accepted", "anchors": 1, "covered": covered,
-                    "delta": (anchor.deltas[edge][0].rows(covered), anchor.deltas[edge][1].rows(covered), covered)}
+                    "correction": (Correction([anchor.deltas[edge][0]], None, covered),
+                                   Correction([anchor.deltas[edge][1]], None, covered))}
         # The correction covers the longest prefix the anchors hold (rows past it keep the
         # re-aligned source cache rather than extrapolating a correction); the gate compares the
         # first k rows of it (gate_tokens; 0 = all covered rows).
@@ -269,8 +282,8 @@ class DeltaCorrection(SharingMethod):
         key_distances, _, kept_keys = self._distances(eligible, covered, rows, memo, keys=True)
         if ranks > 1:
             key_distances = self.core.sum_over_ranks(key_distances)
-        delta_k, delta_v = interpolated_delta(None, None, eligible, edge, covered, value_distances=value_distances,
-                                              key_distances=key_distances, ranks=ranks)
+        features = eligible[0].base_v.shape[-1] * ranks  # each rank holds some heads: the mean is over all
+        correction = token_weighted_corrections(eligible, edge, covered, key_distances, value_distances, features)
         interpolate_s = time.perf_counter() - started - gate_s
         order = torch.argsort(gate.weights, descending=True)
         mass = 0.0
@@ -280,7 +293,7 @@ class DeltaCorrection(SharingMethod):
             if mass >= 0.9:
                 break
         return {"accept": True, "decision": "accepted", "entropy": gate.normalized_entropy, "anchors": len(eligible),
-                "covered": covered, "delta": (delta_k, delta_v, covered), "gate_s": gate_s,
+                "covered": covered, "correction": correction, "gate_s": gate_s,
                 "interpolate_s": interpolate_s, "memo_anchors": min(kept, kept_keys)}
 
     def _distances(self, anchors: list[Anchor], n: int, rows: Callable[[], Rows], memo: SegmentDistances | None,
@@ -323,19 +336,27 @@ class DeltaCorrection(SharingMethod):
         entry = self._corrections.get(id(reuse))
         if entry is None or (layer == 0 and not self.correct_layer0):
             return keys, values
-        delta_k, delta_v, covered, segment_start = entry
+        started = time.perf_counter()
         heads, head_dim = keys.shape[1], keys.shape[2]
         assert self.core is not None
-        # Corrections live in canonical positions: turn them to the target positions (RoPE is
-        # linear). A correction is a few percent of the key, so the rotation's bf16 error is noise.
-        dk = self.core.aligner.rotate(delta_k[layer].view(covered, heads, head_dim), segment_start, exact=False)
-        # keys/values are the caller's fresh copies (SharingMethod.correct): added in place; bf16 +
-        # bf16 adds in fp32 and rounds once, like the fp32 sum cast back.
-        keys[:covered] += dk.to(keys.dtype)
-        values[:covered] += delta_v[layer].view(covered, heads, head_dim).to(values.dtype)
+        aligner, start = self.core.aligner, entry.segment_start
+
+        def to_target(rows: torch.Tensor, exact: bool) -> torch.Tensor:
+            """Rows [m, D] in canonical positions turned to the segment's target positions."""
+            return aligner.rotate(rows.reshape(len(rows), heads, head_dim), start, exact=exact).reshape(len(rows), -1)
+
+        # keys/values are the caller's fresh copies (SharingMethod.correct): added in place.
+        keys, values = keys.contiguous(), values.contiguous()
+        entry.k.add_to(layer, keys.view(len(keys), -1), to_target)
+        entry.v.add_to(layer, values.view(len(values), -1))
+        entry.apply_s += time.perf_counter() - started
         return keys, values
 
     def after_load(self, ctx: LoadContext) -> None:
+        applied = {entry.segment_id: entry.apply_s for entry in self._corrections.values()}
+        for decision in ctx.stats.get("decisions", []):  # correction time spent inside the load's layers
+            if decision.get("id") in applied:
+                decision["apply_s"] = applied[decision["id"]]
         self._corrections.clear()
         if self.params.get("prematch") and self.chained and self.matching and ctx.plan.save_as:
             for segment in ctx.plan.segments:  # this request's rows are a later edge's source

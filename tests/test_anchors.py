@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvbench.methods.anchors import (EXACT_EIGH_MAX_FEATURES, AnchorPool, LowRank, anchor_distances,
-                                     interpolated_delta, reliability_gate)
+from kvbench.methods.anchors import (EXACT_EIGH_MAX_FEATURES, AnchorPool, Correction, FullRank, LowRank,
+                                     anchor_distances, interpolated_delta, reliability_gate)
 from kvbench.methods.base import LoadContext, SegmentReuse
 from kvbench.methods.plan import Plan, PlanSegment
 from kvbench.methods.registry import method_class
@@ -111,6 +111,36 @@ def test_one_exact_anchor_reproduces_the_dense_cache() -> None:
             relative = float((source + delta - dense).norm() / dense.norm())
             assert relative < 2 ** -8  # bf16 storage of the factors: within bf16 noise
             assert uncorrected > 20 * relative
+
+
+@pytest.mark.parametrize("low_rank", [True, False])
+def test_a_correction_applied_layer_by_layer_equals_the_rotated_weighted_sum(low_rank: bool) -> None:
+    """`Correction.add_to` adds each layer's sum of w_v[t] * delta_v[t] into the rows in place,
+    keys turned to the target positions through the B factors (low rank) or the summed rows (full):
+    the same as materializing the weighted sum of the reconstructed deltas, then rotating it."""
+    n, start = 96, 1234
+    deltas = [_low_rank_plus_noise(n, 6, 0.0, seed=s) for s in range(3)]
+    stored = [LowRank(d, 6, torch.bfloat16) if low_rank else FullRank(d, torch.bfloat16) for d in deltas]
+    weights = torch.softmax(torch.randn(3, n, generator=torch.Generator().manual_seed(7)), dim=0)
+    aligner = RopeAligner.from_theta(HEAD_DIM, 4096, 500000.0)
+
+    def to_target(rows: torch.Tensor, exact: bool) -> torch.Tensor:
+        return aligner.rotate(rows.reshape(len(rows), HEADS, HEAD_DIM), start, exact=exact).reshape(len(rows), -1)
+
+    rows = torch.randn(n + 5, D).bfloat16()  # more rows than the correction covers: the rest are untouched
+    for layer in range(LAYERS):
+        weighted = sum(w[:, None] * d[layer] for w, d in zip(weights, deltas))  # fp32, exact factors
+        expected = rows.float().clone()
+        expected[:n] += to_target(weighted, True)
+        out = rows.clone()
+        Correction(stored, weights, n).add_to(layer, out, to_target)
+        assert torch.equal(out[n:], rows[n:])
+        assert float((out.float() - expected).norm() / expected.norm()) < 2 ** -7  # bf16 factors and rows
+        assert float((out.float() - rows.float()).norm()) > 0.1 * float(weighted.norm())  # it did add
+    one = Correction(stored[:1], None, n)  # GraphFlow: one calibrated correction, weight 1
+    out = rows.clone()
+    one.add_to(0, out)
+    assert float((out[:n].float() - rows[:n].float() - deltas[0][0]).norm() / deltas[0][0].norm()) < 2 ** -6
 
 
 def test_eviction_is_least_frequently_used_among_the_five_oldest() -> None:
