@@ -16,7 +16,7 @@ from test_methods_vllm import _complete, _dense, _key, _reuse_q, prompts  # noqa
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.runner import ReplayConfig, rank_mismatch, run_replay
 from kvbench.replay.server import (ServerError, VLLMServer, collective_rpc, cpu_binding, method_server_config,
-                                   tensor_parallel_size)
+                                   reserved_cpu_cores, tensor_parallel_size)
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -44,6 +44,20 @@ def test_tensor_parallel_flag_and_cpu_binding() -> None:
     assert cpu_binding([0, 1, 2, 3, 4], 2) == "0,1|2,3,4"
     with pytest.raises(ServerError, match="at least 3 cores"):
         cpu_binding([0, 1], 3)
+
+
+def test_every_method_gets_the_same_cpu_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keeps one more core from its CPU workers when a KV connector is configured: kvbench pins
+    the reserved count, so NonShared (plain vLLM) and the connector methods compute on the same cores."""
+    assert reserved_cpu_cores(2, 1) == 0  # one worker core would halve a prefill's speed (2.2 vs 1.15 s at 8K)
+    assert reserved_cpu_cores(4, 1) == 1 and reserved_cpu_cores(16, 2) == 2 and reserved_cpu_cores(4, 2) == 0
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr("kvbench.replay.server._has_cuda", lambda: False)
+    reserved = {method: VLLMServer(method_server_config(method, "m")).environment()["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+                for method in ("nonshared", "fullshared", "kvcmas")}
+    assert set(reserved.values()) == {str(reserved_cpu_cores(len(os.sched_getaffinity(0)), 1))}
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the user's own setting wins
+    assert VLLMServer(method_server_config("kvcmas", "m")).environment()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
 
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two cores")
