@@ -382,15 +382,16 @@ class Correction:
             else:
                 target += (a @ b.to(a.dtype)).to(target.dtype)
             return
-        rows = self.layer(layer)
-        if rotate is not None:  # a correction is a few percent of the key: its rotation's bf16 error is noise
-            rows = rotate(rows, False)
+        rows = self.layer(layer)  # fp32 [n, D]
+        if rotate is not None:
+            rows = rotate(rows, True)
         target += rows.to(target.dtype)
 
 
 def weighted_corrections(deltas: list[Stored], weights: torch.Tensor, layers: int, n: int) -> torch.Tensor:
-    """Sum over anchors of w_v[t] * delta_v[t] for rows [0, n), as [layers, n, D] in the storage dtype
-    (every layer materialized: for tests and timing scripts; the methods apply a `Correction`)."""
+    """Sum over anchors of w_v[t] * delta_v[t] for rows [0, n), as [layers, n, D] (the storage dtype
+    for low rank, fp32 otherwise), every layer materialized: for tests and timing scripts; the
+    methods apply a `Correction` layer by layer."""
     correction = Correction(deltas, weights, n)
     return torch.stack([correction.layer(layer) for layer in range(layers)])
 
