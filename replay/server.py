@@ -151,14 +151,17 @@ class VLLMServer:
         # Dev endpoints: /reset_prefix_cache between runs and /collective_rpc for method stats.
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if _has_cuda():
+            return env
         tp = tensor_parallel_size(self.config.extra_args)
-        if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env and not _has_cuda():
+        cores = sorted(os.sched_getaffinity(0))
+        if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env:
             # Every method's workers get the same cores, connector or not (see reserved_cpu_cores).
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpu_cores(len(os.sched_getaffinity(0)), tp))
-        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and not _has_cuda():
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpu_cores(len(cores), tp))
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # vLLM's CPU backend binds each rank to a NUMA node and refuses more ranks than nodes
             # (one, on most machines); give each rank its own share of this process's cores.
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), tp)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cores, tp)
         return env
 
     def start(self) -> "VLLMServer":

@@ -243,6 +243,8 @@ def test_chaining_uses_the_source_cache_and_never_prefills_a_reference(name: str
     assert len(chosen) == 1 and ctx.stats["decisions"][0]["decision"] == "accepted"
     keys, values = method.correct(2, chosen[0], chosen[0].source.k[2, chosen[0].src], chosen[0].source.v[2, chosen[0].src])
     assert not torch.equal(values, chosen[0].source.v[2, chosen[0].src])  # a correction was applied
+    method.after_load(ctx)  # the time spent applying it joins the segment's decision
+    assert ctx.stats["decisions"][0]["apply_s"] > 0
     assert method.state_bytes()["anchor_pool"] > 0
 
 
