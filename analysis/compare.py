@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
 from kvbench.analysis.runs import Run
 
 # Metrics where larger is better; every other gated metric is a cost (latency, bytes, failures).
 HIGHER_IS_BETTER = re.compile(r"throughput|completed|realized_rho|goodput")
+# Metrics whose candidate/baseline ratio gets a bootstrap interval (over which TTFTs it is a p50).
+INTERVAL_METRICS = {"p50_ttft_ms": "request", "p50_trajectory_ttft_ms": "trajectory"}
 
 
 @dataclass(frozen=True)
@@ -46,15 +49,35 @@ def _value(runs: list[Run], metric: str, method: str | None = None) -> float:
     return sum(values) / len(values)
 
 
+def ratio_interval(baseline: list[Run], candidate: list[Run], metric: str, method: str) -> RatioInterval | None:
+    """The 95% bootstrap interval of candidate/baseline for a p50 TTFT metric, where each side
+    holds one run of the method with at least two trajectories (None otherwise: repeats are
+    averaged, and their interval is the repeats' own spread)."""
+    per = INTERVAL_METRICS.get(metric)
+    base = [run for run in baseline if run.method == method]
+    cand = [run for run in candidate if run.method == method]
+    if per is None or len(base) != 1 or len(cand) != 1:
+        return None
+    try:
+        return p50_ratio_interval(cand[0].requests, base[0].requests, per=per)  # type: ignore[arg-type]
+    except ValueError:  # fewer than two trajectories on a side
+        return None
+
+
 def compare_table(baseline: list[Run], candidate: list[Run], metrics: list[str]) -> pd.DataFrame:
-    """Per method: baseline, candidate and candidate/baseline for each metric."""
+    """Per method: baseline, candidate and candidate/baseline for each metric; for p50 TTFT, the
+    ratio's 95% bootstrap interval over trajectories (ratio_low, ratio_high): a change whose
+    interval holds 1 is within the runs' noise."""
     rows = []
     methods = sorted({r.method for r in baseline} | {r.method for r in candidate})
     for method in methods:
         for metric in metrics:
             base, cand = _value(baseline, metric, method), _value(candidate, metric, method)
+            interval = ratio_interval(baseline, candidate, metric, method)
             rows.append({"method": method, "metric": metric, "baseline": base, "candidate": cand,
-                         "ratio": cand / base if base and not math.isnan(base) else math.nan})
+                         "ratio": cand / base if base and not math.isnan(base) else math.nan,
+                         "ratio_low": interval.low if interval else math.nan,
+                         "ratio_high": interval.high if interval else math.nan})
     return pd.DataFrame(rows)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
 from kvbench.model.store import resolve_model
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.runner import ReplayConfig, run_replay
@@ -120,6 +121,7 @@ def main() -> None:
         return Trace(header=header, trajectories=trajectories[:count])
 
     rows = []
+    frames: dict[tuple[str, int, float], pd.DataFrame] = {}  # each cell's requests, for the intervals
     with tempfile.TemporaryDirectory() as tmp:
         for label, method, params in methods:
             config = method_server_config(method, model, params, log_path=Path(tmp) / f"{label}.log")
@@ -133,6 +135,8 @@ def main() -> None:
                             save_prompt_ids=True, show_progress=False,
                             method_params=params, server_pids={server.base_url: server.process.pid}))
                         requests = pd.read_parquet(out / "requests.parquet")
+                        frames[(label, context, qps)] = requests[["trajectory_id", "success", "ttft_ms", "end_ns",
+                                                                  "scheduled_ns", "prompt_tokens", "output_tokens"]]
                         state = summary.get("method_state_bytes") or {}
                         rows.append({
                             "method": label, "context": context, "qps": qps,
@@ -152,7 +156,7 @@ def main() -> None:
     print(table.to_markdown(index=False, floatfmt=".3f"))
     print()
     if len(compared) == len(METHODS):
-        print_targets(table, contexts, loaded)
+        print_targets(table, frames, contexts, loaded)
     p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
     if variants and {"fullshared", "kvcmas"} <= set(chosen):
@@ -180,6 +184,13 @@ def target_ratios(p50: pd.Series, label: str, context: int, qps: float) -> dict[
     return ratios
 
 
+def _ci(interval: RatioInterval, unit: str) -> str:
+    """'1.81x [1.40, 2.30]', or for unit '%' the share below the denominator: '26% [10%, 38%]'."""
+    if unit == "%":
+        return f"{1 - interval.ratio:.0%} [{1 - interval.high:.0%}, {1 - interval.low:.0%}]"
+    return f"{interval.ratio:.2f}x [{interval.low:.2f}, {interval.high:.2f}]"
+
+
 def print_operating_points(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float],
                            labels: list[str]) -> None:
     """KVCMAS at the default tau and at each extra one: its realized rho, the TTFT ratios of the
@@ -205,20 +216,28 @@ def print_operating_points(table: pd.DataFrame, contexts: list[int], loaded: dic
             print("; ".join(parts[:1]) + "\n    " + "\n    ".join(parts[1:]))
 
 
-def print_targets(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float]) -> None:
-    """Issue 7's ratios, measured side by side."""
+def print_targets(table: pd.DataFrame, frames: dict[tuple[str, int, float], pd.DataFrame], contexts: list[int],
+                  loaded: dict[int, float]) -> None:
+    """Issue 7's ratios, measured side by side, with 95% bootstrap intervals over trajectories."""
     # Two medians: vLLM's (over requests) and the paper's (over trajectories of their mean TTFT,
     # KVCMAS paper §4.1). The first weighs every dense turn on its own; the second averages each
     # trajectory's dense first agent with its reuse turns.
-    for column, name in (("p50_ttft_ms", "p50 over requests"), ("p50_trajectory_ttft_ms", "p50 over trajectories")):
-        p50 = table.set_index(["method", "context", "qps"])[column]
+    for per, name in (("request", "p50 over requests"), ("trajectory", "p50 over trajectories")):
         for context in contexts:
             for qps in (0.0, loaded[context]):
-                r = target_ratios(p50, "kvcmas", context, qps)
-                print(f"[{name}] ctx {context} qps {qps:g}: NonShared/KVCMAS {r['nonshared_over']:.2f}x "
-                      f"(target >= 2 under load); KVCMAS/FullShared {r['over_fullshared']:.2f}x "
-                      f"(target <= 1.3); KVCMAS is {r['below_nonchained']:.0%} lower "
-                      "than kvcmas-nonchained (target >= 30% under load)")
+                cell = {method: frames[(method, context, qps)]
+                        for method in ("nonshared", "fullshared", "kvcmas", "kvcmas-nonchained")}
+                vs_nonshared = p50_ratio_interval(cell["nonshared"], cell["kvcmas"], per=per)
+                vs_fullshared = p50_ratio_interval(cell["kvcmas"], cell["fullshared"], per=per)
+                vs_nonchained = p50_ratio_interval(cell["kvcmas"], cell["kvcmas-nonchained"], per=per)
+                under_load = qps > 0
+                print(f"[{name}] ctx {context} qps {qps:g}: "
+                      f"NonShared/KVCMAS {_ci(vs_nonshared, 'x')} (target >= 2 under load"
+                      f"{': ' + vs_nonshared.verdict(at_least=2.0) if under_load else ''}); "
+                      f"KVCMAS/FullShared {_ci(vs_fullshared, 'x')} (target <= 1.3: "
+                      f"{vs_fullshared.verdict(at_most=1.3)}); "
+                      f"KVCMAS is {_ci(vs_nonchained, '%')} lower than kvcmas-nonchained (target >= 30% under load"
+                      f"{': ' + vs_nonchained.verdict(at_most=0.7) if under_load else ''})")
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
     for context in contexts:
         e = errors.xs(context, level="context")

@@ -110,6 +110,26 @@ def test_compare_gates_exit_codes(sweep_dir: Path, tmp_path: Path) -> None:
     assert _invoke("compare", str(baseline), str(candidate), "--gate", "no_such_metric=+10%").exit_code == 1
 
 
+def test_compare_gives_p50_ratios_an_interval_over_trajectories(sweep_dir: Path, tmp_path: Path) -> None:
+    from kvbench.analysis.compare import compare_table
+
+    candidate = tmp_path / "candidate"
+    shutil.copytree(sweep_dir, candidate, ignore=shutil.ignore_patterns("*.log", "trace.jsonl"))
+    requests_path = candidate / "fullshared" / "requests.parquet"
+    slower = pd.read_parquet(requests_path)
+    slower["ttft_ms"] *= 1.5
+    slower.to_parquet(requests_path)
+    table = compare_table(find_runs([sweep_dir]), find_runs([candidate]),
+                          ["p50_ttft_ms", "p50_trajectory_ttft_ms", "mean_e2el_ms"]).set_index(["method", "metric"])
+    same = table.loc[("nonshared", "p50_ttft_ms")]
+    assert same["ratio"] == pytest.approx(1.0) and same["ratio_low"] <= 1.0 <= same["ratio_high"]
+    for metric in ("p50_ttft_ms", "p50_trajectory_ttft_ms"):
+        grown = table.loc[("fullshared", metric)]
+        # the requests say 1.5x (the summary was left as recorded); every resample holds it exactly
+        assert grown["ratio_low"] == pytest.approx(1.5) and grown["ratio_high"] == pytest.approx(1.5)
+    assert np.isnan(table.loc[("nonshared", "mean_e2el_ms"), "ratio_low"])  # no interval for a mean
+
+
 def test_gate_parsing() -> None:
     assert Gate.parse("p50_ttft_ms=+10%") == Gate("p50_ttft_ms", 0.10)
     assert Gate.parse("p90_ttft_ms:nonshared/fullshared=-5%") == Gate("p90_ttft_ms", 0.05, ("nonshared", "fullshared"))
