@@ -44,6 +44,7 @@ class LoadContext:
     # (after the load: the materialized cache).
     read_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     stats: dict[str, Any] = field(default_factory=dict)  # the method adds its own entries
+    req_id: str = ""  # vLLM's request id: work this load queues waits for core.computed(req_id)
 
 
 class CoreServices(Protocol):
@@ -54,10 +55,6 @@ class CoreServices(Protocol):
     # Tensor-parallel ranks of the worker group; each holds its share of the KV heads, so a
     # quantity summed over heads is partial on one rank.
     tensor_parallel_size: int
-    # Loads spread over engine steps (max_load_tokens_per_step > 0): a request whose load ends in
-    # one step has its first token computed in the next one, not in the same one.
-    async_loads: bool
-
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         """`partial` summed over the tensor-parallel ranks (itself with one rank). Whatever decides
         which rows are reused or computed must come from such sums: the ranks run the partial
@@ -65,6 +62,11 @@ class CoreServices(Protocol):
 
     def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
         """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference)."""
+
+    def computed(self, req_id: str) -> bool:
+        """Whether an engine step has computed the request (its first token) since its load
+        ended. A synchronous load's request is computed in the load's step; an asynchronous
+        load's in a later one, not always the next."""
 
 
 class SharingMethod:
@@ -135,8 +137,8 @@ class SharingMethod:
 
     def run_deferred(self) -> None:
         """Work queued by after_load, run at the start of a later engine step, after the request's
-        first token (outside its TTFT, inside E2E): the next step, or the one after it with
-        `core.async_loads`."""
+        first token (outside its TTFT, inside E2E): a method keeps each item until
+        `core.computed(ctx.req_id)`."""
 
     def state_bytes(self) -> dict[str, int]:
         """Exact tensor bytes of the method's own state (anchor pools, references...)."""

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.compute_tracker import ComputedRequests
 from kvbench.methods.forward import LayerGroup
 from kvbench.methods.plan import Plan, parse_plan
 from kvbench.methods.store import SavedKV, SegmentStore
@@ -173,6 +174,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._computed = ComputedRequests()  # what deferred method work waits for
         self._saves_done_for: KVConnectorMetadata | None = None
         # save key -> (rows, their residual stream [rows, hidden], layer) captured at the load,
         # attached to the cache when the request finishes (methods with recompute_layers only)
@@ -282,9 +284,8 @@ class KVBenchConnector(KVConnectorBase_V1):
         assert self.forward is not None, "model not attached"
         return len(self.forward.layers)
 
-    @property
-    def async_loads(self) -> bool:
-        return self.settings.max_load_tokens_per_step > 0
+    def computed(self, req_id: str) -> bool:
+        return self._computed.computed(req_id)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -339,6 +340,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBenchMetadata)
         self._do_saves(meta)  # first: a load in this same step may read a source saved now
+        self._computed.step(meta.scheduled_req_ids)
         try:
             self.method.run_deferred()
         except Exception:  # noqa: BLE001 - method state updates must never take the engine down
@@ -414,6 +416,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         self._do_saves(meta)  # steps without loads (or without a forward) still save
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._computed.finished(finished_req_ids)
         done, self._finished_sending = self._finished_sending, set()
         loaded, self._finished_recving = self._finished_recving, set()
         return (done or None), (loaded or None)
@@ -530,7 +533,8 @@ class KVBenchConnector(KVConnectorBase_V1):
                 vs.append(v.index_select(0, rows))
             return torch.stack(ks), torch.stack(vs)
 
-        ctx = LoadContext(spec.plan.save_as or spec.req_id, spec.plan, tokens, spec.num_local, candidates, read_rows)
+        ctx = LoadContext(spec.plan.save_as or spec.req_id, spec.plan, tokens, spec.num_local, candidates, read_rows,
+                          req_id=spec.req_id)
         chosen = self.method.select(ctx)
         reused = torch.zeros(n, dtype=torch.bool)
         for reuse in chosen:
@@ -633,6 +637,7 @@ class KVBenchConnector(KVConnectorBase_V1):
             **ctx.stats,
         }
         ctx.stats = stats
+        self._computed.loaded(spec.req_id)
         self.method.after_load(ctx)
         return stats
 

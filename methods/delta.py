@@ -41,6 +41,7 @@ def content_key(tokens: torch.Tensor) -> str:
 class PendingAnchor:
     """A dense fallback's observation, turned into an anchor after the request's first token."""
 
+    req_id: str  # the request whose load observed it: built once that request is computed
     slot: str
     anchor_id: str
     edge: str
@@ -72,6 +73,7 @@ class Prematch:
     """A segment of a request that will be saved: matched against its slot's anchors after the
     request's first token, when its rows are final, for the edges that will read it."""
 
+    req_id: str  # the saved request: matched once it is computed
     key: Hashable  # (save key, start in that cache, slot): what a consumer's segment names
     slot: str
     start: int
@@ -110,9 +112,7 @@ class DeltaCorrection(SharingMethod):
         self.references: OrderedDict[tuple[str, str], SavedKV] = OrderedDict()
         self.memo = MatchMemo()  # distances of sources to anchor bases, by source segment
         self.prematches: list[Prematch] = []
-        self.pending: list[PendingAnchor] = []
-        # with asynchronous loads: what after_load queued one step before, held back for a step
-        self._held: tuple[list[PendingAnchor], list[Prematch]] = ([], [])
+        self.pending: list[PendingAnchor] = []  # each waits until its request is computed
         self._corrections: dict[int, AcceptedCorrection] = {}  # by id(reuse)
         self._fallbacks: dict[str, list[Fallback]] = {}
         self.peak_bytes: dict[str, int] = {}
@@ -363,8 +363,8 @@ class DeltaCorrection(SharingMethod):
                 stop = min(segment.start + segment.length, len(ctx.tokens))
                 if segment.kind == "ph" and stop > segment.start:
                     rows = torch.arange(segment.start, stop)
-                    self.prematches.append(Prematch((ctx.plan.save_as, segment.start, segment.id), segment.id,
-                                                    segment.start, lambda rows=rows: ctx.read_rows(rows)))
+                    self.prematches.append(Prematch(ctx.req_id, (ctx.plan.save_as, segment.start, segment.id),
+                                                    segment.id, segment.start, lambda rows=rows: ctx.read_rows(rows)))
         for fallback in self._fallbacks.pop(ctx.request_key, []):
             # The segment was computed densely: its exact cache against the (aligned) source gives
             # the correction this edge needed. Only the target rows are read now (their blocks
@@ -375,18 +375,18 @@ class DeltaCorrection(SharingMethod):
             # content key keeps a stale anchor of another run's trajectory with the same id apart.
             segment = fallback.segment
             content = content_key(ctx.tokens[segment.start: segment.start + segment.length])
-            self.pending.append(PendingAnchor(segment.id, f"{ctx.plan.trajectory}/{content}", fallback.edge,
-                                              fallback.reuse, target_k, target_v))
+            self.pending.append(PendingAnchor(ctx.req_id, segment.id, f"{ctx.plan.trajectory}/{content}",
+                                              fallback.edge, fallback.reuse, target_k, target_v))
 
     def run_deferred(self) -> None:
         rank_base = int(self.params["r_c"]) if self.low_rank else None
         rank_delta = int(self.params["r_delta"]) if self.low_rank else None
-        jobs, prematches = self.pending, self.prematches
-        self.pending, self.prematches = [], []
-        if self.core is not None and self.core.async_loads:
-            # Queued by a load that ended in the previous step: its request is computed in this
-            # one, so the work waits a step more, out of that request's TTFT.
-            (jobs, prematches), self._held = self._held, (jobs, prematches)
+        # Work of a request vLLM has not computed yet waits: it would land in that request's TTFT.
+        computed = self.core.computed if self.core is not None else (lambda req_id: True)
+        jobs = [job for job in self.pending if computed(job.req_id)]
+        prematches = [job for job in self.prematches if computed(job.req_id)]
+        self.pending = [job for job in self.pending if not computed(job.req_id)]
+        self.prematches = [job for job in self.prematches if not computed(job.req_id)]
         for job in jobs:
             pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
             anchor_id = job.anchor_id
@@ -447,7 +447,6 @@ class DeltaCorrection(SharingMethod):
         self.pools.clear()
         self.references.clear()
         self.pending.clear()
-        self._held = ([], [])
         self.memo.clear()
         self.prematches.clear()
         self._corrections.clear()

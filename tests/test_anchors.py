@@ -185,11 +185,14 @@ class _Rotary(torch.nn.Module):
 
 class _FakeCore:
     tensor_parallel_size = 1
-    async_loads = False
 
     def __init__(self) -> None:
         self.aligner = RopeAligner(_Rotary())
         self.prefills = 0
+        self.uncomputed: set[str] = set()  # requests vLLM has not computed since their load
+
+    def computed(self, req_id: str) -> bool:
+        return req_id not in self.uncomputed
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
@@ -213,7 +216,7 @@ def _context(method_name: str, trajectory: str, seed: int):  # noqa: ANN202
     reuse = SegmentReuse(segment, source, dst, dst - 10 + 7)
     dense = (torch.randn(LAYERS, 100, HEADS, HEAD_DIM, generator=g), torch.randn(LAYERS, 100, HEADS, HEAD_DIM, generator=g))
     ctx = LoadContext(plan.save_as, plan, tokens, 0, [reuse],
-                      read_rows=lambda rows: (dense[0][:, rows], dense[1][:, rows]))
+                      read_rows=lambda rows: (dense[0][:, rows], dense[1][:, rows]), req_id=f"{trajectory}-A1")
     return ctx, reuse, source
 
 
@@ -249,31 +252,66 @@ def test_chaining_uses_the_source_cache_and_never_prefills_a_reference(name: str
 
 
 @pytest.mark.parametrize("prematch", [False, True])
-def test_with_async_loads_deferred_work_waits_for_the_step_after_the_first_token(prematch: bool) -> None:
-    """A request whose load ends in step s is computed in step s + 1 with asynchronous loads: the
-    anchor construction and prematching its load queued run in step s + 2, not in s + 1."""
+def test_deferred_work_waits_until_its_request_is_computed(prematch: bool) -> None:
+    """Anchor construction and prematching that a load queued run only once vLLM has computed
+    that load's request (with asynchronous loads, one or more steps after the load ended), and
+    then in the first step that sees it; other requests' work does not wait for it."""
     method = method_class("kvcmas")({"r_c": 64, "r_delta": 64, "prematch": prematch})
     core = _FakeCore()
-    core.async_loads = True
     method.bind(core)
     for index in range(3):
         ctx, _, source = _context("kvcmas", f"t{index}", seed=index)
+        producer = _producer(source, f"t{index}")
+        core.uncomputed |= {ctx.req_id, producer.req_id}
         method.select(ctx)
-        method.after_load(ctx)  # step s: a dense fallback queues its anchor
+        method.after_load(ctx)  # a dense fallback queues its anchor
         if prematch:
-            method.after_load(_producer(source, f"t{index}"))
-        method.run_deferred()  # step s + 1: the request's first token
-        assert _anchors(method) == index
-        memo_before = method.memo.nbytes
-        method.run_deferred()  # step s + 2
+            method.after_load(producer)
+        for _ in range(2):  # steps in which the request is still waiting to be scheduled
+            method.run_deferred()
+            assert _anchors(method) == index
+        core.uncomputed.discard(ctx.req_id)  # a step computed it: its first token
+        method.run_deferred()
         assert _anchors(method) == index + 1
-        if prematch and index:  # with two anchors or more, the producer's q is matched now
-            assert method.memo.nbytes > memo_before
-    method.after_load(_context("kvcmas", "t3", seed=3)[0])
+        producer_q = (producer.plan.save_as, 7, "q")
+        assert producer_q not in method.memo.entries  # the producer's own turn is not computed yet
+        core.uncomputed.discard(producer.req_id)
+        method.run_deferred()
+        # with two anchors or more, the producer's q is matched now
+        assert (producer_q in method.memo.entries) == (prematch and index > 0)
+    late = _context("kvcmas", "t3", seed=3)[0]
+    core.uncomputed.add(late.req_id)
+    method.after_load(late)
     method.reset()
+    core.uncomputed.clear()
     method.run_deferred()
-    method.run_deferred()
-    assert _anchors(method) == 0  # held work goes with the rest of the state
+    assert _anchors(method) == 0  # waiting work goes with the rest of the state
+
+
+def test_a_loaded_request_counts_as_computed_after_a_step_that_scheduled_it() -> None:
+    from kvbench.methods.compute_tracker import ComputedRequests
+
+    tracker = ComputedRequests()
+    # synchronous load: loaded in the step that computes it; computed from the next step on
+    tracker.step(frozenset({"sync", "other"}))
+    tracker.loaded("sync")
+    assert not tracker.computed("sync")
+    # asynchronous load: ends in a step that does not schedule it; the scheduler is busy for a step
+    tracker.step(frozenset({"other"}))
+    assert tracker.computed("sync")
+    tracker.loaded("async")
+    for _ in range(2):
+        tracker.step(frozenset({"other"}))
+        assert not tracker.computed("async")
+    tracker.step(frozenset({"async"}))  # scheduled now: computed once this step has run
+    assert not tracker.computed("async")
+    tracker.step(frozenset())
+    assert tracker.computed("async")
+    # an aborted request never computed: its work is released rather than kept forever
+    tracker.loaded("aborted")
+    tracker.step(frozenset())
+    tracker.finished({"aborted"})
+    assert tracker.computed("aborted") and tracker.computed("never-loaded")
 
 
 def _anchors(method) -> int:  # noqa: ANN001
@@ -331,7 +369,7 @@ def _producer(source: SavedKV, trajectory: str) -> LoadContext:
     plan = Plan(trajectory, "A0.r0", "A0", "run/t/A0.r0",
                 (PlanSegment("pf", "system", 0, 7), PlanSegment("ph", "q", 7, 64)))
     return LoadContext(plan.save_as, plan, source.token_ids, 0, [],
-                       read_rows=lambda rows: (source.k[:, rows], source.v[:, rows]))
+                       read_rows=lambda rows: (source.k[:, rows], source.v[:, rows]), req_id=f"{trajectory}-A0")
 
 
 def _corrected(method, ctx: LoadContext) -> tuple[list[dict], torch.Tensor, torch.Tensor]:  # noqa: ANN001
