@@ -71,8 +71,8 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=6, help="measured trajectories per QPS-0 cell")
     parser.add_argument("--loaded-trajectories", type=int, default=24,
                         help="measured trajectories per loaded cell: a p50 under load over 6 trajectories moved "
-                             "by more than the targets' margins between identical runs; 24 halve the width of the "
-                             "ratios' intervals (1/sqrt(n))")
+                             "by more than the targets' margins between identical runs; more trajectories narrow the "
+                             "ratios' bootstrap intervals")
     parser.add_argument("--error-trajectories", type=int, default=6,
                         help="KV error over every turn of the last N measured trajectories (QPS 0 runs)")
     parser.add_argument("--warmups", type=int, default=3,
