@@ -382,11 +382,8 @@ class DeltaCorrection(SharingMethod):
         rank_base = int(self.params["r_c"]) if self.low_rank else None
         rank_delta = int(self.params["r_delta"]) if self.low_rank else None
         # Work of a request vLLM has not computed yet waits: it would land in that request's TTFT.
-        computed = self.core.computed if self.core is not None else (lambda req_id: True)
-        jobs = [job for job in self.pending if computed(job.req_id)]
-        prematches = [job for job in self.prematches if computed(job.req_id)]
-        self.pending = [job for job in self.pending if not computed(job.req_id)]
-        self.prematches = [job for job in self.prematches if not computed(job.req_id)]
+        jobs, self.pending = self._ready(self.pending)
+        prematches, self.prematches = self._ready(self.prematches)
         for job in jobs:
             pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
             anchor_id = job.anchor_id
@@ -407,6 +404,14 @@ class DeltaCorrection(SharingMethod):
             except Exception:  # noqa: BLE001 - its readers then match at load, as without prematch
                 logger.exception("kvbench: prematch of %s failed", prematch.key)
         self._track_peak()
+
+    def _ready(self, items: list[Any]) -> tuple[list[Any], list[Any]]:
+        """(items whose request vLLM has computed, items still waiting for theirs), order kept."""
+        ready: list[Any] = []
+        waiting: list[Any] = []
+        for item in items:
+            (ready if self.core is None or self.core.computed(item.req_id) else waiting).append(item)
+        return ready, waiting
 
     def _prematch(self, job: Prematch) -> None:
         """Distances of a saved request's segment to every anchor of its slot, keys and values,
