@@ -148,6 +148,11 @@ def main() -> None:
                             "pool_mib": state.get("peak_anchor_pool", 0) / 2**20,
                             "references_mib": state.get("peak_references", 0) / 2**20,
                             "peak_rss_mib": (summary.get("peak_server_rss_bytes") or 0) / 2**20,
+                            # how long the server took to serve the cell, and how long its
+                            # trajectories took end to end: beside the arrival span they show
+                            # how far past a method's capacity a loaded QPS is
+                            "duration_s": summary["duration"],
+                            "trajectory_e2e_s": summary["mean_trajectory_e2e_ms"] / 1e3,
                             **(kv_errors(server, requests, args.error_trajectories)
                                if method != "nonshared" and qps == 0 else {}),
                         })
@@ -158,6 +163,7 @@ def main() -> None:
     print()
     if len(compared) == len(METHODS):
         print_targets(table, frames, contexts, loaded)
+    print_load(table, contexts, loaded, args.loaded_trajectories)
     p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
     if variants and {"fullshared", "kvcmas"} <= set(chosen):
@@ -185,11 +191,35 @@ def target_ratios(p50: pd.Series, label: str, context: int, qps: float) -> dict[
     return ratios
 
 
+def _percent(share: float) -> str:
+    """'26%'; a share that rounds to zero prints as '0%', not '-0%'."""
+    return f"{round(share, 2) + 0.0:.0%}"
+
+
 def _ci(interval: RatioInterval, unit: str) -> str:
     """'1.81x [1.40, 2.30]', or for unit '%' the share below the denominator: '26% [10%, 38%]'."""
     if unit == "%":
-        return f"{1 - interval.ratio:.0%} [{1 - interval.high:.0%}, {1 - interval.low:.0%}]"
+        return f"{_percent(1 - interval.ratio)} [{_percent(1 - interval.high)}, {_percent(1 - interval.low)}]"
     return f"{interval.ratio:.2f}x [{interval.low:.2f}, {interval.high:.2f}]"
+
+
+def print_load(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float], trajectories: int) -> None:
+    """How far past each method's capacity the loaded QPS is. Its trajectories arrive over
+    (n - 1) / QPS seconds; a server that keeps up finishes about one trajectory's E2E after the
+    last arrival, and its trajectories take about as long end to end as at QPS 0. vLLM schedules
+    prefills before decodes, so an overloaded server's TTFT stays low and its backlog shows in
+    the run's duration and the trajectories' E2E instead."""
+    cells = table.set_index(["method", "context", "qps"])
+    for context in contexts:
+        qps = loaded[context]
+        span = (trajectories - 1) / qps
+        parts = []
+        for method in dict.fromkeys(table["method"]):
+            busy, idle = cells.loc[(method, context, qps)], cells.loc[(method, context, 0.0)]
+            parts.append(f"{method} {busy['duration_s']:.0f} s, trajectory E2E {busy['trajectory_e2e_s']:.1f} s "
+                         f"({busy['trajectory_e2e_s'] / idle['trajectory_e2e_s']:.1f}x QPS 0)")
+        print(f"ctx {context} qps {qps:g}: {trajectories} trajectories arrive over {span:.0f} s; served in "
+              + "; ".join(parts))
 
 
 def print_operating_points(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float],
@@ -210,7 +240,7 @@ def print_operating_points(table: pd.DataFrame, contexts: list[int], loaded: dic
                     if "nonshared_over" in r:
                         text += f", NonShared/ {r['nonshared_over']:.2f}x"
                     if "below_nonchained" in r:
-                        text += f", {r['below_nonchained']:.0%} below non-chained"
+                        text += f", {_percent(r['below_nonchained'])} below non-chained"
                     ratios.append(text)
                 parts.append(f"QPS {qps:g} (rho {cells.loc[(label, context, qps), 'realized_rho']:.2f}): "
                              + "; ".join(ratios))
