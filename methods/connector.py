@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +73,9 @@ class ConnectorSettings:
     fault_injection: str | None
     # 0: a request's cache is materialized in the engine step that schedules it (vLLM's sync
     # load). N > 0: loads are asynchronous and each engine step runs partial-forward layers of the
-    # waiting loads, in arrival order, until about N tokens' worth of rows went through all
-    # layers (at least one layer per step), so one long load cannot stall the batch for long.
+    # waiting loads, the one with the least work left first, until about N tokens' worth of rows
+    # went through all layers (at least one layer per step), so one long load cannot stall the
+    # batch for long, nor hold up the short loads queued behind it.
     max_load_tokens_per_step: int = 0
 
     @classmethod
@@ -115,7 +116,16 @@ class SaveSpec:
     block_ids: list[int]
 
 
-@dataclass
+def planned_rows(spec: LoadSpec) -> int:
+    """Rows per layer a load computes by its plan: every claimed row but those of the shared
+    segments it names a source for. A method may compute more (a rejected correction, rows it
+    recomputes); the load's first layer tells."""
+    sourced = sum(max(0, min(s.start + s.length, spec.num_target) - max(s.start, spec.num_local))
+                  for s in spec.plan.segments if s.kind == "ph" and s.source)
+    return max(1, spec.num_target - spec.num_local - sourced)
+
+
+@dataclass(eq=False)  # a job is itself: the queue removes it by identity
 class LoadJob:
     """A load in progress on the worker: its spec and the generator doing its work."""
 
@@ -126,10 +136,25 @@ class LoadJob:
     # per step it ran in: how many other requests that engine step computed (running decodes and
     # prefills); shows whether they advanced while this load was in progress
     step_batches: list[int] = field(default_factory=list)
+    layers_done: int = 0
+    last_rows: int | None = None  # rows its last finished layer computed
 
     @property
     def key(self) -> str:
         return self.spec.plan.save_as or self.spec.req_id
+
+    def rows_left(self, layers: int) -> int:
+        """Rows it still has to put through a layer: the rows of its last layer (its plan's before
+        the first) times the layers left."""
+        per_layer = planned_rows(self.spec) if self.last_rows is None else self.last_rows
+        return max(1, per_layer) * max(1, layers - self.layers_done)
+
+
+def next_load(queue: Iterable[LoadJob], layers: int) -> LoadJob:
+    """The waiting load with the fewest rows left (the oldest of equals). A load that reuses most
+    of its rows then ends in the next step rather than after every layer of a dense prefill queued
+    before it: shortest remaining work first, which minimizes the mean wait."""
+    return min(queue, key=lambda job: job.rows_left(layers))
 
 
 @dataclass
@@ -169,7 +194,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         self.request_stats: dict[str, dict[str, Any]] = {}
         self._saved_this_step: set[str] = set()
         self._finished_sending: set[str] = set()
-        # asynchronous loads (max_load_tokens_per_step > 0): run in order, a few layers per step
+        # asynchronous loads (max_load_tokens_per_step > 0): a few layers per step, least work left first
         self._load_queue: deque[LoadJob] = deque()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -367,7 +392,9 @@ class KVBenchConnector(KVConnectorBase_V1):
         job.step_batches.append(len(scheduled - {job.spec.req_id}))
         try:
             while True:
-                spent += next(job.work)
+                rows = next(job.work)
+                job.layers_done, job.last_rows = job.layers_done + 1, rows
+                spent += rows
                 if budget is not None and spent >= budget:
                     return None, spent
         except StopIteration as done:
@@ -383,16 +410,18 @@ class KVBenchConnector(KVConnectorBase_V1):
                     "reused_tokens": 0, "recomputed_tokens": spec.num_target - spec.num_local}, spent
 
     def _advance_loads(self, budget: int, scheduled: frozenset[str]) -> None:
-        """One engine step's share of the asynchronous loads: layers of the oldest waiting load
-        (then the next) until `budget` rows went through a layer; at least one layer."""
+        """One engine step's share of the asynchronous loads: layers of the waiting load with the
+        least work left (then the next) until `budget` rows went through a layer; at least one
+        layer."""
         spent = 0
+        layers = len(self.forward.layers) if self.forward is not None else 1
         while self._load_queue and (spent < budget or spent == 0):
-            job = self._load_queue[0]
+            job = next_load(self._load_queue, layers)
             stats, rows = self._run_load(job, budget - spent, scheduled)
             spent += max(rows, 1)
             if stats is None:
                 return
-            self._load_queue.popleft()
+            self._load_queue.remove(job)
             self._finish_load(job, stats)
             self._finished_recving.add(job.spec.req_id)
 

@@ -113,3 +113,30 @@ def test_the_load_budget_reaches_the_connector() -> None:
     for command in ("replay", "serve", "calibrate"):
         result = CliRunner().invoke(main, [command, "--help"])
         assert result.exit_code == 0 and "--max-load-tokens-per-step" in result.output, (command, result.output)
+
+
+def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+    """Loads waiting together run least work first: a load of a few rows sent right after a long
+    one ends in one engine step, and its request gets its first token while the long load still
+    runs its layers. In arrival order it would wait for every layer of the long one."""
+
+    async def scenario() -> tuple:
+        url = f"{server.base_url}/v1/completions"
+        common = {"model": server.config.model, "temperature": 0, "ignore_eos": True, "stream": True, "max_tokens": 1}
+        long_key, short_key = _key(), _key()
+        short_prompt = prompts["q"][:32]
+        async with aiohttp.ClientSession() as session:
+            long = asyncio.create_task(stream_completion(session, url, {
+                **common, "prompt": prompts["p1"], "cache_salt": long_key,
+                "kv_transfer_params": {"kvbench": _compute_all(prompts["p1"], long_key)}}, 300, "long"))
+            await asyncio.sleep(0.02)  # sent after the long one, while its load runs (4 engine steps)
+            short = await stream_completion(session, url, {
+                **common, "prompt": short_prompt, "cache_salt": short_key,
+                "kv_transfer_params": {"kvbench": _compute_all(short_prompt, short_key)}}, 300, "short")
+            return await long, short, long_key, short_key
+
+    long, short, long_key, short_key = asyncio.run(scenario())
+    assert long.success and short.success, (long.error_message, short.error_message)
+    long_stats, short_stats = _request_stats(server, long_key), _request_stats(server, short_key)
+    assert long_stats["load_steps"] == LAYERS and short_stats["load_steps"] == 1, (long_stats, short_stats)
+    assert short.sent_ns > long.sent_ns and short.first_token_ns < long.first_token_ns
