@@ -11,7 +11,7 @@ loaded QPS per context. Prints, measured side by side in one run:
     over the turns whose shared query was served from a reused cache.
 
     .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5] [--cold]
-        [--kvcmas-tau 0.4] [--kvcmas-prematch]
+        [--kvcmas-tau 0.4] [--kvcmas-prematch] [--max-load-tokens-per-step 2048]
 
 --kvcmas-tau adds KVCMAS at other reliability thresholds (other reuse ratios rho) beside the default
 tau: the TTFT ratios and the KV error at each operating point, measured in the same run.
@@ -88,10 +88,16 @@ def main() -> None:
     parser.add_argument("--kvcmas-tau", default="",
                         help="more KVCMAS operating points: reliability thresholds tau besides the default "
                              "(comma-separated), each a row `kvcmas(tau=X)` with its realized rho")
+    parser.add_argument("--max-load-tokens-per-step", type=int, default=0,
+                        help="0 (default): each load runs whole in the engine step that schedules it; N > 0: "
+                             "asynchronous loads, about N tokens' worth of partial-forward layers per step, the "
+                             "load with the least work left first (connector methods only)")
     parser.add_argument("--kvcmas-prematch", action="store_true",
                         help="also KVCMAS with prematch on (row `kvcmas(prematch)`): matching of a saved turn's "
                              "segments moves from the next edge's TTFT to after the saved turn's first token")
     args = parser.parse_args()
+    if args.max_load_tokens_per_step < 0:
+        parser.error("--max-load-tokens-per-step: expected an integer >= 0")
     chosen = args.methods.split(",") if args.methods else [name for name, _ in METHODS]
     if unknown := set(chosen) - {name for name, _ in METHODS}:
         parser.error(f"--methods: not a compared method: {', '.join(sorted(unknown))} (others go in --extra-methods)")
@@ -125,7 +131,8 @@ def main() -> None:
     frames: dict[tuple[str, int, float], pd.DataFrame] = {}  # each cell's requests, for the intervals
     with tempfile.TemporaryDirectory() as tmp:
         for label, method, params in methods:
-            config = method_server_config(method, model, params, log_path=Path(tmp) / f"{label}.log")
+            config = method_server_config(method, model, params, log_path=Path(tmp) / f"{label}.log",
+                                          max_load_tokens_per_step=args.max_load_tokens_per_step)
             with VLLMServer(config) as server:
                 for context in contexts:
                     for qps in (0.0, loaded[context]):
