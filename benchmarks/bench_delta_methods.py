@@ -213,9 +213,10 @@ def _ci(interval: RatioInterval, unit: str) -> str:
 def print_load(table: pd.DataFrame, contexts: list[int], loaded: dict[int, float], trajectories: int) -> None:
     """How far past each method's capacity the loaded QPS is. Its trajectories arrive over
     (n - 1) / QPS seconds; a server that keeps up finishes about one trajectory's E2E after the
-    last arrival, and its trajectories take about as long end to end as at QPS 0. vLLM schedules
-    prefills before decodes, so an overloaded server's TTFT stays low and its backlog shows in
-    the run's duration and the trajectories' E2E instead."""
+    last arrival, and its trajectories take about as long end to end as at QPS 0. vLLM admits
+    arriving requests into the next steps' token budget beside the running decodes (no request
+    waits for KV memory on this model), so an overloaded server's backlog shows less in its TTFT
+    than in its decoding: the run's duration and the trajectories' E2E."""
     cells = table.set_index(["method", "context", "qps"])
     for context in contexts:
         qps = loaded[context]
