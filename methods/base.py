@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -63,6 +63,9 @@ class CoreServices(Protocol):
     def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
         """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference)."""
 
+    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
+        """`context_free_prefill` one layer at a time (yields the rows each layer computed)."""
+
     def computed(self, req_id: str) -> bool:
         """Whether an engine step has computed the request (its first token) since its load
         ended. A synchronous load's request is computed in the load's step; an asynchronous
@@ -93,6 +96,12 @@ class SharingMethod:
 
     def validate(self) -> None:
         """Raise MethodConfigError on bad parameter values."""
+
+    def prepare(self, ctx: LoadContext) -> Generator[int, None, None]:
+        """Work a load needs before `select`, one layer at a time: yields the rows each layer
+        computed, so that asynchronous loads spread it over engine steps (e.g. a context-free
+        reference's prefill). Default: none."""
+        yield from ()
 
     def select(self, ctx: LoadContext) -> list[SegmentReuse]:
         """Which candidate rows to serve from reuse; the rest are computed. Default: all."""

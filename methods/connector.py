@@ -564,6 +564,7 @@ class KVBenchConnector(KVConnectorBase_V1):
 
         ctx = LoadContext(spec.plan.save_as or spec.req_id, spec.plan, tokens, spec.num_local, candidates, read_rows,
                           req_id=spec.req_id)
+        yield from self.method.prepare(ctx)  # e.g. reference prefills: spread over steps like the layers below
         chosen = self.method.select(ctx)
         reused = torch.zeros(n, dtype=torch.bool)
         for reuse in chosen:
@@ -691,6 +692,10 @@ class KVBenchConnector(KVConnectorBase_V1):
     @torch.inference_mode()
     def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
         k, v = self.forward.context_free(tokens)
+        return SavedKV(tokens.clone(), k, v)
+
+    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
+        k, v = yield from self.forward.context_free_steps(tokens)
         return SavedKV(tokens.clone(), k, v)
 
     def kv_error(self, key: str, reference: str, start: int = 0, stop: int | None = None) -> dict[str, Any]:

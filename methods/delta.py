@@ -13,7 +13,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -156,23 +156,59 @@ class DeltaCorrection(SharingMethod):
         return self._flat(k), self._flat(v)
 
     # -------------------------------------------------------------- sources
-    def _reference(self, ctx: LoadContext, segment: PlanSegment) -> tuple[SegmentReuse | None, Hashable]:
-        """Non-chained: the segment's context-free reference, prefilled on first sight, and the key
-        of its memoized distances."""
+    @staticmethod
+    def _reference_span(ctx: LoadContext, segment: PlanSegment) -> tuple[int, int, tuple[str, str]] | None:
+        """Rows [start, stop) of a PH segment a context-free reference stands for, and the
+        reference's key; None where the segment is left to dense computation (partly in vLLM's
+        prefix cache, or cut by the prompt end)."""
         start, stop = max(segment.start, ctx.num_local), min(segment.start + segment.length, len(ctx.tokens))
-        if stop <= start or start != segment.start:
-            return None, None  # partly in vLLM's prefix cache or cut by the prompt end: leave to dense
-        key = (segment.id, content_key(ctx.tokens[start:stop]))
+        if segment.kind != "ph" or stop <= start or start != segment.start:
+            return None
+        return start, stop, (segment.id, content_key(ctx.tokens[start:stop]))
+
+    def _keep_reference(self, ctx: LoadContext, key: tuple[str, str], reference: SavedKV, seconds: float) -> None:
+        ctx.stats["reference_prefill_s"] = ctx.stats.get("reference_prefill_s", 0.0) + seconds
+        ctx.stats["reference_tokens"] = ctx.stats.get("reference_tokens", 0) + len(reference.token_ids)
+        self.references[key] = reference
+        while len(self.references) > MAX_REFERENCES:
+            self.references.popitem(last=False)
+
+    def prepare(self, ctx: LoadContext) -> Generator[int, None, None]:
+        """Non-chained: prefill the context-free references this load lacks, one layer at a time,
+        so that asynchronous loads spread an 8K reference prefill over engine steps (a load in one
+        step runs it whole, as `select` would)."""
+        if self.chained:
+            return
+        assert self.core is not None
+        for segment in ctx.plan.segments:
+            span = self._reference_span(ctx, segment)
+            if span is None or span[2] in self.references:
+                continue
+            start, stop, key = span
+            steps, seconds = self.core.context_free_prefill_steps(ctx.tokens[start:stop]), 0.0
+            while True:  # timed layer by layer: the waits between engine steps are not prefill
+                started = time.perf_counter()
+                try:
+                    rows = next(steps)
+                except StopIteration as done:
+                    self._keep_reference(ctx, key, done.value, seconds + time.perf_counter() - started)
+                    break
+                seconds += time.perf_counter() - started
+                yield rows
+
+    def _reference(self, ctx: LoadContext, segment: PlanSegment) -> tuple[SegmentReuse | None, Hashable]:
+        """Non-chained: the segment's context-free reference (prefilled by `prepare`, or here on
+        first sight), and the key of its memoized distances."""
+        span = self._reference_span(ctx, segment)
+        if span is None:
+            return None, None
+        start, stop, key = span
         reference = self.references.get(key)
         if reference is None:
             assert self.core is not None
             started = time.perf_counter()
             reference = self.core.context_free_prefill(ctx.tokens[start:stop])
-            ctx.stats["reference_prefill_s"] = ctx.stats.get("reference_prefill_s", 0.0) + time.perf_counter() - started
-            ctx.stats["reference_tokens"] = ctx.stats.get("reference_tokens", 0) + (stop - start)
-            self.references[key] = reference
-            while len(self.references) > MAX_REFERENCES:
-                self.references.popitem(last=False)
+            self._keep_reference(ctx, key, reference, time.perf_counter() - started)
         else:
             self.references.move_to_end(key)
         dst = torch.arange(start, stop)

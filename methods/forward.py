@@ -209,6 +209,12 @@ class PartialForward:
     def context_free(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [layers, n, Hkv, hd] of `tokens` prefilled alone at positions 0..n-1 (dense causal
         attention over their own K/V, no paged cache): a context-free reference cache."""
+        return run_to_end(self.context_free_steps(tokens))
+
+    @torch.inference_mode()  # entered again at every resumption of the generator
+    def context_free_steps(self, tokens: torch.Tensor) -> Generator[int, None, tuple[torch.Tensor, torch.Tensor]]:
+        """`context_free` one layer at a time: yields the rows each layer computed (a caller may
+        pause there, as with `steps`) and returns K, V."""
         n = len(tokens)
         positions = torch.arange(n, dtype=torch.long)
         hidden, residual = self.embed(tokens), None
@@ -226,6 +232,7 @@ class PartialForward:
             o, _ = attn.o_proj(out[0].transpose(0, 1).reshape(n, -1))
             hidden, residual = layer.post_attention_layernorm(o, residual)
             hidden = self._mlp(layer.mlp, hidden)
+            yield n
         return torch.stack(keys), torch.stack(values)
 
     def _attend(self, q: torch.Tensor, compute: torch.Tensor, attn: torch.nn.Module, name: str,

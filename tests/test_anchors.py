@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 
 import pytest
 import torch
@@ -203,6 +204,11 @@ class _FakeCore:
         return SavedKV(tokens.clone(), torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g),
                        torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g))
 
+    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
+        for _ in range(LAYERS - 1):  # a pause after every layer but the last, as the partial forward
+            yield len(tokens)
+        return self.context_free_prefill(tokens)
+
 
 def _context(method_name: str, trajectory: str, seed: int):  # noqa: ANN202
     """A1's load: q (64 tokens at position 10) reused from A0's cache (q at position 7)."""
@@ -249,6 +255,27 @@ def test_chaining_uses_the_source_cache_and_never_prefills_a_reference(name: str
     method.after_load(ctx)  # the time spent applying it joins the segment's decision
     assert ctx.stats["decisions"][0]["apply_s"] > 0
     assert method.state_bytes()["anchor_pool"] > 0
+
+
+@pytest.mark.parametrize("name", ["kvcmas", "kvcmas-nonchained"])
+def test_a_missing_reference_is_prefilled_layer_by_layer_before_select(name: str) -> None:
+    """`prepare` prefills the references a non-chained load lacks one layer at a time (so that an
+    asynchronous load spreads it over engine steps); `select` then finds them. Chained KVCMAS has
+    nothing to prepare."""
+    method = method_class(name)({})
+    core = _FakeCore()
+    method.bind(core)
+    ctx, _, _ = _context(name, "t0", seed=0)
+    steps = list(method.prepare(ctx))
+    if name == "kvcmas":
+        assert steps == [] and core.prefills == 0
+        return
+    assert steps == [64] * (LAYERS - 1) and core.prefills == 1  # the 64-row segment q
+    assert ctx.stats["reference_tokens"] == 64 and ctx.stats["reference_prefill_s"] >= 0
+    method.select(ctx)
+    assert core.prefills == 1  # select used the prepared reference
+    again, _, _ = _context(name, "t0-again", seed=0)  # the same content: nothing left to prepare
+    assert list(method.prepare(again)) == [] and core.prefills == 1
 
 
 @pytest.mark.parametrize("prematch", [False, True])
