@@ -60,11 +60,9 @@ class CoreServices(Protocol):
         which rows are reused or computed must come from such sums: the ranks run the partial
         forward's collectives together, so they must all decide alike."""
 
-    def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
-        """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference)."""
-
     def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
-        """`context_free_prefill` one layer at a time (yields the rows each layer computed)."""
+        """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference), one layer
+        at a time: yields the rows each layer computed, returns the cache."""
 
     def computed(self, req_id: str) -> bool:
         """Whether an engine step has computed the request (its first token) since its load

@@ -372,9 +372,7 @@ class KVBenchConnector(KVConnectorBase_V1):
             logger.exception("kvbench: deferred work of %s failed", self.method.name)
         if self.settings.max_load_tokens_per_step > 0:
             self._load_queue.extend(LoadJob(spec, self._materialize_steps(spec)) for spec in meta.loads)
-            layers = len(self.forward.layers) if self.forward is not None else 1
-            # in rows through one layer
-            self._advance_loads(self.settings.max_load_tokens_per_step * layers, meta.scheduled_req_ids)
+            self._advance_loads(meta.scheduled_req_ids)
             return
         for spec in meta.loads:  # synchronous: each load ends in this step, before the forward
             job = LoadJob(spec, self._materialize_steps(spec))
@@ -409,12 +407,13 @@ class KVBenchConnector(KVConnectorBase_V1):
             return {"fallback": "dense", "error": f"{type(exc).__name__}: {exc}",
                     "reused_tokens": 0, "recomputed_tokens": spec.num_target - spec.num_local}, spent
 
-    def _advance_loads(self, budget: int, scheduled: frozenset[str]) -> None:
+    def _advance_loads(self, scheduled: frozenset[str]) -> None:
         """One engine step's share of the asynchronous loads: layers of the waiting load with the
-        least work left (then the next) until `budget` rows went through a layer; at least one
-        layer."""
+        least work left (then the next) until max_load_tokens_per_step tokens' worth of rows went
+        through every layer; at least one layer."""
         spent = 0
         layers = len(self.forward.layers) if self.forward is not None else 1
+        budget = self.settings.max_load_tokens_per_step * layers  # in rows through one layer
         while self._load_queue and (spent < budget or spent == 0):
             job = next_load(self._load_queue, layers)
             stats, rows = self._run_load(job, budget - spent, scheduled)
@@ -688,11 +687,6 @@ class KVBenchConnector(KVConnectorBase_V1):
         if clear:
             self.request_stats.clear()
         return out
-
-    @torch.inference_mode()
-    def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
-        k, v = self.forward.context_free(tokens)
-        return SavedKV(tokens.clone(), k, v)
 
     def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
         k, v = yield from self.forward.context_free_steps(tokens)

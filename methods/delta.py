@@ -22,6 +22,7 @@ import torch
 from kvbench.methods.anchors import (Anchor, AnchorPool, Correction, anchor_distances, gate_from_distances,
                                      token_weighted_corrections)
 from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.forward import run_to_end
 from kvbench.methods.match_memo import MatchMemo, SegmentDistances
 from kvbench.methods.plan import PlanSegment
 from kvbench.methods.store import SavedKV
@@ -173,28 +174,32 @@ class DeltaCorrection(SharingMethod):
         while len(self.references) > MAX_REFERENCES:
             self.references.popitem(last=False)
 
+    def _prefill_reference(self, ctx: LoadContext, start: int, stop: int,
+                           key: tuple[str, str]) -> Generator[int, None, SavedKV]:
+        """Prefill and keep the context-free reference of rows [start, stop), one layer at a time
+        (yields the rows each layer computed)."""
+        assert self.core is not None
+        steps, seconds = self.core.context_free_prefill_steps(ctx.tokens[start:stop]), 0.0
+        while True:  # timed layer by layer: the waits between engine steps are not prefill
+            started = time.perf_counter()
+            try:
+                rows = next(steps)
+            except StopIteration as done:
+                reference = done.value
+                self._keep_reference(ctx, key, reference, seconds + time.perf_counter() - started)
+                return reference
+            seconds += time.perf_counter() - started
+            yield rows
+
     def prepare(self, ctx: LoadContext) -> Generator[int, None, None]:
-        """Non-chained: prefill the context-free references this load lacks, one layer at a time,
-        so that asynchronous loads spread an 8K reference prefill over engine steps (a load in one
-        step runs it whole, as `select` would)."""
+        """Non-chained: prefill the context-free references this load lacks, so that asynchronous
+        loads spread an 8K reference prefill over engine steps (a load in one step runs it whole)."""
         if self.chained:
             return
-        assert self.core is not None
         for segment in ctx.plan.segments:
             span = self._reference_span(ctx, segment)
-            if span is None or span[2] in self.references:
-                continue
-            start, stop, key = span
-            steps, seconds = self.core.context_free_prefill_steps(ctx.tokens[start:stop]), 0.0
-            while True:  # timed layer by layer: the waits between engine steps are not prefill
-                started = time.perf_counter()
-                try:
-                    rows = next(steps)
-                except StopIteration as done:
-                    self._keep_reference(ctx, key, done.value, seconds + time.perf_counter() - started)
-                    break
-                seconds += time.perf_counter() - started
-                yield rows
+            if span is not None and span[2] not in self.references:
+                yield from self._prefill_reference(ctx, *span)
 
     def _reference(self, ctx: LoadContext, segment: PlanSegment) -> tuple[SegmentReuse | None, Hashable]:
         """Non-chained: the segment's context-free reference (prefilled by `prepare`, or here on
@@ -204,11 +209,8 @@ class DeltaCorrection(SharingMethod):
             return None, None
         start, stop, key = span
         reference = self.references.get(key)
-        if reference is None:
-            assert self.core is not None
-            started = time.perf_counter()
-            reference = self.core.context_free_prefill(ctx.tokens[start:stop])
-            self._keep_reference(ctx, key, reference, time.perf_counter() - started)
+        if reference is None:  # a caller that did not run `prepare`
+            reference = run_to_end(self._prefill_reference(ctx, start, stop, key))
         else:
             self.references.move_to_end(key)
         dst = torch.arange(start, stop)

@@ -205,16 +205,11 @@ class PartialForward:
         out, _ = mlp.down_proj(act)
         return out
 
-    @torch.inference_mode()
-    def context_free(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [layers, n, Hkv, hd] of `tokens` prefilled alone at positions 0..n-1 (dense causal
-        attention over their own K/V, no paged cache): a context-free reference cache."""
-        return run_to_end(self.context_free_steps(tokens))
-
     @torch.inference_mode()  # entered again at every resumption of the generator
     def context_free_steps(self, tokens: torch.Tensor) -> Generator[int, None, tuple[torch.Tensor, torch.Tensor]]:
-        """`context_free` one layer at a time: yields the rows each layer computed (a caller may
-        pause there, as with `steps`) and returns K, V."""
+        """K, V [layers, n, Hkv, hd] of `tokens` prefilled alone at positions 0..n-1 (dense causal
+        attention over their own K/V, no paged cache): a context-free reference cache. One layer
+        at a time: yields the rows each layer computed (a caller may pause there, as with `steps`)."""
         n = len(tokens)
         positions = torch.arange(n, dtype=torch.long)
         hidden, residual = self.embed(tokens), None

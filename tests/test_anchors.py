@@ -198,16 +198,13 @@ class _FakeCore:
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
 
-    def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
+    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
+        for _ in range(LAYERS - 1):  # a pause after every layer but the last, as the partial forward
+            yield len(tokens)
         self.prefills += 1
         g = torch.Generator().manual_seed(int(tokens.sum()))
         return SavedKV(tokens.clone(), torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g),
                        torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g))
-
-    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
-        for _ in range(LAYERS - 1):  # a pause after every layer but the last, as the partial forward
-            yield len(tokens)
-        return self.context_free_prefill(tokens)
 
 
 def _context(method_name: str, trajectory: str, seed: int):  # noqa: ANN202

@@ -5,6 +5,8 @@ Skipped without a GPU (CI has none); run on a lent GPU with
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import pytest
 import torch
 
@@ -137,7 +139,11 @@ class _Core:
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
 
-    def context_free_prefill(self, tokens: torch.Tensor) -> SavedKV:
+    def computed(self, req_id: str) -> bool:
+        return True  # each load here is computed before the next: deferred work runs at once
+
+    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
+        yield from ()  # no pauses: methods here run each load whole
         g = torch.Generator().manual_seed(int(tokens.sum()))
         k, v = (torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g) for _ in range(2))
         return SavedKV(tokens.clone(), k.to(self.device, torch.bfloat16), v.to(self.device, torch.bfloat16))
