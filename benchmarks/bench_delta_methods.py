@@ -11,7 +11,7 @@ loaded QPS per context. Prints, measured side by side in one run:
     over the turns whose shared query was served from a reused cache.
 
     .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5] [--cold]
-        [--kvcmas-tau 0.4] [--kvcmas-prematch] [--max-load-tokens-per-step 2048]
+        [--kvcmas-tau 0.4] [--kvcmas-prematch] [--max-load-tokens-per-step 2048] [--result-dir DIR]
 
 --kvcmas-tau adds KVCMAS at other reliability thresholds (other reuse ratios rho) beside the default
 tau: the TTFT ratios and the KV error at each operating point, measured in the same run.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,9 @@ def main() -> None:
     parser.add_argument("--kvcmas-prematch", action="store_true",
                         help="also KVCMAS with prematch on (row `kvcmas(prematch)`): matching of a saved turn's "
                              "segments moves from the next edge's TTFT to after the saved turn's first token")
+    parser.add_argument("--result-dir", type=Path, default=None,
+                        help="keep every cell's replay results (requests.parquet, summary.json, server log) under "
+                             "DIR/<method>-<context>-<qps>, for `kvbench report` (default: a temporary folder)")
     args = parser.parse_args()
     if args.max_load_tokens_per_step < 0:
         parser.error("--max-load-tokens-per-step: expected an integer >= 0")
@@ -129,7 +133,9 @@ def main() -> None:
 
     rows = []
     frames: dict[tuple[str, int, float], pd.DataFrame] = {}  # each cell's requests, for the intervals
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.result_dir is not None:
+        args.result_dir.mkdir(parents=True, exist_ok=True)
+    with (nullcontext(str(args.result_dir)) if args.result_dir is not None else tempfile.TemporaryDirectory()) as tmp:
         for label, method, params in methods:
             config = method_server_config(method, model, params, log_path=Path(tmp) / f"{label}.log",
                                           max_load_tokens_per_step=args.max_load_tokens_per_step)
