@@ -241,8 +241,7 @@ class PartialForward:
                         name: str) -> torch.Tensor:
         """Causal attention of rows over their own K/V alone [n, Hq, hd] (no paged blocks of a request)."""
         if q.device.type == "cpu":
-            cache = self.kv_caches[name]
-            return cpu_self_attention(q, k, v, scale, self.layouts[name], cache.shape[2], cache.dtype)
+            return cpu_self_attention(q, k, v, scale, self.layouts[name], self.kv_caches[name].dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -262,13 +261,13 @@ class PartialForward:
 
 
 def cpu_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: CpuPackedLayout,
-                       block_size: int, dtype: torch.dtype) -> torch.Tensor:
+                       dtype: torch.dtype) -> torch.Tensor:
     """Causal attention of n rows over their own K/V [n, Hkv, hd], through vLLM's CPU kernel over
-    a scratch paged cache of ceil(n / block_size) blocks: torch's CPU SDPA took 1.2x as long at
-    8K rows (a context-free reference prefill). Returns [n, Hq, hd]."""
+    a scratch paged cache (in `layout`, of `dtype`) of ceil(n / block size) blocks: torch's CPU
+    SDPA took 1.2x as long at 8K rows (a context-free reference prefill). Returns [n, Hq, hd]."""
     n, heads, head_dim = k.shape
-    blocks = -(-n // block_size)
-    scratch = torch.zeros(blocks, heads, block_size, 2 * head_dim, dtype=dtype)  # zeros: the tail is never NaN
+    blocks = -(-n // layout.block_size)
+    scratch = torch.zeros(blocks, heads, layout.block_size, 2 * head_dim, dtype=dtype)  # zeros: the tail is never NaN
     rows = torch.arange(n)
     layout.write(scratch, rows, k.to(dtype), v.to(dtype))
     return _cpu_paged_attention(q, rows, scale, scratch, layout.isa, torch.arange(blocks))
