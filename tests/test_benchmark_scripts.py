@@ -1,7 +1,8 @@
-"""The GPU timing script of the correction path runs (here on the CPU, at tiny shapes)."""
+"""The benchmark scripts run (here on the CPU, at tiny shapes) and print consistent figures."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,18 @@ def test_delta_transfer_script_reports_bounds(default_model: str) -> None:
     assert values["best_segment"] <= min(values["mean_others"], values["fullshared"]) + 1e-6
     assert values["best_token"] <= values["best_segment"] + 1e-6
     assert -1 <= values["delta_cosine_k"] <= 1 and -1 <= values["delta_cosine_v"] <= 1
+
+
+def test_self_attention_script_prints_both_timings_and_their_ratio() -> None:
+    script = SCRIPT.parent / "bench_self_attention.py"
+    result = subprocess.run([sys.executable, str(script), "--tokens", "64,200", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("n=")]
+    assert [row.split(":")[0] for row in rows] == ["n=64", "n=200"]
+    for row in rows:  # the ratio is the two printed timings' ratio
+        match = re.fullmatch(r"n=\d+: sdpa ([\d.]+) ms, kernel ([\d.]+) ms, sdpa/kernel ([\d.]+)x", row)
+        assert match, row
+        sdpa, kernel, ratio = (float(x) for x in match.groups())
+        assert sdpa > 0 and kernel > 0
+        assert abs(ratio - sdpa / kernel) < 0.01 + 0.02 * ratio  # the timings print to 1 us
