@@ -136,6 +136,9 @@ class LoadJob:
     # per step it ran in: how many other requests that engine step computed (running decodes and
     # prefills); shows whether they advanced while this load was in progress
     step_batches: list[int] = field(default_factory=list)
+    # per step it ran in: seconds from its creation to that step's share of its work (the first
+    # shows how long it queued behind other loads, the gaps how long it waited between steps)
+    step_offsets_s: list[float] = field(default_factory=list)
     layers_done: int = 0
     last_rows: int | None = None  # rows its last finished layer computed
 
@@ -388,6 +391,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         spent = 0
         job.steps += 1
         job.step_batches.append(len(scheduled - {job.spec.req_id}))
+        job.step_offsets_s.append(time.perf_counter() - job.started)
         try:
             while True:
                 rows = next(job.work)
@@ -429,7 +433,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         stats["load_s"] = time.perf_counter() - job.started
         stats.update(turn=spec.plan.turn, agent=spec.plan.agent, local_tokens=spec.num_local,
                      claimed_tokens=spec.num_target - spec.num_local, load_steps=job.steps,
-                     load_step_batches=job.step_batches)
+                     load_step_batches=job.step_batches, load_step_offsets_s=job.step_offsets_s)
         self._record_stats(job.key, stats)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

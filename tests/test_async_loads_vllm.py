@@ -91,6 +91,10 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
     assert stats["load_steps"] == LAYERS
     # The decoding request is the only other one: it was computed in each of the load's steps.
     assert stats["load_step_batches"] == [1] * LAYERS, stats["load_step_batches"]
+    # one offset per step, in step order, within the load's own time; nothing queued before it
+    offsets = stats["load_step_offsets_s"]
+    assert len(offsets) == LAYERS and offsets == sorted(offsets) and len(set(offsets)) == LAYERS, offsets
+    assert 0 <= offsets[0] < offsets[-1] <= stats["load_s"], (offsets, stats["load_s"])
 
 
 def test_the_load_budget_reaches_the_connector() -> None:
