@@ -58,3 +58,28 @@ def test_self_attention_script_prints_both_timings_and_their_ratio() -> None:
         sdpa, kernel, ratio = (float(x) for x in match.groups())
         assert sdpa > 0 and kernel > 0
         assert abs(ratio - sdpa / kernel) < 0.01 + 0.02 * ratio  # the timings print to 1 us
+
+
+def test_load_waits_counts_the_steps_other_loads_ran_while_a_first_agent_waited(tmp_path: Path) -> None:
+    import json
+
+    import pandas as pd
+
+    def request(turn: str, created: float, load_s: float, offsets: list[float], recomputed: int) -> dict:
+        stats = {"load_s": load_s, "load_step_offsets_s": offsets}
+        return {"turn_id": turn, "first_token_ns": int((created + load_s) * 1e9), "ttft_ms": load_s * 1e3,
+                "prompt_tokens": 1000, "recomputed_tokens": recomputed, "method_stats": json.dumps(stats)}
+
+    pd.DataFrame([
+        request("A0.r0", 10.0, 1.2, [0.0, 0.3, 0.6, 0.9], 1000),  # steps at 10.0, 10.3, 10.6, 10.9
+        request("A0.r0", 10.1, 2.2, [1.0, 1.3, 1.6, 1.9], 1000),  # waits [10.1, 11.1): three of those steps
+        request("A1.r0", 10.5, 0.3, [0.2], 100),  # a short reuse load, one step at 10.7, inside that wait
+        request("A2.r0", 12.0, 0.3, [0.0], 900),  # a dense reuse load after every wait
+    ]).to_parquet(tmp_path / "requests.parquet")
+    script = SCRIPT.parent / "load_waits.py"
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "first agents 2," in out and "sum 1.0 s" in out and "gaps between layers 0.30-0.30 s" in out, out
+    assert "{'A0': 2, 'reuse': 1, 'reuse-dense': 1}" in out, out
+    assert "steps other loads ran while a first agent waited: {'A0': 3, 'reuse': 1}" in out, out
