@@ -1,6 +1,7 @@
-"""Where asynchronous loads wait: for each result directory of a `kvbench replay` run with
-`--max-load-tokens-per-step N`, the first agents' wait before their load's first layer, the gaps
-between its layers, and which other loads ran engine steps while they waited.
+"""Where connector loads wait: for each result directory of a `kvbench replay` run (with
+`--max-load-tokens-per-step N`; a load in one step never waits in the connector), the first
+agents' wait before their load's first layer, the gaps between its layers, and which other loads
+ran engine steps while they waited.
 
     .venv/bin/python benchmarks/load_waits.py RESULT_DIR [RESULT_DIR ...]
 
@@ -31,7 +32,7 @@ def load_steps(result_dir: Path) -> list[dict]:
         stats = json.loads(stats) if isinstance(stats, str) else (stats or {})
         offsets = stats.get("load_step_offsets_s")
         if not offsets:
-            continue  # no asynchronous load (a plain vLLM request, or loads in one step)
+            continue  # no connector load (plain vLLM), or results from before the offsets were recorded
         first_agent = row["turn_id"].startswith("A0.")
         dense = row["recomputed_tokens"] > row["prompt_tokens"] / 2
         kind = ("A0-ref+dense" if dense and stats.get("reference_prefill_s") else "A0") if first_agent \
@@ -50,7 +51,7 @@ def main() -> None:
         loads = load_steps(result_dir)
         first = [load for load in loads if load["kind"].startswith("A0")]
         if not first:
-            print(f"{result_dir}: no asynchronous first-agent loads (was --max-load-tokens-per-step set?)")
+            print(f"{result_dir}: no first-agent loads with step times (a plain vLLM method, or older results)")
             continue
         held = Counter()  # steps other loads ran while a first agent waited for its first layer
         for load in first:
