@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from kvbench.methods.paged import CpuPackedLayout
+from kvbench.methods.paged import CpuPackedLayout, cpu_cache_halves
 
 # layer index -> (row indices, K, V) of the rows not computed here, to place before attention
 RowsForLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -241,7 +241,7 @@ class PartialForward:
                         name: str) -> torch.Tensor:
         """Causal attention of rows over their own K/V alone [n, Hq, hd] (no paged blocks of a request)."""
         if q.device.type == "cpu":
-            return cpu_self_attention(q, k, v, scale, self.layouts[name], self.kv_caches[name].dtype)
+            return cpu_self_attention(q, k, v, scale, self.layouts[name])
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -260,16 +260,17 @@ class PartialForward:
         return out[0].transpose(0, 1)
 
 
-def cpu_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, layout: CpuPackedLayout,
-                       dtype: torch.dtype) -> torch.Tensor:
+def cpu_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       layout: CpuPackedLayout) -> torch.Tensor:
     """Causal attention of n rows over their own K/V [n, Hkv, hd], through vLLM's CPU kernel over
-    a scratch paged cache (in `layout`, of `dtype`) of ceil(n / block size) blocks: torch's CPU
+    a scratch paged cache in `layout` (its dtype) of ceil(n / block size) blocks: torch's CPU
     SDPA took 1.2x as long at 8K rows (a context-free reference prefill). Returns [n, Hq, hd]."""
     n, heads, head_dim = k.shape
     blocks = -(-n // layout.block_size)
-    scratch = torch.zeros(blocks, heads, layout.block_size, 2 * head_dim, dtype=dtype)  # zeros: the tail is never NaN
+    # zeros: the unused tail of the last block is never NaN
+    scratch = torch.zeros(blocks, heads, layout.block_size, 2 * head_dim, dtype=layout.dtype)
     rows = torch.arange(n)
-    layout.write(scratch, rows, k.to(dtype), v.to(dtype))
+    layout.write(scratch, rows, k.to(layout.dtype), v.to(layout.dtype))
     return _cpu_paged_attention(q, rows, scale, scratch, layout.isa, torch.arange(blocks))
 
 
@@ -280,8 +281,6 @@ def _cpu_paged_attention(q: torch.Tensor, compute: torch.Tensor, scale: float, k
     table), which makes the mask causal by position without a dense mask."""
     import vllm.envs as envs
     from vllm import _custom_ops as ops
-
-    from kvbench.methods.paged import cpu_cache_halves
 
     breaks = torch.nonzero(compute[1:] - compute[:-1] != 1).flatten() + 1
     starts = torch.cat((torch.tensor([0]), breaks))

@@ -30,7 +30,7 @@ class CpuPackedLayout:
     def __init__(self, isa: str, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         from vllm import _custom_ops as ops
 
-        self.isa, self.block_size, self.head_dim = isa, block_size, head_dim
+        self.isa, self.block_size, self.head_dim, self.dtype = isa, block_size, head_dim, dtype
         n = block_size * head_dim
         if n > 65536:
             raise ValueError(f"block_size * head_dim = {n} is too large for the layout probe")

@@ -28,7 +28,7 @@ def test_kernel_self_attention_matches_causal_sdpa(layout: CpuPackedLayout, n: i
     k = torch.randn(n, kv_heads, hd, generator=g).bfloat16()
     v = torch.randn(n, kv_heads, hd, generator=g).bfloat16()
     scale = hd ** -0.5
-    got = cpu_self_attention(q, k, v, scale, layout, torch.bfloat16)
+    got = cpu_self_attention(q, k, v, scale, layout)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
         is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
@@ -39,5 +39,5 @@ def test_kernel_self_attention_matches_causal_sdpa(layout: CpuPackedLayout, n: i
     if n > 1:
         k2, v2 = k.clone(), v.clone()
         k2[-1], v2[-1] = 10 * k2[-1], -v2[-1]
-        again = cpu_self_attention(q, k2, v2, scale, layout, torch.bfloat16)
+        again = cpu_self_attention(q, k2, v2, scale, layout)
         assert torch.equal(again[:-1], got[:-1]) and not torch.equal(again[-1], got[-1])
