@@ -11,12 +11,17 @@ loaded QPS per context. Prints, measured side by side in one run:
     over the turns whose shared query was served from a reused cache.
 
     .venv/bin/python benchmarks/bench_delta_methods.py [--contexts 2048,8192] [--loaded-qps 1,0.5] [--cold]
-        [--kvcmas-tau 0.4] [--kvcmas-prematch] [--max-load-tokens-per-step 2048] [--result-dir DIR]
+        [--kvcmas-tau 0.4] [--kvcmas-prematch] [--max-load-tokens-per-step 2048] [--repeats 3] [--result-dir DIR]
 
 --kvcmas-tau adds KVCMAS at other reliability thresholds (other reuse ratios rho) beside the default
 tau: the TTFT ratios and the KV error at each operating point, measured in the same run.
 --kvcmas-prematch adds KVCMAS with `prematch` on (a saved turn's segments are matched against the
 anchor pools after its first token, not at the next edge's load), at the default tau.
+
+--repeats N replays each loaded cell N times, each with its own Poisson arrival schedule and freshly
+primed method state, and computes the ratios over the pooled trajectories (each repeat's own ratio
+printed beside them): one loaded run's median moves between identical runs by more than several
+targets' margins.
 
 By default the warm-up trajectories prime the methods' anchor pools (the steady state of a long
 run); --cold starts every measured run with empty pools, as a fresh server would.
@@ -33,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
+from kvbench.analysis.intervals import Per, RatioInterval, p50_ratio_interval, ttft_by_trajectory
+from kvbench.analysis.metrics import summarize
 from kvbench.model.store import resolve_model
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.runner import ReplayConfig, run_replay
@@ -65,6 +71,50 @@ def kv_errors(server: VLLMServer, requests: pd.DataFrame, trajectories: int) -> 
             "q_reused_turns": len(reused_q), "error_turns": len(all_turns)}
 
 
+def cell_row(label: str, context: int, qps: float, summary: dict) -> dict:
+    """One replay's row of the table, from its summary."""
+    state = summary.get("method_state_bytes") or {}
+    return {
+        "method": label, "context": context, "qps": qps,
+        "p50_ttft_ms": summary["p50_ttft_ms"], "p90_ttft_ms": summary["p90_ttft_ms"],
+        "p50_trajectory_ttft_ms": summary["p50_trajectory_ttft_ms"],
+        "p99_itl_ms": summary.get("p99_itl_ms"),
+        "failed": summary["failed"], "realized_rho": summary["realized_rho"],
+        "pool_mib": state.get("peak_anchor_pool", 0) / 2**20,
+        "references_mib": state.get("peak_references", 0) / 2**20,
+        "peak_rss_mib": (summary.get("peak_server_rss_bytes") or 0) / 2**20,
+        # how long the server took to serve the cell, and how long its trajectories took end to
+        # end: beside the arrival span they show how far past a method's capacity a loaded QPS is
+        "duration_s": summary["duration"],
+        "trajectory_e2e_s": summary["mean_trajectory_e2e_ms"] / 1e3,
+    }
+
+
+def pool_repeats(repeats: list[pd.DataFrame]) -> pd.DataFrame:
+    """The requests of a cell's repeats as one table; with more than one, trajectory ids get their
+    repeat's prefix ("r1/t000004"), so a trajectory of each repeat is its own cluster in the
+    bootstrap, and the same trajectory of the same repeat pairs across methods."""
+    if len(repeats) == 1:
+        return repeats[0]
+    return pd.concat([run.assign(trajectory_id=f"r{i}/" + run["trajectory_id"].astype(str))
+                      for i, run in enumerate(repeats)], ignore_index=True)
+
+
+def pooled_row(rows: list[dict], requests: pd.DataFrame) -> dict:
+    """A repeated cell's row: percentiles over the pooled requests and trajectories of every
+    repeat; duration and trajectory E2E the mean over repeats; memory the largest."""
+    pooled = summarize(requests, float(np.mean([r["duration_s"] for r in rows])), [50, 90, 99])
+    return rows[0] | {
+        "p50_ttft_ms": pooled["p50_ttft_ms"], "p90_ttft_ms": pooled["p90_ttft_ms"],
+        "p50_trajectory_ttft_ms": pooled["p50_trajectory_ttft_ms"], "p99_itl_ms": pooled["p99_itl_ms"],
+        "failed": pooled["failed"], "realized_rho": pooled["realized_rho"],
+        "pool_mib": max(r["pool_mib"] for r in rows), "references_mib": max(r["references_mib"] for r in rows),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in rows),
+        "duration_s": pooled["duration"], "trajectory_e2e_s": pooled["mean_trajectory_e2e_ms"] / 1e3,
+        "repeats": len(rows),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="2048,8192")
@@ -74,6 +124,11 @@ def main() -> None:
                         help="measured trajectories per loaded cell: a p50 under load over 6 trajectories moved "
                              "by more than the targets' margins between identical runs; more trajectories narrow the "
                              "ratios' bootstrap intervals")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="replay each loaded cell N times, each with its own arrival schedule (seeds 0..N-1) "
+                             "and freshly primed method state: the ratios are then computed over the pooled "
+                             "trajectories of all repeats, and each repeat's own ratio is printed beside them "
+                             "(a loaded cell's median moves between identical runs)")
     parser.add_argument("--error-trajectories", type=int, default=6,
                         help="KV error over every turn of the last N measured trajectories (QPS 0 runs)")
     parser.add_argument("--warmups", type=int, default=3,
@@ -100,6 +155,8 @@ def main() -> None:
                         help="keep every cell's replay results (requests.parquet, summary.json, server log) under "
                              "DIR/<method>-<context>-<qps>, for `kvbench report` (default: a temporary folder)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats: expected an integer >= 1")
     if args.max_load_tokens_per_step < 0:
         parser.error("--max-load-tokens-per-step: expected an integer >= 0")
     chosen = args.methods.split(",") if args.methods else [name for name, _ in METHODS]
@@ -133,6 +190,7 @@ def main() -> None:
 
     rows = []
     frames: dict[tuple[str, int, float], pd.DataFrame] = {}  # each cell's requests, for the intervals
+    runs: dict[tuple[str, int, float], list[pd.DataFrame]] = {}  # a loaded cell's repeats, one frame each
     if args.result_dir is not None:
         args.result_dir.mkdir(parents=True, exist_ok=True)
     with (nullcontext(str(args.result_dir)) if args.result_dir is not None else tempfile.TemporaryDirectory()) as tmp:
@@ -142,40 +200,33 @@ def main() -> None:
             with VLLMServer(config) as server:
                 for context in contexts:
                     for qps in (0.0, loaded[context]):
-                        out = Path(tmp) / f"{label}-{context}-{qps:g}"
-                        summary = run_replay(ReplayConfig(
-                            trace=trace_for(context, qps), tokenizer=tokenizer, method=method, base_urls=[server.base_url],
-                            result_dir=out, qps=qps, num_warmups=args.warmups, prime_method_state=not args.cold,
-                            save_prompt_ids=True, show_progress=False,
-                            method_params=params, server_pids={server.base_url: server.process.pid}))
-                        requests = pd.read_parquet(out / "requests.parquet")
-                        frames[(label, context, qps)] = requests[["trajectory_id", "success", "ttft_ms", "end_ns",
-                                                                  "scheduled_ns", "prompt_tokens", "output_tokens"]]
-                        state = summary.get("method_state_bytes") or {}
-                        rows.append({
-                            "method": label, "context": context, "qps": qps,
-                            "p50_ttft_ms": summary["p50_ttft_ms"], "p90_ttft_ms": summary["p90_ttft_ms"],
-                            "p50_trajectory_ttft_ms": summary["p50_trajectory_ttft_ms"],
-                            "p99_itl_ms": summary.get("p99_itl_ms"),
-                            "failed": summary["failed"], "realized_rho": summary["realized_rho"],
-                            "pool_mib": state.get("peak_anchor_pool", 0) / 2**20,
-                            "references_mib": state.get("peak_references", 0) / 2**20,
-                            "peak_rss_mib": (summary.get("peak_server_rss_bytes") or 0) / 2**20,
-                            # how long the server took to serve the cell, and how long its
-                            # trajectories took end to end: beside the arrival span they show
-                            # how far past a method's capacity a loaded QPS is
-                            "duration_s": summary["duration"],
-                            "trajectory_e2e_s": summary["mean_trajectory_e2e_ms"] / 1e3,
-                            **(kv_errors(server, requests, args.error_trajectories)
-                               if method != "nonshared" and qps == 0 else {}),
-                        })
-                        print(json.dumps(rows[-1]), flush=True)
+                        repeats = args.repeats if qps else 1
+                        cell_rows, cell_runs = [], []
+                        for repeat in range(repeats):
+                            name = f"{label}-{context}-{qps:g}" + (f"-r{repeat}" if repeats > 1 else "")
+                            # seed: each repeat draws its own Poisson arrival schedule (seed 0 alone
+                            # is the schedule of every run before --repeats)
+                            summary = run_replay(ReplayConfig(
+                                trace=trace_for(context, qps), tokenizer=tokenizer, method=method,
+                                base_urls=[server.base_url], result_dir=Path(tmp) / name, qps=qps,
+                                num_warmups=args.warmups, prime_method_state=not args.cold, seed=repeat,
+                                save_prompt_ids=True, show_progress=False, method_params=params,
+                                server_pids={server.base_url: server.process.pid}))
+                            requests = pd.read_parquet(Path(tmp) / name / "requests.parquet")
+                            cell_runs.append(requests)
+                            cell_rows.append(cell_row(label, context, qps, summary))
+                            if qps == 0 and method != "nonshared":
+                                cell_rows[-1] |= kv_errors(server, requests, args.error_trajectories)
+                            print(json.dumps(cell_rows[-1] | ({"repeat": repeat} if repeats > 1 else {})), flush=True)
+                        runs[(label, context, qps)] = cell_runs
+                        frames[(label, context, qps)] = pool_repeats(cell_runs)
+                        rows.append(cell_rows[0] if repeats == 1 else pooled_row(cell_rows, frames[(label, context, qps)]))
     table = pd.DataFrame(rows)
     print()
     print(table.to_markdown(index=False, floatfmt=".3f"))
     print()
     if len(compared) == len(METHODS):
-        print_targets(table, frames, contexts, loaded)
+        print_targets(table, frames, runs, contexts, loaded)
     print_load(table, contexts, loaded, args.loaded_trajectories)
     p50 = table.set_index(["method", "context", "qps"])["p50_ttft_ms"]
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
@@ -261,9 +312,27 @@ def print_operating_points(table: pd.DataFrame, contexts: list[int], loaded: dic
             print("; ".join(parts[:1]) + "\n    " + "\n    ".join(parts[1:]))
 
 
-def print_targets(table: pd.DataFrame, frames: dict[tuple[str, int, float], pd.DataFrame], contexts: list[int],
+def repeat_ratios(runs: dict[tuple[str, int, float], list[pd.DataFrame]], numerator: str, denominator: str,
+                  context: int, qps: float, per: Per) -> list[float]:
+    """numerator p50 / denominator p50 in each repeat of a cell on its own."""
+    def p50(requests: pd.DataFrame) -> float:
+        return float(np.median(np.concatenate(list(ttft_by_trajectory(requests, per).values()))))
+
+    return [p50(num) / p50(den) for num, den in zip(runs[(numerator, context, qps)], runs[(denominator, context, qps)])]
+
+
+def _each(ratios: list[float], unit: str) -> str:
+    """'; repeats 2.10x 2.61x 1.93x' (or shares below for unit '%'); '' for a single run."""
+    if len(ratios) < 2:
+        return ""
+    return "; repeats " + " ".join(_percent(1 - r) if unit == "%" else f"{r:.2f}x" for r in ratios)
+
+
+def print_targets(table: pd.DataFrame, frames: dict[tuple[str, int, float], pd.DataFrame],
+                  runs: dict[tuple[str, int, float], list[pd.DataFrame]], contexts: list[int],
                   loaded: dict[int, float]) -> None:
-    """Issue 7's ratios, measured side by side, with 95% bootstrap intervals over trajectories."""
+    """Issue 7's ratios, measured side by side, with 95% bootstrap intervals over trajectories
+    (pooled over the repeats of a repeated cell, each repeat's own ratio beside them)."""
     # Two medians: vLLM's (over requests) and the paper's (over trajectories of their mean TTFT,
     # KVCMAS paper §4.1). The first weighs every dense turn on its own; the second averages each
     # trajectory's dense first agent with its reuse turns.
@@ -276,12 +345,16 @@ def print_targets(table: pd.DataFrame, frames: dict[tuple[str, int, float], pd.D
                 vs_fullshared = p50_ratio_interval(cell["kvcmas"], cell["fullshared"], per=per)
                 vs_nonchained = p50_ratio_interval(cell["kvcmas"], cell["kvcmas-nonchained"], per=per)
                 under_load = qps > 0
+                each = {pair: _each(repeat_ratios(runs, *pair, context, qps, per), unit) for pair, unit in (
+                    (("nonshared", "kvcmas"), "x"), (("kvcmas", "fullshared"), "x"),
+                    (("kvcmas", "kvcmas-nonchained"), "%"))}
                 print(f"[{name}] ctx {context} qps {qps:g}: "
-                      f"NonShared/KVCMAS {_ci(vs_nonshared, 'x')} (target >= 2 under load"
+                      f"NonShared/KVCMAS {_ci(vs_nonshared, 'x')}{each[('nonshared', 'kvcmas')]} (target >= 2 under load"
                       f"{': ' + vs_nonshared.verdict(at_least=2.0) if under_load else ''}); "
-                      f"KVCMAS/FullShared {_ci(vs_fullshared, 'x')} (target <= 1.3: "
+                      f"KVCMAS/FullShared {_ci(vs_fullshared, 'x')}{each[('kvcmas', 'fullshared')]} (target <= 1.3: "
                       f"{vs_fullshared.verdict(at_most=1.3)}); "
-                      f"KVCMAS is {_ci(vs_nonchained, '%')} lower than kvcmas-nonchained (target >= 30% under load"
+                      f"KVCMAS is {_ci(vs_nonchained, '%')}{each[('kvcmas', 'kvcmas-nonchained')]} lower than "
+                      f"kvcmas-nonchained (target >= 30% under load"
                       f"{': ' + vs_nonchained.verdict(at_most=0.7) if under_load else ''})")
     errors = table[(table["qps"] == 0) & (table["method"] != "nonshared")].set_index(["method", "context"])
     for context in contexts:

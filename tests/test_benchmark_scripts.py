@@ -83,3 +83,55 @@ def test_load_waits_counts_the_steps_other_loads_ran_while_a_first_agent_waited(
     assert "first agents 2," in out and "sum 1.0 s" in out and "gaps between layers 0.30-0.30 s" in out, out
     assert "{'A0': 2, 'reuse': 1, 'reuse-dense': 1}" in out, out
     assert "steps other loads ran while a first agent waited: {'A0': 3, 'reuse': 1}" in out, out
+
+
+def test_delta_benchmark_pools_repeats_and_reports_each_repeats_ratio() -> None:
+    """Repeated loaded cells: the pooled p50 is the median over every repeat's requests, each
+    repeat's trajectories stay their own clusters (paired across methods), and each repeat's own
+    ratio is that repeat's medians' ratio."""
+    import importlib.util
+
+    import numpy as np
+    import pandas as pd
+
+    from kvbench.analysis.intervals import p50_ratio_interval
+
+    spec = importlib.util.spec_from_file_location("bench_delta_methods", SCRIPT.parent / "bench_delta_methods.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(ttfts: list[list[float]]) -> pd.DataFrame:  # one list of turn TTFTs per trajectory
+        rows = []
+        for t, turns in enumerate(ttfts):
+            for ttft in turns:
+                rows.append({"trajectory_id": f"t{t:06d}", "success": True, "ttft_ms": ttft, "tpot_ms": 10.0,
+                             "e2el_ms": ttft + 100, "itl_ms": [10.0, 12.0], "scheduled_ns": 0,
+                             "end_ns": int((ttft + 100) * 1e6), "prompt_tokens": 100, "output_tokens": 3,
+                             "shared_tokens": 50, "reusable_tokens": 40, "reused_tokens": 20.0, "cached_tokens": 0})
+        return pd.DataFrame(rows)
+
+    slow = [run([[400, 410], [420, 430]]), run([[800, 810], [820, 830]])]  # repeat 1 twice as slow
+    fast = [run([[100, 110], [120, 130]]), run([[100, 110], [120, 130]])]
+    pooled_slow, pooled_fast = bench.pool_repeats(slow), bench.pool_repeats(fast)
+    assert sorted(set(pooled_slow["trajectory_id"])) == ["r0/t000000", "r0/t000001", "r1/t000000", "r1/t000001"]
+    assert bench.pool_repeats(slow[:1]) is slow[0]  # a single run keeps its own ids
+
+    rows = [bench.cell_row("slow", 8192, 0.5, {
+        "p50_ttft_ms": float(np.median(r["ttft_ms"])), "p90_ttft_ms": 0.0, "p50_trajectory_ttft_ms": 0.0,
+        "p99_itl_ms": 12.0, "failed": 0, "realized_rho": 0.5, "duration": duration, "mean_trajectory_e2e_ms": 1e3,
+        "method_state_bytes": {"peak_anchor_pool": pool}}) for r, duration, pool in zip(slow, (10.0, 30.0), (2**20, 3 * 2**20))]
+    row = bench.pooled_row(rows, pooled_slow)
+    assert row["p50_ttft_ms"] == float(np.median([400, 410, 420, 430, 800, 810, 820, 830]))
+    assert row["p50_trajectory_ttft_ms"] == float(np.median([405, 425, 805, 825]))
+    assert row["duration_s"] == 20.0 and row["pool_mib"] == 3.0 and row["repeats"] == 2
+    assert row["realized_rho"] == 0.5
+
+    runs = {("slow", 8192, 0.5): slow, ("fast", 8192, 0.5): fast}
+    each = bench.repeat_ratios(runs, "slow", "fast", 8192, 0.5, "request")
+    assert each == [415 / 115, 815 / 115]
+    assert bench._each(each, "x") == f"; repeats {415 / 115:.2f}x {815 / 115:.2f}x"
+    assert bench._each(each[:1], "x") == ""
+    interval = p50_ratio_interval(pooled_slow, pooled_fast, per="request")
+    assert interval.ratio == row["p50_ttft_ms"] / 115
+    assert interval.low <= interval.ratio <= interval.high
