@@ -101,8 +101,9 @@ def pool_repeats(repeats: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 def pooled_row(rows: list[dict], requests: pd.DataFrame) -> dict:
-    """A repeated cell's row: percentiles over the pooled requests and trajectories of every
-    repeat; duration and trajectory E2E the mean over repeats; memory the largest."""
+    """A repeated cell's row: percentiles (TTFT, ITL) over the pooled requests and trajectories of
+    every repeat, the trajectory E2E their mean, the duration the mean over repeats, memory the
+    largest."""
     pooled = summarize(requests, float(np.mean([r["duration_s"] for r in rows])), [50, 90, 99])
     return rows[0] | {
         "p50_ttft_ms": pooled["p50_ttft_ms"], "p90_ttft_ms": pooled["p90_ttft_ms"],
