@@ -56,6 +56,11 @@ def ttft_by_trajectory(requests: pd.DataFrame, per: Per) -> dict[str, np.ndarray
     return {str(t): group.to_numpy(dtype=float) for t, group in ok.groupby("trajectory_id")["ttft_ms"]}
 
 
+def p50_ttft_ms(requests: pd.DataFrame, per: Per = "request") -> float:
+    """A run's p50 TTFT over its requests or over its trajectories' means, as the ratios count it."""
+    return float(np.median(np.concatenate(list(ttft_by_trajectory(requests, per).values()))))
+
+
 def p50_ratio_interval(numerator: pd.DataFrame, denominator: pd.DataFrame, per: Per = "request",
                        confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> RatioInterval:
     """p50 TTFT of `numerator`'s requests over `denominator`'s (two runs' requests tables), with a

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvbench.analysis.intervals import Per, RatioInterval, p50_ratio_interval, ttft_by_trajectory
+from kvbench.analysis.intervals import Per, RatioInterval, p50_ratio_interval, p50_ttft_ms
 from kvbench.analysis.metrics import summarize
 from kvbench.model.store import resolve_model
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
@@ -316,10 +316,8 @@ def print_operating_points(table: pd.DataFrame, contexts: list[int], loaded: dic
 def repeat_ratios(runs: dict[tuple[str, int, float], list[pd.DataFrame]], numerator: str, denominator: str,
                   context: int, qps: float, per: Per) -> list[float]:
     """numerator p50 / denominator p50 in each repeat of a cell on its own."""
-    def p50(requests: pd.DataFrame) -> float:
-        return float(np.median(np.concatenate(list(ttft_by_trajectory(requests, per).values()))))
-
-    return [p50(num) / p50(den) for num, den in zip(runs[(numerator, context, qps)], runs[(denominator, context, qps)])]
+    return [p50_ttft_ms(num, per) / p50_ttft_ms(den, per)
+            for num, den in zip(runs[(numerator, context, qps)], runs[(denominator, context, qps)])]
 
 
 def _each(ratios: list[float], unit: str) -> str:
