@@ -12,7 +12,7 @@ from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
 from kvbench.analysis.runs import Run
 
 # Metrics where larger is better; every other gated metric is a cost (latency, bytes, failures).
-HIGHER_IS_BETTER = re.compile(r"throughput|completed|realized_rho|goodput")
+HIGHER_IS_BETTER = re.compile(r"throughput|completed|realized_rho|eligible_rho|goodput")
 # Metrics whose candidate/baseline ratio gets a bootstrap interval (over which TTFTs it is a p50).
 INTERVAL_METRICS = {"p50_ttft_ms": "request", "p50_trajectory_ttft_ms": "trajectory"}
 

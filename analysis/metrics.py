@@ -59,16 +59,46 @@ def trajectory_table(requests: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
-def realized_rho(requests: pd.DataFrame) -> float | None:
-    """Shared PH tokens served by reuse / shared PH tokens the method could have served (as the
-    method reports them; else those an earlier turn's cache held). None without method stats."""
+def _reuse_columns(requests: pd.DataFrame) -> tuple[pd.Series, pd.Series, pd.Series] | None:
+    """(reused, could have been reused by the store's grace, lost to the store's cap) per request
+    the method reported on; None without method stats."""
     if not len(requests) or "reused_tokens" not in requests or requests["reused_tokens"].isna().all():
         return None
     with_stats = requests[requests["reused_tokens"].notna()]
-    eligible = with_stats["eligible_tokens"] if "eligible_tokens" in with_stats else None
-    denominator = (eligible.fillna(with_stats["reusable_tokens"]).sum() if eligible is not None
-                   else with_stats["reusable_tokens"].sum())
-    return float(with_stats["reused_tokens"].sum() / denominator) if denominator else None
+    eligible = (with_stats["eligible_tokens"].fillna(with_stats["reusable_tokens"]) if "eligible_tokens" in with_stats
+                else with_stats["reusable_tokens"])
+    lost = (with_stats["source_missing_tokens"].fillna(0) if "source_missing_tokens" in with_stats
+            else pd.Series(0, index=with_stats.index))
+    return with_stats["reused_tokens"].astype(float), eligible.astype(float), lost.astype(float)
+
+
+def realized_rho(requests: pd.DataFrame) -> float | None:
+    """Shared PH tokens served by reuse / PH tokens the method could have served had the segment
+    store kept every source (those it could serve, plus those whose source the store's cap had
+    dropped). None without method stats. `eligible_rho` leaves the dropped ones out."""
+    columns = _reuse_columns(requests)
+    if columns is None:
+        return None
+    reused, eligible, lost = columns
+    denominator = eligible.sum() + lost.sum()
+    return float(reused.sum() / denominator) if denominator else None
+
+
+def reuse_figures(requests: pd.DataFrame) -> dict[str, Any]:
+    """`realized_rho` beside the store-limited view: `eligible_rho` (reused / what the store
+    still held) and the reusable tokens lost to the store's cap (`reuse_lost_to_eviction_*`)."""
+    columns = _reuse_columns(requests)
+    if columns is None:
+        return {"realized_rho": None, "eligible_rho": None, "reuse_lost_to_eviction_tokens": None,
+                "reuse_lost_to_eviction_share": None}
+    reused, eligible, lost = columns
+    reusable = eligible.sum() + lost.sum()
+    return {
+        "realized_rho": float(reused.sum() / reusable) if reusable else None,
+        "eligible_rho": float(reused.sum() / eligible.sum()) if eligible.sum() else None,
+        "reuse_lost_to_eviction_tokens": int(lost.sum()),
+        "reuse_lost_to_eviction_share": float(lost.sum() / reusable) if reusable else None,
+    }
 
 
 def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float]) -> dict[str, Any]:
@@ -106,7 +136,7 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     reusable = int(ok["reusable_tokens"].sum()) if completed else 0
     summary["shared_tokens"] = shared
     summary["reusable_tokens"] = reusable
-    summary["realized_rho"] = realized_rho(ok)
+    summary |= reuse_figures(ok)
     cached = ok["cached_tokens"].dropna() if completed else pd.Series(dtype=float)
     summary["cached_tokens"] = int(cached.sum()) if len(cached) else None
     return summary

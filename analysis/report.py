@@ -14,8 +14,13 @@ COLUMN_NOTES = {
     "pNN_ttft_ms": "request-level TTFT percentiles over successful requests (vLLM's definition)",
     "pNN_trajectory_ttft_ms": "percentiles of the per-trajectory mean TTFT (the paper's definition)",
     "trajectory_token_throughput": "trajectory tokens (prompt + output) / trajectory E2E, mean over trajectories",
-    "realized_rho": "shared PH tokens served by reuse / PH tokens some earlier cache held",
+    "realized_rho": "shared PH tokens served by reuse / PH tokens the method could have served had the "
+                    "segment store kept every source",
+    "eligible_rho": "shared PH tokens served by reuse / PH tokens whose source the store still held",
+    "reuse_lost_to_eviction_share": "reusable PH tokens whose source the store's byte cap had dropped",
     "method_state_mib": "method state: segment-store peak + method state (anchor pools, references)",
+    "store_peak_mib": "segment-store peak of this run (since its reset)",
+    "store_evictions": "segment-store evictions during this run (its byte cap, --max-store-bytes)",
     "peak_server_rss_mib": "peak RSS of the server process tree (CPU); vLLM pre-allocates its KV pool",
     "peak_kv_cache_usage_perc": "peak of vllm:kv_cache_usage_perc during the run",
 }
@@ -40,8 +45,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     latency = table[["run", "method", "qps", "shared_tokens", "completed", "failed", "failed_trajectories",
                      *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms"]]
     throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",
-                        "realized_rho"]]
-    memory = table[["run", "method_state_mib", "peak_server_rss_mib", "peak_kv_cache_usage_perc"]]
+                        "realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"]]
+    memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "peak_server_rss_mib",
+                    "peak_kv_cache_usage_perc"]]
     lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
              "## Latency (failures beside every figure)", "", _markdown(latency), "",
              "## Throughput and reuse", "", _markdown(throughput, ".3f"), "",

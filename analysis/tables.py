@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kvbench.analysis.metrics import percentile_key, realized_rho, trajectory_table
+from kvbench.analysis.metrics import percentile_key, reuse_figures, trajectory_table
 from kvbench.analysis.runs import Run
 
 PERCENTILES = (50, 90, 99)
@@ -37,8 +37,9 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         row["mean_trajectory_e2e_ms"] = float(trajectories["e2e_ms"].mean()) if len(trajectories) else float("nan")
         row["trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
                                               if len(trajectories) else float("nan"))
-        rho = realized_rho(ok)
-        row["realized_rho"] = rho if rho is not None else float("nan")
+        reuse = reuse_figures(ok)
+        for key in ("realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"):
+            row[key] = reuse[key] if reuse[key] is not None else float("nan")
         row.update(run.memory())
         rows.append(row)
     return pd.DataFrame(rows)

@@ -153,3 +153,6 @@ class SharingMethod:
 
     def reset(self) -> None:
         """Drop learned state between runs."""
+
+    def restart_peaks(self) -> None:
+        """A run starts with the learned state kept (primed): peak figures restart from now."""

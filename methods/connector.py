@@ -14,6 +14,7 @@ modules. Any internal error reports the request's blocks as failed, and vLLM (lo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -53,6 +54,20 @@ MAX_KEPT_REQUEST_STATS = 100_000
 MAX_PENDING_HIDDEN = 256
 
 
+def fault_fraction(mode: Any) -> float | None:
+    """The share of loads a `fault_injection` fraction fails (None: not a fraction)."""
+    try:
+        fraction = float(mode)
+    except (TypeError, ValueError):
+        return None
+    return fraction if 0 < fraction <= 1 else None
+
+
+def fault_hash(key: str) -> float:
+    """A request key's place in [0, 1): which loads a fault fraction fails, alike on every rank."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
 def load_method(name: str, params: dict[str, Any]) -> SharingMethod:
     from kvbench.methods.registry import method_class
 
@@ -67,8 +82,9 @@ class ConnectorSettings:
     method: str
     params: dict[str, Any]
     max_store_bytes: int
-    # Tests of the dense fallback: "all" raises inside every load, "flagged" inside loads whose
-    # plan has inject_fault; "flagged_nonfinite_rank0" makes such loads place a non-finite value
+    # Tests of the dense fallback: "all" raises inside every load, a fraction (e.g. "0.25") inside
+    # that share of the loads (picked by a hash of the request's key: the same on every
+    # tensor-parallel rank, and from run to run), "flagged" inside loads whose plan has inject_fault; "flagged_nonfinite_rank0" makes such loads place a non-finite value
     # on tensor-parallel rank 0 only (every rank must still fall back together).
     fault_injection: str | None
     # 0: a request's cache is materialized in the engine step that schedules it (vLLM's sync
@@ -89,9 +105,9 @@ class ConnectorSettings:
         if max_bytes <= 0:
             raise MethodConfigError(f"max_store_bytes must be > 0, got {max_bytes}")
         fault = extra.get("fault_injection")
-        if fault not in (None, "all", "flagged", "flagged_nonfinite_rank0"):
-            raise MethodConfigError(f"fault_injection must be 'all', 'flagged', 'flagged_nonfinite_rank0' or "
-                                    f"absent, got {fault!r}")
+        if fault not in (None, "all", "flagged", "flagged_nonfinite_rank0") and fault_fraction(fault) is None:
+            raise MethodConfigError(f"fault_injection must be 'all', a fraction in (0, 1] of the loads, 'flagged', "
+                                    f"'flagged_nonfinite_rank0' or absent, got {fault!r}")
         budget = extra.get("max_load_tokens_per_step", 0)
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise MethodConfigError(f"max_load_tokens_per_step must be an integer >= 0, got {budget!r}")
@@ -515,9 +531,10 @@ class KVBenchConnector(KVConnectorBase_V1):
             return self.forward.layer_names
         return list(self.kv_caches)
 
-    def _candidates(self, spec: LoadSpec, tokens: torch.Tensor) -> tuple[list[SegmentReuse], int]:
-        """PH rows a saved source holds with identical tokens; also counts PH rows without one."""
-        candidates, missing = [], 0
+    def _candidates(self, spec: LoadSpec, tokens: torch.Tensor) -> tuple[list[SegmentReuse], int, int]:
+        """PH rows a saved source holds with identical tokens; also counts PH rows without one,
+        and among them the rows whose plan named a source the store no longer holds."""
+        candidates, missing, evicted = [], 0, 0
         for segment in spec.plan.segments:
             if segment.kind != "ph":
                 continue
@@ -528,6 +545,8 @@ class KVBenchConnector(KVConnectorBase_V1):
             source = self.store.get(segment.source) if segment.source else None
             if source is None or segment.source_start is None:
                 missing += stop - start
+                if segment.source and source is None:  # the store's cap dropped (or refused) it
+                    evicted += stop - start
                 continue
             dst = torch.arange(start, stop)
             src = dst - segment.start + segment.source_start
@@ -537,13 +556,15 @@ class KVBenchConnector(KVConnectorBase_V1):
             missing += (stop - start) - int(same.sum())
             if bool(same.any()):
                 candidates.append(SegmentReuse(segment, source, dst[same], src[same]))
-        return candidates, missing
+        return candidates, missing, evicted
 
     @torch.inference_mode()
     def _materialize_steps(self, spec: LoadSpec) -> Generator[int, None, dict[str, Any]]:
         """A request's load, one partial-forward layer at a time (yields the rows each computed)."""
         fault = self.settings.fault_injection
-        if fault == "all" or (fault == "flagged" and spec.plan.inject_fault):
+        fraction = fault_fraction(fault)
+        if (fault == "all" or (fault == "flagged" and spec.plan.inject_fault)
+                or (fraction is not None and fault_hash(spec.plan.save_as or spec.req_id) < fraction)):
             raise RuntimeError("injected fault (kv_connector_extra_config.fault_injection)")
         if self.forward is None:
             raise RuntimeError("model not attached: call the worker extension's kvbench_attach_model "
@@ -553,7 +574,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         block_ids = torch.tensor(spec.block_ids, dtype=torch.long)
         positions = torch.arange(n, dtype=torch.long)
         slots = block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
-        candidates, missing = self._candidates(spec, tokens)
+        candidates, missing, evicted = self._candidates(spec, tokens)
         poison = fault == "flagged_nonfinite_rank0" and spec.plan.inject_fault and self._tensor_parallel_rank() == 0
 
         def read_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -663,6 +684,7 @@ class KVBenchConnector(KVConnectorBase_V1):
             "reused_tokens": reused_count,
             "recomputed_tokens": recomputed,
             "ph_without_source_tokens": missing,
+            "source_missing_tokens": evicted,  # rows whose named source the store no longer held
             "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in candidates)),
             "materialize_s": time.perf_counter() - started,
             "attention_s": forward.attention_s,
@@ -685,6 +707,7 @@ class KVBenchConnector(KVConnectorBase_V1):
             "store_peak_bytes": self.store.peak_bytes,
             "store_entries": len(self.store.entries),
             "store_evictions": self.store.evictions,
+            "store_refused": self.store.refused,
             "method_state_bytes": method_bytes,
             "model_attached": self.forward is not None,
         }
@@ -742,6 +765,8 @@ class KVBenchConnector(KVConnectorBase_V1):
         (warm-ups that prime anchor pools before a measured run)."""
         self.store.clear()
         self._hidden_for_save.clear()
-        if not keep_method_state:
+        if keep_method_state:
+            self.method.restart_peaks()
+        else:
             self.method.reset()
         self.request_stats.clear()

@@ -273,6 +273,8 @@ class DeltaCorrection(SharingMethod):
             decision["decide_s"] = time.perf_counter() - started
             decisions.append(decision)
         ctx.stats["eligible_tokens"] = eligible
+        if not self.chained:  # corrects references, not sources: the store's cap costs it nothing
+            ctx.stats["source_missing_tokens"] = 0
         ctx.stats["decisions"] = decisions
         return chosen
 
@@ -485,6 +487,9 @@ class DeltaCorrection(SharingMethod):
     def _track_peak(self, current: dict[str, int] | None = None) -> None:
         for key, value in (current or self._current_bytes()).items():
             self.peak_bytes[key] = max(self.peak_bytes.get(key, 0), value)
+
+    def restart_peaks(self) -> None:
+        self.peak_bytes = dict(self._current_bytes())
 
     def reset(self) -> None:
         self.pools.clear()

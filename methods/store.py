@@ -34,15 +34,20 @@ class SavedKV:
 
 
 class SegmentStore:
+    """Byte-capped LRU. `peak_bytes`, `evictions` and `refused` count since the last `clear()`
+    (one run), so a run on a reused server reports its own figures, not an earlier run's."""
+
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, SavedKV] = OrderedDict()
         self.bytes = 0
         self.peak_bytes = 0
         self.evictions = 0
+        self.refused = 0  # entries larger than the whole budget, never stored
 
     def put(self, key: str, entry: SavedKV) -> None:
         if entry.nbytes > self.max_bytes:
+            self.refused += 1
             return  # larger than the whole budget: keep nothing rather than evict everything
         if key in self.entries:
             self.bytes -= self.entries.pop(key).nbytes
@@ -63,3 +68,6 @@ class SegmentStore:
     def clear(self) -> None:
         self.entries.clear()
         self.bytes = 0
+        self.peak_bytes = 0
+        self.evictions = 0
+        self.refused = 0

@@ -30,6 +30,21 @@ class TurnPrompt:
     def shared_tokens(self) -> int:
         return sum(s.length for s in self.spans if s.kind == "ph")
 
+    @property
+    def reusable_tokens(self) -> int:
+        """PH rows a perfect reuse would serve: rows some earlier turn's cache holds with K/V (a
+        producer's own last generated token never got any), before the prompt's last token
+        (which vLLM always computes)."""
+        last, total = len(self.token_ids) - 1, 0
+        for span, entry in zip(self.spans, self.plan[PLAN_KEY]["segments"]):
+            if span.kind != "ph" or entry.get("source") is None:
+                continue
+            stop = min(span.start + span.length, last)
+            if span.id == OUT_PREFIX + entry["source_turn"]:
+                stop = min(stop, span.start + span.length - 1)
+            total += max(0, stop - span.start)
+        return total
+
 
 def cache_key(run_id: str, trajectory_id: str, turn_id: str) -> str:
     """Where a finished turn's K/V is saved on the server; run-scoped so reruns never collide."""

@@ -35,7 +35,7 @@ class RequestRecord:
     request_id: str
     prompt_tokens: int
     shared_tokens: int  # PH tokens in the prompt
-    reusable_tokens: int  # PH tokens some earlier cache holds (upper bound on reuse)
+    reusable_tokens: int  # PH rows some earlier cache holds with K/V: what a perfect reuse serves
     scheduled_ns: int  # arrival (first turns) or when the last dependency finished
     sent_ns: int | None = None
     first_token_ns: int | None = None
@@ -50,6 +50,7 @@ class RequestRecord:
     eligible_tokens: int | None = None  # method-reported: PH tokens it could have served from a cache
     reused_tokens: int | None = None  # method-reported
     recomputed_tokens: int | None = None  # method-reported
+    source_missing_tokens: int | None = None  # method-reported: reusable rows whose source the store had dropped
     method_stats: str | None = None  # JSON from the connector
     success: bool = False
     error_type: str | None = None
@@ -66,6 +67,7 @@ SCHEMA = pa.schema([
     ("client_queue_ms", pa.float64()), ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()),
     ("e2el_ms", pa.float64()), ("itl_ms", pa.list_(pa.float64())), ("output_tokens", pa.int64()),
     ("cached_tokens", pa.int64()), ("eligible_tokens", pa.int64()), ("reused_tokens", pa.int64()), ("recomputed_tokens", pa.int64()),
+    ("source_missing_tokens", pa.int64()),
     ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),
     ("error_message", pa.string()), ("output_token_ids", pa.list_(pa.int64())),
     ("prompt_token_ids", pa.list_(pa.int64())),

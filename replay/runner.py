@@ -4,12 +4,15 @@ and record every request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import json
 import logging
+import os
 import platform
 import secrets
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -25,6 +28,8 @@ import pandas as pd
 from kvbench import __version__
 from kvbench.analysis.metrics import summarize
 from kvbench.replay.client import stream_completion
+from kvbench.replay.interrupts import Interrupted, on_stop_signals
+from kvbench.replay.method_stats import MethodStatsCollector
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import ResultsWriter, RequestRecord, read_journal
 from kvbench.replay.server import ServerError
@@ -39,6 +44,10 @@ CONFIG_NAME = "config.json"
 SUMMARY_NAME = "summary.json"
 SERVER_METRICS_NAME = "server_metrics.jsonl"
 
+
+HEARTBEAT_S = 2.0  # how often the serving time and the method's stats reach the disk
+FINAL_POLL_TIMEOUT_S = 60.0
+MAX_LISTED_MISSING = 50
 
 # Trajectory tasks start this early and then wait precisely: asyncio timers are only ms-accurate.
 EARLY_START_S = 0.005
@@ -104,6 +113,12 @@ class Replayer:
         self.config = config
         self.method_info = get_method(config.method)
         self.abort_reason: str | None = None
+        self.interrupted: int | None = None  # the stop signal that ended the run
+        self.writer: ResultsWriter | None = None  # set once the run reached its servers
+        self.stats: MethodStatsCollector | None = None
+        self.stats_missing: list[str] = []
+        self.segment: dict[str, Any] = {}
+        self.max_model_lens: dict[str, int | None] = {}
         self.semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         self.t0_ns = 0
         self._consecutive_unreachable = 0
@@ -112,7 +127,6 @@ class Replayer:
         self._failed = 0
         self._progress: Any = None
         self._task_id: Any = None
-        self.method_state: dict[str, Any] = {}
 
     # -- set-up ------------------------------------------------------------------------------
     def prepare(self) -> tuple[list[Trajectory], list[Trajectory], list[dict[str, Any]], dict[str, Any]]:
@@ -181,55 +195,146 @@ class Replayer:
 
     # -- the run -----------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
+        """The run, or the rest of an interrupted one. SIGINT/SIGTERM stop it cleanly: requests in
+        flight are recorded as interrupted, the summary is written, then `Interrupted` is raised."""
         cfg = self.config
         warmups, todo, kept, run_config = self.prepare()
-        cfg.result_dir.mkdir(parents=True, exist_ok=True)
         segment = len(run_config["segments"])
         builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
                                 run_id=f"{run_config['run_id']}/s{segment}")
-        writer = ResultsWriter(cfg.result_dir, kept)
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
-        started_wall = time.time()
-        duration = 0.0
         sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
-        try:
-            async with aiohttp.ClientSession(connector=connector) as session:
-                await self._check_servers(session, run_config)
-                (cfg.result_dir / CONFIG_NAME).write_text(json.dumps(run_config, indent=2) + "\n")
-                prime = bool(warmups) and cfg.prime_method_state
-                if prime:  # what the warm-ups teach the method, and nothing from earlier runs
-                    await self._reset_caches(session)
-                if warmups:
-                    await self._warm_up(session, warmups, builder)
-                # Every run starts cold (design: caches are reset between runs), after the warm-ups:
-                # they warm kernels and leave no prefix-cache blocks; method state only when asked.
-                await self._reset_caches(session, keep_method_state=prime)
-                offsets = self._schedule(todo)
-                await sampler.start(session)
-                self._start_progress(sum(len(t.turns) for t in todo), len(kept))
-                self.t0_ns = time.perf_counter_ns()
-                gc.disable()  # collector pauses would show up as client-side latency
+        if self.method_info.uses_connector:
+            self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self._rpc)
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False)) as session:
+            body = asyncio.create_task(self._run_body(session, warmups, todo, kept, run_config, builder, sampler))
+
+            def on_signal(signum: int) -> None:
+                if self.interrupted is not None:  # a second signal: stop waiting for a clean finish
+                    raise Interrupted(signum)
+                self.interrupted = signum
+                loop.call_soon_threadsafe(body.cancel)
+
+            with on_stop_signals(on_signal):
                 try:
-                    await self._run_all(session, todo, offsets, builder, writer)
+                    await body
+                except asyncio.CancelledError:
+                    if self.interrupted is None or not body.cancelled():
+                        raise
                 finally:
-                    gc.enable()
-                    duration = (time.perf_counter_ns() - self.t0_ns) / 1e9
-                    self._stop_progress()
-                    await sampler.stop(session)
-                if self.method_info.uses_connector and self.abort_reason is None:
-                    self.method_state = await self._collect_method_stats(writer)
-        finally:
-            writer.close()
-            run_config["segments"].append({"started": started_wall, "duration_s": duration,
-                                           "trajectories": len(todo), "aborted": self.abort_reason})
-            (cfg.result_dir / CONFIG_NAME).write_text(json.dumps(run_config, indent=2) + "\n")
-            with open(cfg.result_dir / SERVER_METRICS_NAME, "a") as handle:
-                handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
-        summary = self.write_summary(writer.records, run_config, sampler)
+                    if self.writer is not None:  # the run reached its servers: it exists on disk
+                        await self._finish_segment(session, run_config, sampler, segment)
+        if self.writer is None:  # stopped before the run reached its servers: nothing to summarize
+            assert self.interrupted is not None
+            raise Interrupted(self.interrupted)
+        summary = self.write_summary(self.writer.records, run_config, sampler)
+        if self.interrupted is not None:
+            raise Interrupted(self.interrupted)
         if self.abort_reason:
             raise ReplayError(f"run aborted: {self.abort_reason}. {summary['completed']} requests completed and "
                               f"{summary['failed']} failed are saved in {cfg.result_dir}; finish it with --resume")
         return summary
+
+    async def _run_body(self, session: aiohttp.ClientSession, warmups: list[Trajectory], todo: list[Trajectory],
+                        kept: list[dict[str, Any]], run_config: dict[str, Any], builder: PromptBuilder,
+                        sampler: MetricsSampler) -> None:
+        cfg = self.config
+        await self._check_servers(session, run_config)
+        self._check_lengths()
+        # Only now does the run exist on disk: one that never reached a server leaves nothing
+        # that would make the same command refuse to run again.
+        self.writer = ResultsWriter(cfg.result_dir, kept)
+        if self.stats is not None:
+            self.stats.load({r["request_id"] for r in kept})
+            self.stats.restart_journal()
+        self.segment = {"started": time.time(), "duration_s": 0.0, "trajectories": len(todo), "status": "warm-up",
+                        "aborted": None}
+        run_config["segments"].append(self.segment)
+        self._write_config(run_config)
+        prime = bool(warmups) and cfg.prime_method_state
+        if prime:  # what the warm-ups teach the method, and nothing from earlier runs
+            await self._reset_caches(session)
+        if warmups:
+            await self._warm_up(session, warmups, builder)
+        # Every run starts cold (design: caches are reset between runs), after the warm-ups:
+        # they warm kernels and leave no prefix-cache blocks; method state only when asked.
+        await self._reset_caches(session, keep_method_state=prime)
+        offsets = self._schedule(todo)
+        await sampler.start(session)
+        self._start_progress(sum(len(t.turns) for t in todo), len(kept))
+        self.t0_ns = time.perf_counter_ns()
+        self.segment["status"] = "running"
+        stop_heartbeat = asyncio.Event()
+        heartbeat = asyncio.create_task(self._heartbeat(run_config, len(run_config["segments"]) - 1, stop_heartbeat))
+        gc.disable()  # collector pauses would show up as client-side latency
+        try:
+            await self._run_all(session, todo, offsets, builder, self.writer)
+        finally:
+            gc.enable()
+            stop_heartbeat.set()  # not cancelled: a poll in progress must land in the journal
+            await heartbeat
+
+    async def _heartbeat(self, run_config: dict[str, Any], segment: int, stop: asyncio.Event) -> None:
+        """Every few seconds: the segment's serving time into config.json (a resumed run adds it
+        up even if this process is killed) and the method's stats into their journal."""
+        warned = False
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
+            self.segment["duration_s"] = (time.perf_counter_ns() - self.t0_ns) / 1e9
+            self._write_config(run_config)
+            if self.stats is not None and not stop.is_set():
+                try:
+                    await self.stats.poll(segment, self.segment["duration_s"])
+                except ServerError as exc:
+                    if not warned:
+                        logger.warning("collecting method stats failed (retried every %gs): %s", HEARTBEAT_S, exc)
+                    warned = True
+
+    async def _finish_segment(self, session: aiohttp.ClientSession, run_config: dict[str, Any],
+                              sampler: MetricsSampler, segment: int) -> None:
+        """Close the segment however it ended: its time, the last stats, the files."""
+        assert self.writer is not None
+        self._stop_progress()
+        if self.t0_ns:
+            self.segment["duration_s"] = (time.perf_counter_ns() - self.t0_ns) / 1e9
+            await sampler.stop(session)
+        self.segment["aborted"] = self.abort_reason
+        self.segment["status"] = (f"interrupted by {signal.Signals(self.interrupted).name}" if self.interrupted
+                                  else "aborted" if self.abort_reason else "finished")
+        if self.stats is not None:
+            if self.abort_reason is None:
+                try:
+                    await asyncio.wait_for(self.stats.poll(segment, self.segment["duration_s"]), FINAL_POLL_TIMEOUT_S)
+                except (ServerError, asyncio.TimeoutError) as exc:
+                    logger.warning("the last method-stats poll failed: %s", exc)
+            self.stats_missing = self.stats.apply(self.writer.records)
+            self.writer.rewrite()
+        self.writer.close()
+        self._write_config(run_config)
+        with open(self.config.result_dir / SERVER_METRICS_NAME, "a") as handle:
+            handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
+
+    def _write_config(self, run_config: dict[str, Any]) -> None:
+        path = self.config.result_dir / CONFIG_NAME
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(run_config, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def _check_lengths(self) -> None:
+        """Refuse, before sending anything, a trace whose turns cannot fit the served context
+        (prompt, with every upstream output at its max_tokens, plus max_tokens)."""
+        limits = [n for n in self.max_model_lens.values() if n]
+        if not limits:
+            return
+        limit, prefix = min(limits), len(self.config.trace.header.prompt_prefix_ids)
+        too_long = [(t.trajectory_id, turn.turn_id, need) for t in self.config.trace.trajectories for turn in t.turns
+                    if (need := prefix + t.prompt_tokens(turn) + turn.max_tokens) > limit]
+        if too_long:
+            shown = ", ".join(f"{tid}/{turn} needs {need}" for tid, turn, need in too_long[:5])
+            raise ReplayError(f"{len(too_long)} turns need more tokens (prompt + max_tokens) than the server's "
+                              f"max_model_len {limit}: {shown}{' ...' if len(too_long) > 5 else ''}; serve a longer "
+                              "context (--max-model-len) or use a shorter trace")
 
     async def _check_servers(self, session: aiohttp.ClientSession, run_config: dict[str, Any]) -> None:
         models, versions = {}, {}
@@ -237,13 +342,18 @@ class Replayer:
             try:
                 async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
                     response.raise_for_status()
-                    models[url] = (await response.json())["data"][0]["id"]
+                    served = (await response.json())["data"][0]
+                    models[url] = served["id"]
+                    limit = served.get("max_model_len")
+                    self.max_model_lens[url] = limit if isinstance(limit, int) and limit > 0 else None
                 async with session.get(f"{url}/version", timeout=aiohttp.ClientTimeout(total=10)) as response:
                     versions[url] = (await response.json()).get("version") if response.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError) as exc:
                 raise ServerError(f"cannot reach a vLLM server at {url}: {type(exc).__name__}: {exc}") from None
         self.served_models = models
         run_config["served_models"] = models
+        run_config["served_max_model_len"] = self.max_model_lens
+        run_config["server_pids"] = self.config.server_pids
         run_config["vllm_version"] = next(iter(versions.values()), None)
 
     async def _rpc(self, url: str, method: str, **kwargs: str) -> list[Any]:
@@ -279,23 +389,29 @@ class Replayer:
                        builder: PromptBuilder, writer: ResultsWriter) -> None:
         urls = self.config.base_urls
         single_stream = self.config.qps == 0 and not self.config.use_trace_timestamps
-        tasks = []
-        for index, (trajectory, offset) in enumerate(zip(trajectories, offsets)):
-            url = urls[index % len(urls)]  # sticky: a trajectory's method state lives on one server
-            if self._should_stop():
-                break
-            if single_stream:
-                await self._run_trajectory(session, trajectory, url, time.perf_counter_ns(), builder, writer)
-                continue
-            target_ns = self.t0_ns + int(offset * 1e9)
-            # Start the task early: it builds its first prompts, then waits for the exact time.
-            delay = (target_ns - time.perf_counter_ns()) / 1e9 - EARLY_START_S
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(
-                self._run_trajectory(session, trajectory, url, target_ns, builder, writer)))
-        if tasks:
-            await asyncio.gather(*tasks)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for index, (trajectory, offset) in enumerate(zip(trajectories, offsets)):
+                url = urls[index % len(urls)]  # sticky: a trajectory's method state lives on one server
+                if self._should_stop():
+                    break
+                if single_stream:
+                    await self._run_trajectory(session, trajectory, url, time.perf_counter_ns(), builder, writer)
+                    continue
+                target_ns = self.t0_ns + int(offset * 1e9)
+                # Start the task early: it builds its first prompts, then waits for the exact time.
+                delay = (target_ns - time.perf_counter_ns()) / 1e9 - EARLY_START_S
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(
+                    self._run_trajectory(session, trajectory, url, target_ns, builder, writer)))
+            if tasks:
+                await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # stopped: the trajectories in flight record what they had sent
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def _should_stop(self) -> bool:
         if self.abort_reason is None:
@@ -333,6 +449,7 @@ class Replayer:
                     return
                 prompt = builder.build(trajectory, turn, outputs, prompts)
                 record.prompt_tokens = len(prompt.token_ids)  # real outputs may differ from max_tokens
+                record.reusable_tokens = prompt.reusable_tokens
                 if not turn.after:
                     await _sleep_until(arrival_ns)
                 ok = await self._send(session, url, turn, prompt, record, writer, outputs)
@@ -354,13 +471,16 @@ class Replayer:
             # Approximate K/V must never serve a later exact request from vLLM's prefix cache.
             body["cache_salt"] = hashlib.sha256(record.request_id.encode()).hexdigest()[:32]
         queued_ns = time.perf_counter_ns()
-        if self.semaphore is not None:
-            async with self.semaphore:
+        try:
+            async with self.semaphore if self.semaphore is not None else contextlib.nullcontext():
                 result = await stream_completion(session, f"{url}/v1/completions", body,
                                                  self.config.request_timeout_s, record.request_id)
-        else:
-            result = await stream_completion(session, f"{url}/v1/completions", body,
-                                             self.config.request_timeout_s, record.request_id)
+        except asyncio.CancelledError:  # the run was stopped with this request in flight
+            record.sent_ns, record.end_ns = queued_ns - self.t0_ns, time.perf_counter_ns() - self.t0_ns
+            why = f"by {signal.Signals(self.interrupted).name}" if self.interrupted else "by cancellation"
+            record.error_type, record.error_message = "interrupted", f"the run was stopped {why} before the answer ended"
+            self._record(record, writer)
+            raise
         record.client_queue_ms = (result.sent_ns - queued_ns) / 1e6
         record.sent_ns = result.sent_ns - self.t0_ns
         record.end_ns = (result.end_ns or result.sent_ns) - self.t0_ns
@@ -388,41 +508,6 @@ class Replayer:
                 self.abort_reason = f"server {url} is unreachable ({result.error_message})"
         self._record(record, writer)
         return result.success
-
-    async def _collect_method_stats(self, writer: ResultsWriter) -> dict[str, Any]:
-        """Merge the connector's per-request stats (keyed by request id) into the records. A
-        tensor-parallel server answers once per rank: each holds a shard of every cache, so bytes
-        add up over its ranks (the peak of a server is taken over servers), and the ranks must
-        have decided alike (the first rank's stats are kept; a disagreement is recorded)."""
-        by_request: dict[str, dict[str, Any]] = {}
-        state: dict[str, Any] = {"store_peak_bytes": 0, "method_state_bytes": {}}
-        for url in self.config.base_urls:
-            workers = [w for w in await self._rpc(url, "kvbench_stats", clear="true") if isinstance(w, dict)]
-            if not workers:
-                continue
-            state["store_peak_bytes"] = max(state["store_peak_bytes"], sum(w["store_peak_bytes"] for w in workers))
-            state["store_evictions"] = state.get("store_evictions", 0) + workers[0]["store_evictions"]
-            for name in workers[0]["method_state_bytes"]:
-                total = sum(w["method_state_bytes"].get(name, 0) for w in workers)
-                state["method_state_bytes"][name] = max(state["method_state_bytes"].get(name, 0), total)
-            for key, stats in workers[0]["requests"].items():
-                if len(workers) > 1:
-                    stats = {**stats, "tp_ranks": len(workers)}
-                    if mismatch := rank_mismatch([w["requests"].get(key, {}) for w in workers]):
-                        stats["rank_mismatch"] = mismatch
-                        state["rank_mismatched_requests"] = state.get("rank_mismatched_requests", 0) + 1
-                        logger.warning("request %s: tensor-parallel ranks decided differently: %s", key, mismatch)
-                by_request[key] = stats
-        for record in writer.records:
-            stats = by_request.get(record["request_id"])
-            if stats is None or "reused_tokens" not in stats:
-                continue
-            record["reused_tokens"] = stats["reused_tokens"]
-            record["eligible_tokens"] = stats.get("eligible_tokens")
-            record["recomputed_tokens"] = stats["recomputed_tokens"]
-            record["method_stats"] = json.dumps(stats)
-        writer.rewrite()
-        return state
 
     # -- output --------------------------------------------------------------------------------
     def _record(self, record: RequestRecord, writer: ResultsWriter | None) -> None:
@@ -471,11 +556,18 @@ class Replayer:
             "max_concurrency": cfg.max_concurrency, **cfg.metadata,
             **summarize(requests, duration, cfg.metric_percentiles),
             **sampler.summary(),
-            "method_store_peak_bytes": self.method_state.get("store_peak_bytes"),
-            "method_state_bytes": self.method_state.get("method_state_bytes"),
-            # requests whose tensor-parallel ranks decided differently (should always be 0)
-            "rank_mismatched_requests": self.method_state.get("rank_mismatched_requests", 0),
+            # store and method state of this run (since its reset), and the requests whose
+            # tensor-parallel ranks decided differently (should always be 0)
+            **(self.stats.summary() if self.stats is not None else {
+                "method_store_peak_bytes": None, "store_evictions": None, "store_refused": None,
+                "method_state_bytes": None, "rank_mismatched_requests": 0}),
+            # successful requests whose method stats never reached the client (their server died
+            # before it reported them): realized rho and the reuse columns leave them out
+            "method_stats_missing": len(self.stats_missing),
+            "method_stats_missing_requests": self.stats_missing[:MAX_LISTED_MISSING],
             "aborted": self.abort_reason,
+            "interrupted": signal.Signals(self.interrupted).name if self.interrupted else None,
+            "segments": len(run_config["segments"]),
             "config": run_config,
         }
         (cfg.result_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
@@ -492,28 +584,3 @@ def _json_default(value: Any) -> Any:
 
 def run_replay(config: ReplayConfig) -> dict[str, Any]:
     return asyncio.run(Replayer(config).run())
-
-
-# Per-request stats every tensor-parallel rank must agree on: what was reused or computed, and
-# each segment's decision. Timings and bytes differ between ranks by nature.
-RANK_INVARIANT_STATS = ("reused_tokens", "recomputed_tokens", "fallback")
-
-
-def rank_mismatch(per_rank: list[dict[str, Any]]) -> list[str]:
-    """Names of the stats in which the ranks' views of one request differ (empty: they agree)."""
-    first, differ = per_rank[0], []
-    for name in RANK_INVARIANT_STATS:
-        if any(stats.get(name) != first.get(name) for stats in per_rank[1:]):
-            differ.append(name)
-    decisions = [[(d.get("id"), d.get("decision")) for d in stats.get("decisions", [])] for stats in per_rank]
-    if any(d != decisions[0] for d in decisions[1:]):
-        differ.append("decisions")
-    entropies = [[d.get("entropy") for d in stats.get("decisions", [])] for stats in per_rank]
-    if any(e != entropies[0] for e in entropies[1:]):
-        differ.append("entropy")
-    for name in ("blend", "relay"):  # selective recomputation: the same rows picked everywhere
-        for field_name in ("picked_tokens", "picked_digest"):
-            if any(stats.get(name, {}).get(field_name) != first.get(name, {}).get(field_name)
-                   for stats in per_rank[1:]):
-                differ.append(f"{name}.{field_name}")
-    return differ

@@ -10,9 +10,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,13 @@ def tail(path: Path, max_lines: int = 40) -> str:
     except OSError:
         return "(no server log)"
     return "\n".join(lines[-max_lines:])
+
+
+def cpu_kv_cache_bytes(gib: float) -> int:
+    """vLLM CPU's KV pool in bytes, for `--kv-cache-memory-bytes` (fractions of a GiB work)."""
+    if not gib > 0:
+        raise ServerError(f"the CPU KV cache must be larger than 0 GiB, got {gib}")
+    return int(gib * 2**30)
 
 
 def tensor_parallel_size(args: list[str]) -> int:
@@ -143,11 +152,13 @@ class VLLMServer:
             cmd += ["--kv-transfer-config", json.dumps(cfg.kv_transfer_config)]
         if cfg.worker_extension_cls is not None:
             cmd += ["--worker-extension-cls", cfg.worker_extension_cls]
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not _has_cuda():
+            # The CPU backend's KV pool in bytes: its VLLM_CPU_KVCACHE_SPACE takes whole GiB only.
+            cmd += ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(cfg.cpu_kv_cache_gib))]
         return cmd + list(cfg.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kv_cache_gib:g}")
         # Dev endpoints: /reset_prefix_cache between runs and /collective_rpc for method stats.
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -176,10 +187,11 @@ class VLLMServer:
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
-        # Own process group, so stop() also reaches the engine-core and worker children.
+        # Own process group, so stop() also reaches the engine-core and worker children; and it
+        # is told to stop if this process dies without stopping it (even by SIGKILL).
         self.process = subprocess.Popen(
             self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.environment(), start_new_session=True,
+            env=self.environment(), start_new_session=True, preexec_fn=stop_with_parent(),
         )
         try:
             self.wait_until_healthy()
@@ -209,28 +221,47 @@ class VLLMServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
+        """SIGTERM to the server's process group, SIGKILL after `grace_s` or at once when this is
+        interrupted again while waiting (a second Ctrl-C): no process of it outlives the call."""
+        try:
+            if self.process is not None and self.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=grace_s)
+        finally:
+            if self.process is not None:
+                # Engine workers can outlive the API process briefly; make sure the group is gone.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        if self.process is not None:
-            # Engine workers can outlive the API process briefly; make sure the group is gone.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=10)
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
 
     def __enter__(self) -> "VLLMServer":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` asking Linux to SIGTERM the child when the thread that started it dies
+    (PR_SET_PDEATHSIG): a kvbench killed outright still takes its server down. Only for the main
+    thread (a worker thread's exit would stop the server early); None elsewhere."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+    pr_set_pdeathsig = 1
+
+    def set_parent_death_signal() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return set_parent_death_signal
 
 
 def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -258,13 +289,18 @@ def collective_rpc(base_url: str, method: str, timeout_s: float = 120.0, **kwarg
 
 
 def method_server_config(method: str, model: str, params: dict[str, Any] | None = None,
-                         max_load_tokens_per_step: int = 0, **options: Any) -> ServerConfig:
+                         max_load_tokens_per_step: int = 0, max_store_bytes: int | None = None,
+                         fault_injection: str | None = None, **options: Any) -> ServerConfig:
     """A server for a sharing method: plain vLLM, or vLLM with the kvbench connector, its worker
-    extension and the model handed to the connector once the server is up."""
+    extension and the model handed to the connector once the server is up. The connector's
+    settings (load spreading, store cap, injected faults) mean nothing to plain vLLM and are
+    left out for it."""
     from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
 
     uses_connector = get_method(method).uses_connector
-    transfer = kv_transfer_config(method, params, max_load_tokens_per_step=max_load_tokens_per_step if uses_connector else None)
+    transfer = kv_transfer_config(method, params, max_load_tokens_per_step=max_load_tokens_per_step if uses_connector else None,
+                                  max_store_bytes=max_store_bytes if uses_connector else None,
+                                  fault_injection=fault_injection if uses_connector else None)
     return ServerConfig(model=model, kv_transfer_config=transfer,
                         worker_extension_cls=WORKER_EXTENSION if uses_connector else None,
                         post_start_rpcs=["kvbench_attach_model"] if uses_connector else [], **options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
 
 # The vLLM series kvbench keeps (samples are named with their _total suffix for counters).
 KEPT_SAMPLES = (
@@ -22,13 +25,27 @@ KEPT_SAMPLES = (
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Kept vLLM samples, summed over label sets (one engine per server here)."""
+    """Kept vLLM samples, summed over label sets (one engine per server here). An answer that is
+    not Prometheus text (a proxy's error page, say) gives nothing rather than ending the run."""
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in KEPT_SAMPLES:
-                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in KEPT_SAMPLES:
+                    values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        _warn_once("ignoring /metrics answers that are not Prometheus text (the first: %s)", str(exc)[:200])
+        return {}
     return values
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, detail: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message, detail)
 
 
 def process_tree_rss(pid: int) -> int:
@@ -63,7 +80,7 @@ class MetricsSampler:
             try:
                 async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as response:
                     values = parse_metrics(await response.text()) if response.status == 200 else {}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, UnicodeDecodeError):
                 values = {}
             if url in self.pids:
                 rss = process_tree_rss(self.pids[url])

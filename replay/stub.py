@@ -21,6 +21,14 @@ class StubServer:
     token_delay_s: float = 0.0  # pause between streamed tokens
     host: str = "127.0.0.1"
     port: int = 0
+    max_model_len: int | None = None  # reported by /v1/models, as vLLM does
+    # Answer kvbench's worker RPCs as a connector server would, with FullShared-like stats per
+    # request (every PH row with a source counts as reused): the replayer's stats plumbing
+    # without vLLM. A stand-in for tests, never a method.
+    connector: bool = False
+    metrics_text: str = "vllm:num_requests_running 0\n"
+    rpc_calls: list[str] = field(default_factory=list)
+    _stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     # request id -> (received, first chunk written) in time.perf_counter_ns(), for overhead checks
     timings: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompts: dict[str, list[int]] = field(default_factory=dict)
@@ -60,11 +68,45 @@ class StubServer:
                     return response
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+        if self.connector:
+            self._record_stats(body.get("kv_transfer_params") or {}, len(prompt))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
                  "total_tokens": len(prompt) + max_tokens}
         await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         return response
+
+    def _record_stats(self, params: dict[str, Any], prompt_len: int) -> None:
+        plan = params.get("kvbench") or {}
+        if not plan.get("save_as"):
+            return
+        reused = 0
+        for s in plan.get("segments", []):
+            if s.get("kind") == "ph" and s.get("source"):
+                own_output = s["id"] == f"out:{s.get('source_turn')}"  # its last token never got K/V
+                reused += max(0, min(s["start"] + s["length"] - own_output, prompt_len - 1) - s["start"])
+        self._stats[plan["save_as"]] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
+                                        "recomputed_tokens": max(0, prompt_len - 1 - reused),
+                                        "source_missing_tokens": 0}
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        method, kwargs = body.get("method"), body.get("kwargs") or {}
+        self.rpc_calls.append(method)
+        if not self.connector:
+            return web.json_response({"error": "no worker extension"}, status=500)
+        if method == "kvbench_stats":
+            requests = dict(self._stats)
+            if str(kwargs.get("clear", "false")).lower() == "true":
+                self._stats.clear()
+            result: Any = {"method": "stub", "requests": requests, "store_bytes": 0, "store_peak_bytes": 0,
+                           "store_evictions": 0, "store_refused": 0, "method_state_bytes": {}}
+        elif method == "kvbench_reset":
+            self._stats.clear()
+            result = True
+        else:
+            result = True
+        return web.json_response({"results": [result]})
 
     def _app(self) -> web.Application:
         def fixed(make: Any):  # noqa: ANN202
@@ -74,10 +116,12 @@ class StubServer:
 
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", fixed(lambda: web.json_response({"data": [{"id": "stub-model"}]})))
+        app.router.add_get("/v1/models", fixed(lambda: web.json_response(
+            {"data": [{"id": "stub-model", "max_model_len": self.max_model_len}]})))
         app.router.add_get("/version", fixed(lambda: web.json_response({"version": "stub"})))
         app.router.add_get("/health", fixed(lambda: web.Response(text="")))
-        app.router.add_get("/metrics", fixed(lambda: web.Response(text="vllm:num_requests_running 0\n")))
+        app.router.add_get("/metrics", fixed(lambda: web.Response(text=self.metrics_text)))
+        app.router.add_post("/collective_rpc", self._collective_rpc)
         app.router.add_post("/reset_prefix_cache", fixed(lambda: web.Response(text="")))
         return app
 
@@ -124,12 +168,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--mode", default="ok")
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    parser.add_argument("--connector", action="store_true", help="answer kvbench's worker RPCs")
+    parser.add_argument("--child", action="store_true",
+                        help="start a long-lived child process, as vLLM starts its engine (process-tree tests)")
     parser.add_argument("--timings-out", default=None, help="JSON file of per-request server timings, at exit")
     args = parser.parse_args()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with StubServer(mode=args.mode, port=args.port) as stub:
+    if args.child:  # it ignores SIGTERM: only a kill of the whole process group ends it
+        import subprocess
+        import sys
+
+        subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "time.sleep(3600)"])
+    with StubServer(mode=args.mode, port=args.port, token_delay_s=args.token_delay,
+                    connector=args.connector) as stub:
         print(f"stub serving on {stub.base_url}", flush=True)
         stop.wait()
     if args.timings_out:

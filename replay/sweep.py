@@ -79,8 +79,12 @@ def cell_dir(root: Path, method: MethodConfig, trace_id: str, qps: float, repeat
 
 
 def cell_done(path: Path) -> bool:
+    """A cell whose run ended normally (not aborted, not stopped by a signal): others resume."""
     summary = path / "summary.json"
-    return summary.exists() and json.loads(summary.read_text()).get("aborted") is None
+    if not summary.exists():
+        return False
+    written = json.loads(summary.read_text())
+    return written.get("aborted") is None and written.get("interrupted") is None
 
 
 def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None = None) -> list[Path]:

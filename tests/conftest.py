@@ -47,3 +47,17 @@ def method_server(method: str, model: str, tmp_path_factory: pytest.TempPathFact
                                   log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
     with VLLMServer(config) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level BPE saved as a Hugging Face tokenizer directory (what `--model DIR`
+    loads): traces made, validated and replayed against a stub with no model build."""
+    from kvbench.model.tokenizer import save_hf_tokenizer, train_tokenizer
+    from kvbench.tracegen.roles import ROLE_POOL
+
+    documents = [role.system for role in ROLE_POOL.values()]
+    documents += [f"The council reviewed report {i} near the harbor and approved budget {i * 7}." for i in range(200)]
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    save_hf_tokenizer(train_tokenizer(documents, vocab_size=400), out, model_max_length=1 << 20)
+    return out

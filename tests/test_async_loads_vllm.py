@@ -106,7 +106,8 @@ def test_the_load_budget_reaches_the_connector() -> None:
     from kvbench.methods.connector import ConnectorSettings
 
     options = ServerOptions(model=None, max_model_len=None, cpu_kv_cache_gib=2.0, startup_timeout_s=60.0,
-                            method_params=(), vllm_args=(), max_load_tokens_per_step=512)
+                            method_params=(), vllm_args=(), max_load_tokens_per_step=512, max_store_bytes=None,
+                            fault_injection=None)
     extra = options.server_config("kvcmas", {}, "model").kv_transfer_config["kv_connector_extra_config"]
     assert ConnectorSettings.from_extra_config(extra).max_load_tokens_per_step == 512
     # plain vLLM: no connector to configure

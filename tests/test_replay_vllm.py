@@ -101,3 +101,29 @@ def test_killed_server_keeps_results_and_resume_completes(vllm_server: VLLMServe
     kept = partial[partial.groupby("trajectory_id")["success"].transform("all")
                    & (partial.groupby("trajectory_id")["turn_id"].transform("count") == 4)]
     assert set(kept["request_id"]) <= set(final["request_id"])  # finished trajectories were not re-run
+
+
+def test_sigterm_stops_the_run_and_its_server_tree(default_model: str, tmp_path: Path) -> None:
+    """What `timeout`, CI runners and container stops send: the server kvbench started goes with
+    every process of it (API server, engine core, workers), and the summary is written."""
+    out = tmp_path / "run"
+    replay = subprocess.Popen([sys.executable, "-m", "kvbench", "replay", "--method", "fullshared", "--qps", "2",
+                               "--num-trajectories", "8", "--shared-tokens", "1024", "--output-len", "32",
+                               "--result-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    journal = out / "requests.jsonl"
+    deadline = time.monotonic() + 300
+    while not journal.exists() or len(journal.read_text().splitlines()) < 3:
+        assert replay.poll() is None, replay.communicate()[0]
+        assert time.monotonic() < deadline, "the replay never got going"
+        time.sleep(0.2)
+    started = psutil.Process(replay.pid).children(recursive=True)
+    assert any("vllm.entrypoints.openai.api_server" in " ".join(p.cmdline()) for p in started)
+    replay.send_signal(signal.SIGTERM)
+    output, _ = replay.communicate(timeout=120)
+    assert replay.returncode == 143, output
+    survivors = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not survivors, f"outlived kvbench: {[(p.pid, p.cmdline()[:3]) for p in survivors]}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] == "SIGTERM" and summary["completed"] >= 3
+    assert summary["method_stats_missing"] == 0  # the last poll ran before the server stopped
+    assert "Traceback" not in output

@@ -14,7 +14,8 @@ import pytest
 from test_methods_vllm import _complete, _dense, _key, _reuse_q, prompts  # noqa: F401
 
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
-from kvbench.replay.runner import ReplayConfig, rank_mismatch, run_replay
+from kvbench.replay.method_stats import rank_mismatch
+from kvbench.replay.runner import ReplayConfig, run_replay
 from kvbench.replay.server import (ServerError, VLLMServer, collective_rpc, cpu_binding, method_server_config,
                                    reserved_cpu_cores, tensor_parallel_size)
 from kvbench.tracegen.generate import TraceSpec, generate_trace

@@ -71,8 +71,40 @@ CASES = {
 }
 
 
-def _write(path: Path, lines: list) -> None:
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+@pytest.fixture(autouse=True)
+def _real_tokenizer(tiny_tokenizer_dir: Path) -> None:
+    """The traces name a tokenizer that loads (validation re-counts every text with it)."""
+    HEADER["tokenizer"] = str(tiny_tokenizer_dir)
+
+
+def _counted(obj: object) -> object:
+    """A trajectory with the token counts its texts really have (as gen-trace writes them); counts
+    that are not non-negative ints stay, for the cases about them."""
+    if not isinstance(obj, dict) or "turns" not in obj:
+        return obj
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(HEADER["tokenizer"])
+    obj = json.loads(json.dumps(obj))
+
+    def count(holder: dict, text_key: str, count_key: str) -> None:
+        if isinstance(holder.get(count_key), int) and holder[count_key] >= 0 and isinstance(holder.get(text_key), str):
+            holder[count_key] = len(tokenizer.encode(holder[text_key]))
+
+    for agent in obj.get("agents", {}).values():
+        count(agent, "system", "system_tokens")
+    for shared in obj.get("shared", {}).values():
+        count(shared, "text", "num_tokens")
+    for turn in obj["turns"]:
+        for segment in turn.get("segments", []):
+            if segment.get("pf") == "text":
+                count(segment, "text", "num_tokens")
+    return obj
+
+
+def _write(path: Path, lines: list, counted: bool = True) -> None:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(_counted(line) if counted else line))
+                            + "\n" for line in lines))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -100,3 +132,104 @@ def test_all_problems_are_reported_at_once(tmp_path: Path) -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["trace", "validate", str(tmp_path / "nope.jsonl")], prog_name="kvbench")
     assert result.exit_code == 1 and "cannot read" in result.output
+
+
+def _validate(path: Path, *args: str):
+    return CliRunner().invoke(main, ["trace", "validate", str(path), *args], prog_name="kvbench")
+
+
+def _fails_cleanly(result, *messages: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+    for message in messages:
+        assert message in result.output, result.output
+
+
+# What replay relies on beyond structure: each of these validated before and crashed replay.
+TOKEN_CASES = {
+    "count off by 7": (lambda t: t["shared"]["q"].update(num_tokens=t["shared"]["q"]["num_tokens"] + 7),
+                       "line 2: shared.q.num_tokens: declares"),
+    "count 10^12": (lambda t: t["shared"]["q"].update(num_tokens=10**12),
+                    "line 2: shared.q.num_tokens: Input should be less than or equal to"),
+    "system count": (lambda t: t["agents"]["A1"].update(system_tokens=t["agents"]["A1"]["system_tokens"] + 1),
+                     "line 2: agents.A1.system_tokens: declares"),
+    "glue count": (lambda t: t["turns"][1]["segments"][2].update(num_tokens=99),
+                   "line 2: turns[1].segments[2].num_tokens: declares 99 tokens"),
+    "lone surrogate": (lambda t: t["shared"]["q"].update(text="caf\ud800e"),
+                       "line 2: shared.q.text: text cannot be encoded as UTF-8 (character 3"),
+}
+
+
+@pytest.mark.parametrize("case", TOKEN_CASES)
+def test_validate_recounts_tokens_with_the_traces_tokenizer(tmp_path: Path, case: str) -> None:
+    change, message = TOKEN_CASES[case]
+    trajectory = _counted(_trajectory())
+    change(trajectory)
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, trajectory], counted=False)
+    _fails_cleanly(_validate(path), message)
+
+
+def test_non_finite_arrival_is_refused_and_export_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    line = json.dumps(_counted(_trajectory())).replace('"arrival_s": 0.0', '"arrival_s": Infinity')
+    _write(path, [HEADER, line])
+    _fails_cleanly(_validate(path), "line 2: arrival_s: Input should be a finite number")
+    export = CliRunner().invoke(main, ["trace", "export", str(path)], prog_name="kvbench")
+    _fails_cleanly(export, "line 2: arrival_s")
+
+
+def test_tokenizer_identity_is_checked(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [{**HEADER, "tokenizer_sha256": "0" * 64}, _trajectory()])
+    _fails_cleanly(_validate(path), "line 1: tokenizer_sha256: the trace was made with tokenizer",
+                   f"{HEADER['tokenizer']!r} has vocabulary sha256")
+    _write(path, [{**HEADER, "tokenizer": "/no/such/tokenizer"}, _trajectory()])
+    _fails_cleanly(_validate(path), "line 1: tokenizer: cannot load tokenizer '/no/such/tokenizer'")
+    # --model names the tokenizer to count with, as replay's --model does
+    _write(path, [{**HEADER, "tokenizer": "/no/such/tokenizer"}, _trajectory()])
+    assert _validate(path, "--model", HEADER["tokenizer"]).exit_code == 0
+
+
+def test_a_bad_reference_is_reported_beside_a_bad_field(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, _trajectory(turns=_turns_with(lambda t: t[1].update(max_tokens=0, after=["A9.r0"])))])
+    _fails_cleanly(_validate(path), "line 2: turns[1].max_tokens", "line 2: turns[1].after[0]: unknown turn 'A9.r0'")
+
+
+def test_binary_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe" + bytes(range(256)) * 4)
+    _fails_cleanly(_validate(path), "line 1: not UTF-8 text")
+    path.write_bytes(json.dumps(HEADER).encode() + b"\n\xff\xfe{}\n")
+    _fails_cleanly(_validate(path), "line 2: not UTF-8 text")
+
+
+def test_deeply_nested_json_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, "[" * 100_000 + "]" * 100_000])
+    _fails_cleanly(_validate(path), "line 2: not JSON this reader accepts (nested too deeply)")
+
+
+def _chain(length: int, cycle: bool = False) -> dict:
+    """A trajectory of `length` turns, each after the previous and reading its output, listed
+    last turn first."""
+    turns = [{"turn_id": f"T{i}", "agent": "A0", "after": [f"T{i - 1}"] if i else ([f"T{length - 1}"] if cycle else []),
+              "max_tokens": 1, "segments": [{"pf": "system"}, *([{"ph": f"out:T{i - 1}"}] if i else [])]}
+             for i in range(length)]
+    return _trajectory(turns=turns[::-1])
+
+
+def test_a_5000_turn_chain_in_reverse_order_validates(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, _chain(5000)])
+    result = _validate(path)
+    assert result.exit_code == 0, result.output
+    assert "1 trajectories, 5000 turns" in result.output
+    from kvbench.tracegen.schema import read_trace
+
+    (trajectory,) = read_trace(path).trajectories
+    assert trajectory.is_ancestor("T0", "T4999") and not trajectory.is_ancestor("T4999", "T0")
+    assert trajectory.source_of(trajectory.turn_by_id["T4999"], "out:T4998") == "T4998"
+    _write(path, [HEADER, _chain(5000, cycle=True)])
+    _fails_cleanly(_validate(path), "line 2: turns.after: dependency cycle T")

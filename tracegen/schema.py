@@ -11,13 +11,20 @@ import json
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvbench.tracegen.graph import ancestor_masks, bits_descending, find_cycle, topological_order
 
 TRACE_FORMAT = "kvbench-trace"
 TRACE_VERSION = 1
 OUT_PREFIX = "out:"
+# Bounds far past any real workload, so that a typo (or a fuzzer) cannot ask the replayer for
+# 10^12 tokens or an arrival a million years away.
+MAX_SEGMENT_TOKENS = 1 << 22
+MAX_OUTPUT_TOKENS = 1 << 20
+MAX_ARRIVAL_S = 1e9
 
 
 class TraceError(ValueError):
@@ -30,14 +37,47 @@ class TraceError(ValueError):
         super().__init__(f"invalid trace {path}:\n  " + "\n  ".join(shown))
 
 
+def _check_identifier(value: str) -> str:
+    """Ids travel in request ids, HTTP headers, cache keys and file names: printable text only."""
+    if not value:
+        raise ValueError("must not be empty")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise ValueError(f"must be printable text (holds {bad!r})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be encodable text (holds {value[exc.start]!r}, a lone surrogate)") from None
+    return value
+
+
+Identifier = Annotated[str, AfterValidator(_check_identifier)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+MAX_GENERATOR_DEPTH = 16
+
+
+def _check_depth(value: dict[str, Any]) -> dict[str, Any]:
+    """The generator's parameters are copied into every run's config: nesting deeper than
+    parameters ever go would only break serializers there."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_GENERATOR_DEPTH:
+            raise ValueError(f"nested more than {MAX_GENERATOR_DEPTH} levels deep")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack += [(child, depth + 1) for child in children]
+    return value
 
 
 class TraceHeader(_Strict):
     format: Literal["kvbench-trace"]
     version: Literal[1]
-    generator: dict[str, Any]
+    generator: Annotated[dict[str, Any], AfterValidator(_check_depth)]
     tokenizer: str
     tokenizer_sha256: str | None = None
     # Token ids the tokenizer puts before any text (e.g. Llama-3's BOS); prompts start with them.
@@ -47,12 +87,12 @@ class TraceHeader(_Strict):
 class Agent(_Strict):
     role: str
     system: str
-    system_tokens: int = Field(ge=0)
+    system_tokens: int = Field(ge=0, le=MAX_SEGMENT_TOKENS)
 
 
 class SharedText(_Strict):
     text: str
-    num_tokens: int = Field(ge=0)
+    num_tokens: int = Field(ge=0, le=MAX_SEGMENT_TOKENS)
 
 
 class Segment(_Strict):
@@ -62,7 +102,7 @@ class Segment(_Strict):
     pf: Literal["system", "text"] | None = None
     ph: str | None = None
     text: str | None = None
-    num_tokens: int | None = Field(default=None, ge=0)
+    num_tokens: int | None = Field(default=None, ge=0, le=MAX_SEGMENT_TOKENS)
 
     @model_validator(mode="after")
     def _one_kind(self) -> "Segment":
@@ -80,96 +120,48 @@ class Segment(_Strict):
 
 
 class Turn(_Strict):
-    turn_id: str = Field(min_length=1)
-    agent: str
-    after: list[str] = Field(default_factory=list)
-    max_tokens: int = Field(ge=1)
+    turn_id: Identifier
+    agent: Identifier
+    after: list[Identifier] = Field(default_factory=list)
+    max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
     segments: list[Segment] = Field(min_length=1)
 
 
 class Trajectory(_Strict):
-    trajectory_id: str = Field(min_length=1)
-    arrival_s: float = Field(ge=0)
-    agents: dict[str, Agent] = Field(min_length=1)
-    shared: dict[str, SharedText] = Field(default_factory=dict)
+    trajectory_id: Identifier
+    arrival_s: float = Field(ge=0, le=MAX_ARRIVAL_S)
+    agents: dict[Identifier, Agent] = Field(min_length=1)
+    shared: dict[Identifier, SharedText] = Field(default_factory=dict)
     turns: list[Turn] = Field(min_length=1)
 
     def check_references(self) -> list[str]:
         """Cross-field problems as 'field: message' strings (empty when the trajectory is sound)."""
-        problems: list[str] = []
-        ids = [t.turn_id for t in self.turns]
-        seen: set[str] = set()
-        for i, turn_id in enumerate(ids):
-            if turn_id in seen:
-                problems.append(f"turns[{i}].turn_id: duplicate turn id {turn_id!r}")
-            seen.add(turn_id)
-        for i, turn in enumerate(self.turns):
-            where = f"turns[{i}]"
-            if turn.agent not in self.agents:
-                problems.append(f"{where}.agent: unknown agent {turn.agent!r}")
-            for j, dep in enumerate(turn.after):
-                if dep not in seen:
-                    problems.append(f"{where}.after[{j}]: unknown turn {dep!r}")
-                elif dep == turn.turn_id:
-                    problems.append(f"{where}.after[{j}]: turn depends on itself")
-        if problems:
-            return problems
-        if cycle := self._find_cycle():
-            return [f"turns.after: dependency cycle {' -> '.join(cycle)}"]
-        ancestors = self.ancestors
-        for i, turn in enumerate(self.turns):
-            for k, segment in enumerate(turn.segments):
-                if segment.ph is None:
-                    continue
-                where = f"turns[{i}].segments[{k}].ph"
-                if segment.ph.startswith(OUT_PREFIX):
-                    source = segment.ph[len(OUT_PREFIX):]
-                    if source not in seen:
-                        problems.append(f"{where}: unknown turn {source!r}")
-                    elif source not in ancestors[turn.turn_id]:
-                        problems.append(f"{where}: turn {source!r} is not among this turn's predecessors "
-                                        "('after', transitively), so its output is not known yet")
-                elif segment.ph not in self.shared:
-                    problems.append(f"{where}: unknown shared segment {segment.ph!r}")
-        return problems
-
-    def _find_cycle(self) -> list[str] | None:
-        graph = {t.turn_id: t.after for t in self.turns}
-        state: dict[str, int] = {}  # 1 = on the current path, 2 = done
-
-        def visit(node: str, path: list[str]) -> list[str] | None:
-            state[node] = 1
-            for dep in graph[node]:
-                if state.get(dep) == 1:
-                    return path[path.index(dep):] + [dep] if dep in path else [node, dep]
-                if dep not in state and (found := visit(dep, path + [dep])):
-                    return found
-            state[node] = 2
-            return None
-
-        for node in graph:
-            if node not in state and (found := visit(node, [node])):
-                return found
-        return None
+        return reference_problems(self.model_dump(mode="python"))
 
     @cached_property
     def turn_by_id(self) -> dict[str, Turn]:
         return {t.turn_id: t for t in self.turns}
 
     @cached_property
+    def _index(self) -> dict[str, int]:
+        return {t.turn_id: i for i, t in enumerate(self.turns)}
+
+    @cached_property
+    def _ancestor_masks(self) -> dict[str, int]:
+        after = {t.turn_id: t.after for t in self.turns}
+        order = topological_order(after)
+        if order is None:
+            raise ValueError(f"trajectory {self.trajectory_id}: dependency cycle {' -> '.join(find_cycle(after))}")
+        return ancestor_masks(order, after, self._index)
+
+    def is_ancestor(self, candidate: str, turn_id: str) -> bool:
+        """Whether `turn_id` waits, transitively, for `candidate`."""
+        return bool(self._ancestor_masks[turn_id] >> self._index[candidate] & 1)
+
+    @cached_property
     def ancestors(self) -> dict[str, set[str]]:
-        """Transitive `after` closure of every turn (call only on an acyclic trajectory)."""
-        result: dict[str, set[str]] = {}
-
-        def closure(turn_id: str) -> set[str]:
-            if turn_id not in result:
-                deps = self.turn_by_id[turn_id].after
-                result[turn_id] = set(deps).union(*(closure(d) for d in deps))
-            return result[turn_id]
-
-        for turn in self.turns:
-            closure(turn.turn_id)
-        return result
+        """Transitive `after` closure of every turn (as sets: for small trajectories and tests)."""
+        return {t: {self.turns[i].turn_id for i in bits_descending(mask)} for t, mask in self._ancestor_masks.items()}
 
     def segment_tokens(self, segment: Segment, turn: Turn) -> int:
         """Token count of a segment; an `out:` segment counts its producer's `max_tokens`."""
@@ -198,13 +190,76 @@ class Trajectory(_Strict):
         Prefers direct predecessors (the workflow edge i -> j that chained correction follows),
         then other ancestors, latest in trace order; None when no earlier cache holds it.
         """
-        order = {t.turn_id: i for i, t in enumerate(self.turns)}
-        direct = sorted(turn.after, key=order.__getitem__, reverse=True)
-        indirect = sorted(self.ancestors[turn.turn_id] - set(turn.after), key=order.__getitem__, reverse=True)
-        for candidate in direct + indirect:
+        direct = sorted(turn.after, key=self._index.__getitem__, reverse=True)
+        for candidate in direct:
             if ph in self.cache_keys(self.turn_by_id[candidate]):
                 return candidate
+        for index in bits_descending(self._ancestor_masks[turn.turn_id]):
+            candidate = self.turns[index]
+            if candidate.turn_id not in turn.after and ph in self.cache_keys(candidate):
+                return candidate.turn_id
         return None
+
+
+def _strings(value: Any) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def reference_problems(obj: Any) -> list[str]:
+    """Cross-field problems of one trajectory (agents, turn ids, `after`, `ph` sources, cycles) as
+    'field: message' strings. Works on the parsed JSON, well-typed or not, so that a bad
+    reference is reported beside the field errors of the same line rather than hidden by them;
+    values of the wrong type are skipped here (the schema reports them)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("turns"), list):
+        return []
+    agents = obj.get("agents") if isinstance(obj.get("agents"), dict) else None
+    shared = obj.get("shared") if isinstance(obj.get("shared"), dict) else {}
+    turns = [t if isinstance(t, dict) else {} for t in obj["turns"]]
+    ids = [t.get("turn_id") if isinstance(t.get("turn_id"), str) else None for t in turns]
+    problems: list[str] = []
+    seen: set[str] = set()
+    for i, turn_id in enumerate(ids):
+        if turn_id is not None and turn_id in seen:
+            problems.append(f"turns[{i}].turn_id: duplicate turn id {turn_id!r}")
+        if turn_id is not None:
+            seen.add(turn_id)
+    after = {turn_id: _strings(turn.get("after")) for turn_id, turn in zip(ids, turns) if turn_id is not None}
+    for i, turn in enumerate(turns):
+        where = f"turns[{i}]"
+        if agents is not None and isinstance(turn.get("agent"), str) and turn["agent"] not in agents:
+            problems.append(f"{where}.agent: unknown agent {turn['agent']!r}")
+        for j, dep in enumerate(turn.get("after") if isinstance(turn.get("after"), list) else []):
+            if not isinstance(dep, str):
+                continue
+            if dep not in seen:
+                problems.append(f"{where}.after[{j}]: unknown turn {dep!r}")
+            elif dep == ids[i]:
+                problems.append(f"{where}.after[{j}]: turn depends on itself")
+    order = topological_order(after)
+    if order is None:
+        cycle = find_cycle(after)
+        shown = cycle if len(cycle) <= 12 else [*cycle[:5], "...", *cycle[-5:]]
+        problems.append(f"turns.after: dependency cycle {' -> '.join(shown)} ({len(cycle) - 1} turns)")
+        return problems  # which outputs a turn can see is undefined
+    index = {turn_id: i for i, turn_id in enumerate(ids) if turn_id is not None}
+    masks = ancestor_masks(order, after, index)
+    for i, turn in enumerate(turns):
+        segments = turn.get("segments") if isinstance(turn.get("segments"), list) else []
+        for k, segment in enumerate(segments):
+            ph = segment.get("ph") if isinstance(segment, dict) else None
+            if not isinstance(ph, str):
+                continue
+            where = f"turns[{i}].segments[{k}].ph"
+            if ph.startswith(OUT_PREFIX):
+                source = ph[len(OUT_PREFIX):]
+                if source not in seen:
+                    problems.append(f"{where}: unknown turn {source!r}")
+                elif ids[i] is None or not masks[ids[i]] >> index[source] & 1:
+                    problems.append(f"{where}: turn {source!r} is not among this turn's predecessors "
+                                    "('after', transitively), so its output is not known yet")
+            elif ph not in shared:
+                problems.append(f"{where}: unknown shared segment {ph!r}")
+    return problems
 
 
 class Trace(BaseModel):
@@ -213,6 +268,11 @@ class Trace(BaseModel):
     model_config = ConfigDict(frozen=True)
     header: TraceHeader
     trajectories: list[Trajectory]
+    # the file line of each trajectory, for messages (a trace made in memory: its would-be lines)
+    line_numbers: list[int] = Field(default_factory=list)
+
+    def line_of(self, index: int) -> int:
+        return self.line_numbers[index] if index < len(self.line_numbers) else index + 2
 
 
 def _format_validation_error(error: ValidationError) -> list[str]:
@@ -223,11 +283,20 @@ def _format_validation_error(error: ValidationError) -> list[str]:
     return problems
 
 
-def parse_header(line: str, path: str | Path = "<trace>") -> TraceHeader:
+def _load_json(line: str) -> tuple[Any, str | None]:
+    """The parsed line, or None and why it is not JSON."""
     try:
-        obj = json.loads(line)
+        return json.loads(line), None
     except json.JSONDecodeError as exc:
-        raise TraceError(path, [f"line 1: not JSON ({exc.msg})"]) from None
+        return None, f"not JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return None, "not JSON this reader accepts (nested too deeply)"
+
+
+def parse_header(line: str, path: str | Path = "<trace>") -> TraceHeader:
+    obj, error = _load_json(line)
+    if error is not None:
+        raise TraceError(path, [f"line 1: {error}"])
     if not isinstance(obj, dict) or obj.get("format") != TRACE_FORMAT:
         raise TraceError(path, [f"line 1: format: expected a header with \"format\": \"{TRACE_FORMAT}\""])
     if obj.get("version") != TRACE_VERSION:
@@ -239,43 +308,60 @@ def parse_header(line: str, path: str | Path = "<trace>") -> TraceHeader:
         raise TraceError(path, [f"line 1: {p}" for p in _format_validation_error(exc)]) from None
 
 
-def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[TraceHeader | Trajectory]:
-    """Yield the header, then each trajectory; raise one TraceError listing every problem found."""
-    problems: list[str] = []
-    header_seen = False
-    ids: dict[str, int] = {}
+def _lines(path: str | Path) -> Iterator[tuple[int, str | None]]:
+    """(line number, text) of each line; text None for a line that is not UTF-8."""
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, "rb")
     except OSError as exc:
         raise TraceError(path, [f"cannot read: {exc.strerror}"]) from None
     with handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield number, None
+
+
+def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int, TraceHeader | Trajectory]]:
+    """Yield (line, header), then (line, trajectory) for each; raise one TraceError listing every
+    problem found (up to `max_problems`)."""
+    problems: list[str] = []
+    header_seen = False
+    ids: dict[str, int] = {}
+    for number, line in _lines(path):
+        if line is None:
             if not header_seen:
-                header_seen = True
-                yield parse_header(line, path)
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
-                continue
-            try:
-                trajectory = Trajectory.model_validate(obj)
-            except ValidationError as exc:
-                problems += [f"line {number}: {p}" for p in _format_validation_error(exc)]
-                continue
-            refs = trajectory.check_references()
-            problems += [f"line {number}: {p}" for p in refs]
-            if trajectory.trajectory_id in ids:
-                problems.append(f"line {number}: trajectory_id: duplicate {trajectory.trajectory_id!r} "
-                                f"(first on line {ids[trajectory.trajectory_id]})")
-            ids.setdefault(trajectory.trajectory_id, number)
-            if len(problems) >= max_problems:
-                break
-            if not refs and not problems:
-                yield trajectory
+                raise TraceError(path, [f"line {number}: not UTF-8 text (is this a kvbench trace?)"])
+            problems.append(f"line {number}: not UTF-8 text")
+            continue
+        if not line.strip():
+            continue
+        if not header_seen:
+            header_seen = True
+            yield number, parse_header(line, path)
+            continue
+        obj, error = _load_json(line)
+        if error is not None:
+            problems.append(f"line {number}: {error}")
+            continue
+        line_problems = [f"line {number}: {p}" for p in reference_problems(obj)]
+        trajectory = None
+        try:
+            trajectory = Trajectory.model_validate(obj)
+        except ValidationError as exc:
+            line_problems = [f"line {number}: {p}" for p in _format_validation_error(exc)] + line_problems
+        except RecursionError:
+            line_problems.append(f"line {number}: nested too deeply")
+        problems += line_problems
+        tid = obj.get("trajectory_id") if isinstance(obj, dict) else None
+        if isinstance(tid, str):
+            if tid in ids:
+                problems.append(f"line {number}: trajectory_id: duplicate {tid!r} (first on line {ids[tid]})")
+            ids.setdefault(tid, number)
+        if len(problems) >= max_problems:
+            break
+        if trajectory is not None and not problems:
+            yield number, trajectory
     if not header_seen:
         problems.append("line 1: the file is empty (expected a kvbench-trace header)")
     elif not ids and not problems:
@@ -285,11 +371,12 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[TraceHeade
 
 
 def read_trace(path: str | Path) -> Trace:
-    """Load and fully validate a trace."""
+    """Load and fully validate a trace's structure (token counts: `tracegen.validate`)."""
     items = list(iter_trace(path))
-    header = items[0]
+    _, header = items[0]
     assert isinstance(header, TraceHeader)
-    return Trace(header=header, trajectories=[t for t in items[1:] if isinstance(t, Trajectory)])
+    trajectories = [(n, t) for n, t in items[1:] if isinstance(t, Trajectory)]
+    return Trace(header=header, trajectories=[t for _, t in trajectories], line_numbers=[n for n, _ in trajectories])
 
 
 def dump_line(model: BaseModel) -> str:

@@ -13,7 +13,23 @@ from kvbench.cli.replay import calibrate_command, methods_command, replay_comman
 from kvbench.cli.trace import gen_trace_command, trace_group
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class KVBenchGroup(click.Group):
+    """SIGINT and SIGTERM stop any command cleanly: they raise `Interrupted` in the main thread,
+    so a server a command started is shut down on the way out, and the exit status is
+    128 + the signal's number (130, 143), as shells and CI runners expect."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        from kvbench.replay.interrupts import Interrupted, raise_on_stop_signals
+
+        try:
+            with raise_on_stop_signals():
+                return super().invoke(ctx)
+        except Interrupted as exc:
+            click.echo(f"kvbench: {exc}", err=True)
+            raise click.exceptions.Exit(exc.exit_code) from None
+
+
+@click.group(cls=KVBenchGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kvbench")
 def main() -> None:
     """Benchmark cross-agent KV-cache sharing methods inside a real vLLM server.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import click
 
 from kvbench.cli.server_options import ServerOptions, server_options
+from kvbench.replay.interrupts import Interrupted
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 
 
@@ -133,8 +135,11 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
             summary = run_replay(config)
     except (ServerError, ReplayError) as exc:
         raise click.ClickException(str(exc)) from None
-    except KeyboardInterrupt:
-        raise click.ClickException(f"interrupted; finished requests are in {result_dir} (finish with --resume)") from None
+    except Interrupted:
+        if (result_dir / "summary.json").exists():
+            click.echo(f"stopped: the requests in flight are recorded as interrupted and the summary is written in "
+                       f"{result_dir}; finish the run with --resume --result-dir {result_dir}", err=True)
+        raise
     print_summary(summary)
     click.echo(f"results: {result_dir}")
     _report_failures(result_dir, summary)
@@ -170,15 +175,14 @@ def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: in
             header, trajectories = generate_trace(spec, tokenizer)
             trace = Trace(header=header, trajectories=trajectories)
         else:
+            from kvbench.cli.trace import load_trace_tokenizer
+
             trace = read_trace(trace_path)
-            tokenizer = load_tokenizer(model if model is not None else trace.header.tokenizer)
-            if trace.header.tokenizer_sha256 and tokenizer.sha256 != trace.header.tokenizer_sha256:
-                raise click.ClickException(
-                    f"{trace_path} was generated with tokenizer {trace.header.tokenizer}, which differs from "
-                    f"{model}'s; regenerate it with `kvbench gen-trace --model {model}`")
             if num_trajectories is not None:
-                trace = Trace(header=trace.header,
-                              trajectories=trace.trajectories[: num_trajectories + num_warmups])
+                kept = num_trajectories + num_warmups
+                trace = Trace(header=trace.header, trajectories=trace.trajectories[:kept],
+                              line_numbers=trace.line_numbers[:kept])
+            tokenizer = load_trace_tokenizer(trace, model, trace_path)  # replay only what validates
     except TraceError as exc:
         raise click.ClickException(str(exc)) from None
     except (ValueError, FileNotFoundError) as exc:
@@ -263,8 +267,8 @@ def serve_command(method: str, host: str, port: int, server: ServerOptions) -> N
                                        f"log: {running.log_path}")
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
-    except KeyboardInterrupt:
-        click.echo("stopped", err=True)
+    except Interrupted as exc:  # the normal way to stop a server: exit 0, like vLLM's own
+        click.echo(f"stopped ({signal.Signals(exc.signum).name}); the server is shut down", err=True)
 
 
 @click.command("methods")

@@ -1,0 +1,165 @@
+"""The connector's per-request stats and state bytes, collected while a run goes on.
+
+The workers keep what each request's load did (reused / recomputed tokens, gate decisions) in
+memory until asked. Asked only at the end, a crash of the client or the server lost them; so the
+replayer polls every few seconds, and every answer is appended to `method_stats.jsonl` before it
+is used. A resumed run reads that journal back, so no request loses stats it had reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+METHOD_STATS_NAME = "method_stats.jsonl"
+
+# Per-request stats every tensor-parallel rank must agree on: what was reused or computed, and
+# each segment's decision. Timings and bytes differ between ranks by nature.
+RANK_INVARIANT_STATS = ("reused_tokens", "recomputed_tokens", "fallback")
+
+Rpc = Callable[..., Awaitable[list[Any]]]  # (url, method, **kwargs) -> one answer per worker
+
+
+def rank_mismatch(per_rank: list[dict[str, Any]]) -> list[str]:
+    """Names of the stats in which the ranks' views of one request differ (empty: they agree)."""
+    first, differ = per_rank[0], []
+    for name in RANK_INVARIANT_STATS:
+        if any(stats.get(name) != first.get(name) for stats in per_rank[1:]):
+            differ.append(name)
+    decisions = [[(d.get("id"), d.get("decision")) for d in stats.get("decisions", [])] for stats in per_rank]
+    if any(d != decisions[0] for d in decisions[1:]):
+        differ.append("decisions")
+    entropies = [[d.get("entropy") for d in stats.get("decisions", [])] for stats in per_rank]
+    if any(e != entropies[0] for e in entropies[1:]):
+        differ.append("entropy")
+    for name in ("blend", "relay"):  # selective recomputation: the same rows picked everywhere
+        for field_name in ("picked_tokens", "picked_digest"):
+            if any(stats.get(name, {}).get(field_name) != first.get(name, {}).get(field_name)
+                   for stats in per_rank[1:]):
+                differ.append(f"{name}.{field_name}")
+    return differ
+
+
+@dataclass
+class ServerState:
+    """One server's method-state figures since the run's reset (the latest answer's)."""
+
+    store_bytes: int = 0
+    store_peak_bytes: int = 0
+    store_evictions: int = 0
+    store_refused: int = 0
+    method_state_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class MethodStatsCollector:
+    """Polls `kvbench_stats` (clearing what it got), journals every answer, merges per request."""
+
+    result_dir: Path
+    base_urls: list[str]
+    rpc: Rpc
+    by_request: dict[str, dict[str, Any]] = field(default_factory=dict)
+    servers: dict[str, ServerState] = field(default_factory=dict)
+    method_state_peak: dict[str, int] = field(default_factory=dict)
+    rank_mismatched_requests: int = 0
+
+    @property
+    def path(self) -> Path:
+        return self.result_dir / METHOD_STATS_NAME
+
+    def load(self, request_ids: set[str]) -> None:
+        """Stats an earlier segment of this run journaled, for the requests kept from it."""
+        if not self.path.exists():
+            return
+        for line in self.path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line: that poll's requests count as missing
+            if entry.get("kind") == "request" and entry.get("request_id") in request_ids:
+                self._merge(entry["request_id"], entry["stats"])
+
+    def restart_journal(self) -> None:
+        """Keep only what `load` took (records dropped for a resume lose their stats too)."""
+        lines = [json.dumps({"kind": "request", "request_id": key, "stats": stats}) + "\n"
+                 for key, stats in self.by_request.items()]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(lines))
+        tmp.replace(self.path)
+
+    def _merge(self, request_id: str, stats: dict[str, Any]) -> None:
+        # A request's stats arrive in parts (its load, then its save): later parts add keys.
+        self.by_request[request_id] = {**self.by_request.get(request_id, {}), **stats}
+
+    async def poll(self, segment: int, t_s: float) -> None:
+        """Ask every server for what it has not reported yet; journal it (with the segment and
+        the seconds since its start), then merge it."""
+        for url in self.base_urls:
+            workers = [w for w in await self.rpc(url, "kvbench_stats", clear="true") if isinstance(w, dict)]
+            if workers:
+                self._take(url, workers, segment, t_s)
+
+    def _take(self, url: str, workers: list[dict[str, Any]], segment: int, t_s: float) -> None:
+        """A tensor-parallel server answers once per rank: each holds a shard of every cache, so
+        bytes add up over its ranks, and the ranks must have decided alike (the first rank's
+        stats are kept; a disagreement is recorded)."""
+        lines = []
+        for key, stats in workers[0]["requests"].items():
+            if len(workers) > 1:
+                stats = {**stats, "tp_ranks": len(workers)}
+                if mismatch := rank_mismatch([w["requests"].get(key, {}) for w in workers]):
+                    stats["rank_mismatch"] = mismatch
+                    self.rank_mismatched_requests += 1
+                    logger.warning("request %s: tensor-parallel ranks decided differently: %s", key, mismatch)
+            lines.append({"kind": "request", "request_id": key, "stats": stats})
+        state = ServerState(
+            store_bytes=sum(w.get("store_bytes", 0) for w in workers),
+            store_peak_bytes=sum(w.get("store_peak_bytes", 0) for w in workers),
+            store_evictions=workers[0].get("store_evictions", 0),
+            store_refused=workers[0].get("store_refused", 0),
+            method_state_bytes={name: sum(w["method_state_bytes"].get(name, 0) for w in workers)
+                                for name in workers[0].get("method_state_bytes", {})})
+        lines.append({"kind": "state", "segment": segment, "server_url": url, "t_s": round(t_s, 3),
+                      **state.__dict__})
+        with open(self.path, "a", encoding="utf-8") as journal:  # on disk before it is used
+            journal.write("".join(json.dumps(line) + "\n" for line in lines))
+        for line in lines[:-1]:
+            self._merge(line["request_id"], line["stats"])
+        self.servers[url] = state
+        for name, value in state.method_state_bytes.items():
+            self.method_state_peak[name] = max(self.method_state_peak.get(name, 0), value)
+
+    def apply(self, records: list[dict[str, Any]]) -> list[str]:
+        """Copy the stats into the records; returns the ids of the successful requests that have
+        none (their server never reported them: it died before the next poll)."""
+        missing = []
+        for record in records:
+            stats = self.by_request.get(record["request_id"])
+            if stats is None or "reused_tokens" not in stats:
+                if record["success"] and record.get("reused_tokens") is None:
+                    missing.append(record["request_id"])
+                continue
+            record["reused_tokens"] = stats["reused_tokens"]
+            record["eligible_tokens"] = stats.get("eligible_tokens")
+            record["recomputed_tokens"] = stats["recomputed_tokens"]
+            record["source_missing_tokens"] = stats.get("source_missing_tokens")
+            record["method_stats"] = json.dumps(stats)
+        return missing
+
+    def summary(self) -> dict[str, Any]:
+        """The run's store and method-state figures over its servers (a server's peak is its own;
+        the run's is the largest)."""
+        states = list(self.servers.values())
+        return {
+            "method_store_peak_bytes": max((s.store_peak_bytes for s in states), default=None),
+            "store_evictions": sum(s.store_evictions for s in states) if states else None,
+            "store_refused": sum(s.store_refused for s in states) if states else None,
+            "method_state_bytes": dict(self.method_state_peak) if states else None,
+            "rank_mismatched_requests": self.rank_mismatched_requests,
+        }

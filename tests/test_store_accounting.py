@@ -1,0 +1,103 @@
+"""The segment store's per-run figures, reuse lost to its cap, and the options that set the cap
+and inject faults."""
+
+from __future__ import annotations
+
+import click
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvbench.analysis.metrics import realized_rho, reuse_figures
+from kvbench.methods.store import SavedKV, SegmentStore
+
+
+def _entry(tokens: int) -> SavedKV:
+    return SavedKV(torch.zeros(tokens, dtype=torch.long), torch.zeros(2, tokens, 1, 4), torch.zeros(2, tokens, 1, 4))
+
+
+def test_store_evicts_least_recently_used_and_counts_per_run() -> None:
+    size = _entry(10).nbytes
+    store = SegmentStore(max_bytes=2 * size)
+    store.put("a", _entry(10))
+    store.put("b", _entry(10))
+    assert store.get("a") is not None  # "a" is now the most recently used
+    store.put("c", _entry(10))
+    assert list(store.entries) == ["a", "c"] and store.evictions == 1
+    store.put("huge", _entry(100))  # larger than the whole cap: refused, nothing evicted for it
+    assert store.refused == 1 and "huge" not in store.entries and store.evictions == 1
+    assert store.peak_bytes == 2 * size
+    store.clear()  # a new run: its figures are its own, not the server's lifetime
+    assert (store.bytes, store.peak_bytes, store.evictions, store.refused) == (0, 0, 0, 0)
+    store.put("d", _entry(5))
+    assert store.peak_bytes == _entry(5).nbytes
+
+
+def test_reuse_lost_to_eviction_is_counted_beside_realized_rho() -> None:
+    requests = pd.DataFrame({
+        "reusable_tokens": [0, 100, 100], "reused_tokens": [0, 17, 0], "eligible_tokens": [0, 20, 0],
+        "source_missing_tokens": [0, 0, 80], "success": [True, True, True]})
+    figures = reuse_figures(requests)
+    # 100 tokens could have been reused with an unbounded store: 17 were, 80 had been evicted
+    assert figures["realized_rho"] == pytest.approx(17 / 100)
+    assert figures["eligible_rho"] == pytest.approx(17 / 20)
+    assert figures["reuse_lost_to_eviction_tokens"] == 80
+    assert figures["reuse_lost_to_eviction_share"] == pytest.approx(0.8)
+    assert realized_rho(requests) == figures["realized_rho"]
+    # runs recorded before the column existed: nothing was counted as lost
+    old = requests.drop(columns=["source_missing_tokens"])
+    assert reuse_figures(old)["realized_rho"] == pytest.approx(17 / 20)
+    assert reuse_figures(requests.assign(reused_tokens=None))["realized_rho"] is None
+
+
+def _server_options(*args: str):  # noqa: ANN202 - a ServerOptions, imported lazily
+    from kvbench.cli.server_options import server_options
+
+    seen = {}
+
+    @click.command()
+    @server_options
+    def command(server) -> None:  # noqa: ANN001
+        seen["options"] = server
+
+    result = CliRunner().invoke(command, list(args))
+    return result, seen.get("options")
+
+
+def test_store_cap_and_fault_injection_are_kvbench_options() -> None:
+    from kvbench.methods.connector import ConnectorSettings
+
+    result, options = _server_options("--max-store-bytes", "32MiB", "--fault-injection", "0.25")
+    assert result.exit_code == 0, result.output
+    extra = options.server_config("kvcmas", {}, "model").kv_transfer_config["kv_connector_extra_config"]
+    settings = ConnectorSettings.from_extra_config(extra)
+    assert settings.max_store_bytes == 32 * 2**20 and settings.fault_injection == "0.25"
+    assert options.server_config("nonshared", {}, "model").kv_transfer_config is None  # plain vLLM: no store
+    for bad in (("--max-store-bytes", "lots"), ("--max-store-bytes", "0"), ("--fault-injection", "1.5"),
+                ("--fault-injection", "sometimes")):
+        result, _ = _server_options(*bad)
+        assert result.exit_code == 2 and "Invalid value" in result.output, bad
+
+
+def test_a_fault_fraction_fails_that_share_of_loads_alike_everywhere() -> None:
+    from kvbench.methods.connector import fault_fraction, fault_hash
+
+    keys = [f"run/s0/t{i:06d}/A1.r0" for i in range(4000)]
+    share = sum(fault_hash(k) < 0.25 for k in keys) / len(keys)
+    assert share == pytest.approx(0.25, abs=0.03)
+    assert [fault_hash(k) for k in keys[:5]] == [fault_hash(k) for k in keys[:5]]  # deterministic
+    assert fault_fraction("0.25") == 0.25 and fault_fraction("all") is None and fault_fraction("0") is None
+
+
+def test_a_fractional_cpu_kv_cache_reaches_vllm_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM CPU's VLLM_CPU_KVCACHE_SPACE takes whole GiB only (0.5 stopped vLLM at start-up)."""
+    from kvbench.replay import server
+
+    monkeypatch.setattr(server, "_has_cuda", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    result, options = _server_options("--cpu-kv-cache-gib", "0.5")
+    command = server.VLLMServer(options.server_config("nonshared", {}, "model", port=1)).command()
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**29)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in server.VLLMServer(options.server_config("nonshared", {}, "m")).environment()
+    assert _server_options("--cpu-kv-cache-gib", "0")[0].exit_code == 2

@@ -1,0 +1,60 @@
+"""The connector's segment store under a byte cap, on the embedded model: evictions and the
+reuse they cost are reported, and each run's figures are its own on a reused server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from kvbench.cli import main
+from kvbench.replay.server import VLLMServer, method_server_config
+
+pytestmark = pytest.mark.engine
+
+CAP = 4 << 20  # about one cache of a 1,500-token prompt (2 KiB of K/V per token)
+
+
+@pytest.fixture(scope="module")
+def capped_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    config = method_server_config("fullshared", default_model, max_store_bytes=CAP, max_model_len=4096,
+                                  log_path=Path(tmp_path_factory.mktemp("capped")) / "server.log")
+    with VLLMServer(config) as server:
+        yield server
+
+
+def _run(server: VLLMServer, out: Path, *args: str) -> dict:
+    result = CliRunner().invoke(main, ["replay", "--method", "fullshared", "--base-url", server.base_url,
+                                       "--result-dir", str(out), *args], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_evictions_and_lost_reuse_are_reported_per_run(capped_server: VLLMServer, default_model: str,
+                                                      tmp_path: Path) -> None:
+    big = ["--shared-tokens", "1500", "--output-len", "8"]
+    single = _run(capped_server, tmp_path / "single", "--qps", "0", "--num-trajectories", "2", *big)
+    assert single["store_evictions"] > 0  # every new cache pushes the previous one out
+    assert CAP / 2 < single["method_store_peak_bytes"] <= CAP
+    # single stream: each turn's source is the latest cache saved, so nothing is lost
+    assert single["reuse_lost_to_eviction_tokens"] == 0 and single["realized_rho"] == single["eligible_rho"] > 0.99
+
+    loaded = _run(capped_server, tmp_path / "loaded", "--qps", "8", "--num-trajectories", "6", *big)
+    assert loaded["reuse_lost_to_eviction_tokens"] > 0 and loaded["reuse_lost_to_eviction_share"] > 0
+    assert loaded["realized_rho"] < loaded["eligible_rho"]
+    assert loaded["realized_rho"] == pytest.approx(1 - loaded["reuse_lost_to_eviction_share"], abs=0.01)
+
+    small = _run(capped_server, tmp_path / "small", "--qps", "0", "--num-trajectories", "1",
+                 "--shared-tokens", "32", "--output-len", "4")
+    # the same server, a run of small caches: its own peak and evictions, not the earlier runs'.
+    # All four caches fit, so the peak is exactly their bytes: K and V of every token with K/V
+    # (the prompt and the output but its last token), bf16, plus its int64 token id.
+    model = json.loads((Path(default_model) / "config.json").read_text())
+    per_token = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 2 + 8
+    requests = pd.read_parquet(tmp_path / "small" / "requests.parquet")
+    assert small["method_store_peak_bytes"] == per_token * (requests["prompt_tokens"] + requests["output_tokens"] - 1).sum()
+    assert small["method_store_peak_bytes"] < single["method_store_peak_bytes"] and small["store_evictions"] == 0

@@ -1,0 +1,83 @@
+"""What a trace promises about its tokenizer, checked against the tokenizer itself.
+
+The schema (`tracegen.schema`) checks structure; this checks what replay relies on beyond it:
+the header names the tokenizer the replay loads (same vocabulary), every text can be encoded,
+and every declared token count is what that tokenizer gives for the text. `kvbench trace validate`
+and `kvbench replay` run the same checks, so a trace that validates replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvbench.tracegen.schema import Trace, TraceError, Trajectory
+from kvbench.tracegen.tokenizer import TraceTokenizer
+
+
+def tokenizer_problems(trace: Trace, tokenizer: TraceTokenizer) -> list[str]:
+    """The header's tokenizer against the one that will count and build prompts."""
+    header = trace.header
+    if header.tokenizer_sha256 and header.tokenizer_sha256 != tokenizer.sha256:
+        return [f"line 1: tokenizer_sha256: the trace was made with tokenizer {header.tokenizer!r} "
+                f"(vocabulary sha256 {header.tokenizer_sha256[:12]}...), but {tokenizer.name!r} has "
+                f"vocabulary sha256 {tokenizer.sha256[:12]}...; regenerate the trace with "
+                f"`kvbench gen-trace --model {tokenizer.name}`, or pass the model it was made for"]
+    if list(header.prompt_prefix_ids) != list(tokenizer.prompt_prefix_ids):
+        return [f"line 1: prompt_prefix_ids: the trace says {header.prompt_prefix_ids}, tokenizer "
+                f"{tokenizer.name!r} starts prompts with {tokenizer.prompt_prefix_ids}"]
+    return []
+
+
+def _texts(trajectory: Trajectory) -> Iterator[tuple[str, str, str, int]]:
+    """(text field, count field, text, declared count) of every text prompts are built from."""
+    for name, agent in trajectory.agents.items():
+        yield f"agents.{name}.system", f"agents.{name}.system_tokens", agent.system, agent.system_tokens
+    for key, shared in trajectory.shared.items():
+        yield f"shared.{key}.text", f"shared.{key}.num_tokens", shared.text, shared.num_tokens
+    for i, turn in enumerate(trajectory.turns):
+        for k, segment in enumerate(turn.segments):
+            if segment.pf == "text":
+                where = f"turns[{i}].segments[{k}]"
+                yield f"{where}.text", f"{where}.num_tokens", segment.text or "", segment.num_tokens or 0
+
+
+def _unencodable(text: str) -> int | None:
+    """Index of the first character UTF-8 cannot encode (a lone surrogate), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def token_count_problems(trace: Trace, tokenizer: TraceTokenizer) -> list[str]:
+    """Texts that cannot be encoded, and declared token counts that differ from the tokenizer's."""
+    problems: list[str] = []
+    counts: dict[str, int] = {}  # system prompts and glue repeat across trajectories
+    for index, trajectory in enumerate(trace.trajectories):
+        line = trace.line_of(index)
+        fields = list(_texts(trajectory))
+        todo = []
+        for text_field, _, text, _ in fields:
+            if (bad := _unencodable(text)) is not None:
+                problems.append(f"line {line}: {text_field}: text cannot be encoded as UTF-8 (character {bad} "
+                                f"is {text[bad]!r}, a lone surrogate)")
+            elif text not in counts:
+                todo.append(text)
+        for text, ids in zip(todo, tokenizer.encode_batch(todo)):
+            counts[text] = len(ids)
+        for _, count_field, text, declared in fields:
+            actual = counts.get(text)
+            if actual is not None and actual != declared:
+                problems.append(f"line {line}: {count_field}: declares {declared} tokens, the text has {actual} "
+                                f"under tokenizer {tokenizer.name!r}")
+    return problems
+
+
+def check_trace(trace: Trace, tokenizer: TraceTokenizer, path: str = "<trace>") -> None:
+    """Raise one TraceError listing every tokenizer problem of a structurally valid trace."""
+    problems = tokenizer_problems(trace, tokenizer)
+    if not problems:  # counts under another vocabulary would only repeat the mismatch
+        problems = token_count_problems(trace, tokenizer)
+    if problems:
+        raise TraceError(path, problems)
