@@ -5,6 +5,7 @@ real command line (tests/helpers/kvbench_stub_server.py); test_replay_vllm.py do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -112,3 +113,23 @@ def test_a_resumed_run_equals_an_uninterrupted_one(trace: Path, tmp_path: Path) 
     assert len(segments) == 2 and segments[0]["duration_s"] == before["duration"]
     assert summary["duration"] == pytest.approx(sum(s["duration_s"] for s in segments))
     assert summary["request_throughput"] == pytest.approx(summary["completed"] / summary["duration"])
+
+
+def test_a_killed_kvbench_still_takes_its_server_down(trace: Path, tmp_path: Path) -> None:
+    """SIGKILL cannot be caught; the server is told to stop by the kernel (parent-death signal)."""
+    result_dir = tmp_path / "run"
+    process = _replay(trace, result_dir, token_delay=0.05)
+    deadline = time.monotonic() + 120
+    while _records(result_dir) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0]
+        time.sleep(0.05)
+    (server,) = [p for p in psutil.Process(process.pid).children() if "kvbench.replay.stub" in " ".join(p.cmdline())]
+    group = os.getpgid(server.pid)
+    process.kill()
+    process.wait(timeout=30)
+    try:
+        server.wait(timeout=30)  # it got SIGTERM when kvbench died, and stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)  # the stub's SIGTERM-proof child, left for this test's cleanup
+    assert not _alive([server])

@@ -7,9 +7,10 @@ import click
 import pandas as pd
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from kvbench.analysis.metrics import realized_rho, reuse_figures
+from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.methods.store import SavedKV, SegmentStore
 
 
@@ -51,14 +52,13 @@ def test_reuse_lost_to_eviction_is_counted_beside_realized_rho() -> None:
     assert reuse_figures(requests.assign(reused_tokens=None))["realized_rho"] is None
 
 
-def _server_options(*args: str):  # noqa: ANN202 - a ServerOptions, imported lazily
-    from kvbench.cli.server_options import server_options
-
-    seen = {}
+def _server_options(*args: str) -> tuple[Result, ServerOptions | None]:
+    """The server options a command gets from these arguments (None when click refused them)."""
+    seen: dict[str, ServerOptions] = {}
 
     @click.command()
     @server_options
-    def command(server) -> None:  # noqa: ANN001
+    def command(server: ServerOptions) -> None:
         seen["options"] = server
 
     result = CliRunner().invoke(command, list(args))
@@ -69,7 +69,7 @@ def test_store_cap_and_fault_injection_are_kvbench_options() -> None:
     from kvbench.methods.connector import ConnectorSettings
 
     result, options = _server_options("--max-store-bytes", "32MiB", "--fault-injection", "0.25")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0 and options is not None, result.output
     extra = options.server_config("kvcmas", {}, "model").kv_transfer_config["kv_connector_extra_config"]
     settings = ConnectorSettings.from_extra_config(extra)
     assert settings.max_store_bytes == 32 * 2**20 and settings.fault_injection == "0.25"
@@ -97,6 +97,7 @@ def test_a_fractional_cpu_kv_cache_reaches_vllm_in_bytes(monkeypatch: pytest.Mon
     monkeypatch.setattr(server, "_has_cuda", lambda: False)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     result, options = _server_options("--cpu-kv-cache-gib", "0.5")
+    assert result.exit_code == 0 and options is not None, result.output
     command = server.VLLMServer(options.server_config("nonshared", {}, "model", port=1)).command()
     assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**29)
     assert "VLLM_CPU_KVCACHE_SPACE" not in server.VLLMServer(options.server_config("nonshared", {}, "m")).environment()

@@ -21,8 +21,9 @@ CAP = 4 << 20  # about one cache of a 1,500-token prompt (2 KiB of K/V per token
 
 @pytest.fixture(scope="module")
 def capped_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    # half a GiB of KV pool: vLLM CPU's own variable took whole GiB only, so 0.5 once stopped vLLM
     config = method_server_config("fullshared", default_model, max_store_bytes=CAP, max_model_len=4096,
-                                  log_path=Path(tmp_path_factory.mktemp("capped")) / "server.log")
+                                  cpu_kv_cache_gib=0.5, log_path=Path(tmp_path_factory.mktemp("capped")) / "server.log")
     with VLLMServer(config) as server:
         yield server
 

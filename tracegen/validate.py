@@ -9,9 +9,10 @@ and `kvbench replay` run the same checks, so a trace that validates replays.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 from kvbench.tracegen.schema import Trace, TraceError, Trajectory
-from kvbench.tracegen.tokenizer import TraceTokenizer
+from kvbench.tracegen.tokenizer import TraceTokenizer, load_tokenizer
 
 
 def tokenizer_problems(trace: Trace, tokenizer: TraceTokenizer) -> list[str]:
@@ -81,3 +82,16 @@ def check_trace(trace: Trace, tokenizer: TraceTokenizer, path: str = "<trace>") 
         problems = token_count_problems(trace, tokenizer)
     if problems:
         raise TraceError(path, problems)
+
+
+def checked_tokenizer(trace: Trace, model: str | None, path: str | Path) -> TraceTokenizer:
+    """The tokenizer replay uses for `trace` (`model`'s, else the one the header names), checked
+    against every promise the trace makes about it; one TraceError lists what differs."""
+    name = model if model is not None else trace.header.tokenizer
+    try:
+        tokenizer = load_tokenizer(name)
+    except (ValueError, OSError) as exc:
+        raise TraceError(path, [f"line 1: tokenizer: cannot load tokenizer {name!r} ({exc}); "
+                                "pass --model with the model the trace was made for"]) from None
+    check_trace(trace, tokenizer, str(path))
+    return tokenizer

@@ -175,14 +175,14 @@ def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: in
             header, trajectories = generate_trace(spec, tokenizer)
             trace = Trace(header=header, trajectories=trajectories)
         else:
-            from kvbench.cli.trace import load_trace_tokenizer
+            from kvbench.tracegen.validate import checked_tokenizer
 
             trace = read_trace(trace_path)
             if num_trajectories is not None:
                 kept = num_trajectories + num_warmups
                 trace = Trace(header=trace.header, trajectories=trace.trajectories[:kept],
                               line_numbers=trace.line_numbers[:kept])
-            tokenizer = load_trace_tokenizer(trace, model, trace_path)  # replay only what validates
+            tokenizer = checked_tokenizer(trace, model, trace_path)  # replay only what validates
     except TraceError as exc:
         raise click.ClickException(str(exc)) from None
     except (ValueError, FileNotFoundError) as exc:

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
 from kvbench.tracegen.workflows import WORKFLOWS
-
-if TYPE_CHECKING:
-    from kvbench.tracegen.schema import Trace
-    from kvbench.tracegen.tokenizer import TraceTokenizer
 
 
 def _trace_error(exc: Exception) -> click.ClickException:
@@ -90,32 +85,16 @@ def validate_command(file: Path, model: str | None) -> None:
     """Check a trace as replay will: structure, references, the tokenizer's identity and every
     declared token count; every problem is reported with its line and field (exit 1 if any)."""
     from kvbench.tracegen.schema import TraceError, read_trace
+    from kvbench.tracegen.validate import checked_tokenizer
 
     try:
         trace = read_trace(file)
-        tokenizer = load_trace_tokenizer(trace, model, file)
+        tokenizer = checked_tokenizer(trace, model, file)
     except TraceError as exc:
         raise _trace_error(exc) from None
     turns = sum(len(t.turns) for t in trace.trajectories)
     click.echo(f"{file}: valid kvbench-trace v{trace.header.version}, {len(trace.trajectories)} trajectories, "
                f"{turns} turns, tokenizer {tokenizer.name}")
-
-
-def load_trace_tokenizer(trace: Trace, model: str | None, path: Path) -> TraceTokenizer:
-    """The tokenizer replay would use for `trace` (`model`'s, else the one the header names),
-    checked against every promise the trace makes about it; a TraceError lists what differs."""
-    from kvbench.tracegen.schema import TraceError
-    from kvbench.tracegen.tokenizer import load_tokenizer
-    from kvbench.tracegen.validate import check_trace
-
-    name = model if model is not None else trace.header.tokenizer
-    try:
-        tokenizer = load_tokenizer(name)
-    except (ValueError, OSError) as exc:
-        raise TraceError(path, [f"line 1: tokenizer: cannot load tokenizer {name!r} ({exc}); "
-                                "pass --model with the model the trace was made for"]) from None
-    check_trace(trace, tokenizer, str(path))
-    return tokenizer
 
 
 @trace_group.command("stats")
