@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/soak"))
     args = parser.parse_args()
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     model = resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
     count = math.ceil(args.minutes * 60 * args.qps) + 1
@@ -108,7 +109,6 @@ def main() -> None:
             extra_config={"model": model, "max_store_bytes": args.max_store_bytes, "benchmark": "soak"}))
     timeline = _timeline(run, args.slices)
     verdict = plateau(timeline)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
         f"# Soak: {args.method}, {args.shared_tokens} shared tokens, QPS {args.qps:g}, {args.minutes:g} min, "
         f"store cap {args.max_store_bytes / 2**20:.0f} MiB",
