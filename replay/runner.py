@@ -322,19 +322,14 @@ class Replayer:
         os.replace(tmp, path)
 
     def _check_lengths(self) -> None:
-        """Refuse, before sending anything, a trace whose turns cannot fit the served context
-        (prompt, with every upstream output at its max_tokens, plus max_tokens)."""
+        """Refuse, before sending anything, a trace whose turns cannot fit the served context."""
+        from kvbench.tracegen.validate import length_problems
+
         limits = [n for n in self.max_model_lens.values() if n]
-        if not limits:
-            return
-        limit, prefix = min(limits), len(self.config.trace.header.prompt_prefix_ids)
-        too_long = [(t.trajectory_id, turn.turn_id, need) for t in self.config.trace.trajectories for turn in t.turns
-                    if (need := prefix + t.prompt_tokens(turn) + turn.max_tokens) > limit]
-        if too_long:
-            shown = ", ".join(f"{tid}/{turn} needs {need}" for tid, turn, need in too_long[:5])
-            raise ReplayError(f"{len(too_long)} turns need more tokens (prompt + max_tokens) than the server's "
-                              f"max_model_len {limit}: {shown}{' ...' if len(too_long) > 5 else ''}; serve a longer "
-                              "context (--max-model-len) or use a shorter trace")
+        if limits and (problems := length_problems(self.config.trace, min(limits))):
+            shown = "\n  ".join(problems[:5]) + (f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise ReplayError(f"{len(problems)} turns need more tokens than the server's max_model_len {min(limits)}; "
+                              f"serve a longer context (--max-model-len) or use a shorter trace:\n  {shown}")
 
     async def _check_servers(self, session: aiohttp.ClientSession, run_config: dict[str, Any]) -> None:
         models, versions = {}, {}

@@ -233,3 +233,12 @@ def test_a_5000_turn_chain_in_reverse_order_validates(tmp_path: Path) -> None:
     assert trajectory.source_of(trajectory.turn_by_id["T4999"], "out:T4998") == "T4998"
     _write(path, [HEADER, _chain(5000, cycle=True)])
     _fails_cleanly(_validate(path), "line 2: turns.after: dependency cycle T")
+
+
+def test_validate_checks_turns_against_a_context_length(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, _trajectory()])
+    assert _validate(path, "--max-model-len", "4096").exit_code == 0
+    # A1.r0 reads A0.r0's 4 output tokens and asks for 4 more: it is the longest turn
+    _fails_cleanly(_validate(path, "--max-model-len", "8"), "line 2: turns[1] (A1.r0): needs",
+                   "more than max_model_len 8")

@@ -75,6 +75,18 @@ def token_count_problems(trace: Trace, tokenizer: TraceTokenizer) -> list[str]:
     return problems
 
 
+def length_problems(trace: Trace, max_model_len: int) -> list[str]:
+    """Turns that cannot fit a served context of `max_model_len` tokens: the prompt (with every
+    upstream output at its max_tokens, and the tokenizer's prefix) plus the turn's max_tokens."""
+    prefix, problems = len(trace.header.prompt_prefix_ids), []
+    for index, trajectory in enumerate(trace.trajectories):
+        for i, turn in enumerate(trajectory.turns):
+            if (need := prefix + trajectory.prompt_tokens(turn) + turn.max_tokens) > max_model_len:
+                problems.append(f"line {trace.line_of(index)}: turns[{i}] ({turn.turn_id}): needs {need} tokens "
+                                f"(prompt + max_tokens), more than max_model_len {max_model_len}")
+    return problems
+
+
 def check_trace(trace: Trace, tokenizer: TraceTokenizer, path: str = "<trace>") -> None:
     """Raise one TraceError listing every tokenizer problem of a structurally valid trace."""
     problems = tokenizer_problems(trace, tokenizer)

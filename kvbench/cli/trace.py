@@ -81,15 +81,20 @@ def trace_group() -> None:
 @click.option("--model", "--tokenizer", "model", default=None,
               help="Check the token counts with this model's tokenizer, as `kvbench replay --model` would "
                    "[default: the tokenizer the trace names].")
-def validate_command(file: Path, model: str | None) -> None:
+@click.option("--max-model-len", type=click.IntRange(min=1), default=None,
+              help="Also check that every turn fits a server's context of this many tokens (replay checks "
+                   "against the server it runs on).")
+def validate_command(file: Path, model: str | None, max_model_len: int | None) -> None:
     """Check a trace as replay will: structure, references, the tokenizer's identity and every
     declared token count; every problem is reported with its line and field (exit 1 if any)."""
     from kvbench.tracegen.schema import TraceError, read_trace
-    from kvbench.tracegen.validate import checked_tokenizer
+    from kvbench.tracegen.validate import checked_tokenizer, length_problems
 
     try:
         trace = read_trace(file)
         tokenizer = checked_tokenizer(trace, model, file)
+        if max_model_len is not None and (problems := length_problems(trace, max_model_len)):
+            raise TraceError(file, problems)
     except TraceError as exc:
         raise _trace_error(exc) from None
     turns = sum(len(t.turns) for t in trace.trajectories)
