@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbench.replay.records import write_text_atomic
+
 logger = logging.getLogger(__name__)
 
 METHOD_STATS_NAME = "method_stats.jsonl"
@@ -87,11 +89,8 @@ class MethodStatsCollector:
 
     def restart_journal(self) -> None:
         """Keep only what `load` took (records dropped for a resume lose their stats too)."""
-        lines = [json.dumps({"kind": "request", "request_id": key, "stats": stats}) + "\n"
-                 for key, stats in self.by_request.items()]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(lines))
-        tmp.replace(self.path)
+        write_text_atomic(self.path, "".join(json.dumps({"kind": "request", "request_id": key, "stats": stats}) + "\n"
+                                            for key, stats in self.by_request.items()))
 
     def _merge(self, request_id: str, stats: dict[str, Any]) -> None:
         # A request's stats arrive in parts (its load, then its save): later parts add keys.
@@ -156,10 +155,18 @@ class MethodStatsCollector:
         """The run's store and method-state figures over its servers (a server's peak is its own;
         the run's is the largest)."""
         states = list(self.servers.values())
+        if not states:
+            return empty_summary()
         return {
             "method_store_peak_bytes": max((s.store_peak_bytes for s in states), default=None),
-            "store_evictions": sum(s.store_evictions for s in states) if states else None,
-            "store_refused": sum(s.store_refused for s in states) if states else None,
-            "method_state_bytes": dict(self.method_state_peak) if states else None,
+            "store_evictions": sum(s.store_evictions for s in states),
+            "store_refused": sum(s.store_refused for s in states),
+            "method_state_bytes": dict(self.method_state_peak),
             "rank_mismatched_requests": self.rank_mismatched_requests,
         }
+
+
+def empty_summary() -> dict[str, Any]:
+    """The summary keys of a run without method state (plain vLLM, or no server answered)."""
+    return {"method_store_peak_bytes": None, "store_evictions": None, "store_refused": None,
+            "method_state_bytes": None, "rank_mismatched_requests": 0}

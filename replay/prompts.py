@@ -35,15 +35,21 @@ class TurnPrompt:
         """PH rows a perfect reuse would serve: rows some earlier turn's cache holds with K/V (a
         producer's own last generated token never got any), before the prompt's last token
         (which vLLM always computes)."""
-        last, total = len(self.token_ids) - 1, 0
-        for span, entry in zip(self.spans, self.plan[PLAN_KEY]["segments"]):
-            if span.kind != "ph" or entry.get("source") is None:
-                continue
-            stop = min(span.start + span.length, last)
-            if span.id == OUT_PREFIX + entry["source_turn"]:
-                stop = min(stop, span.start + span.length - 1)
-            total += max(0, stop - span.start)
-        return total
+        return reusable_rows(self.plan[PLAN_KEY]["segments"], len(self.token_ids))
+
+
+def reusable_rows(segments: list[dict[str, Any]], prompt_len: int) -> int:
+    """The rows of a plan's PH segments that name a source holding them with K/V (not a
+    producer's own last generated token), before the prompt's last token."""
+    total = 0
+    for segment in segments:
+        if segment.get("kind") != "ph" or not segment.get("source"):
+            continue
+        stop = min(segment["start"] + segment["length"], prompt_len - 1)
+        if segment["id"] == OUT_PREFIX + str(segment.get("source_turn")):
+            stop = min(stop, segment["start"] + segment["length"] - 1)
+        total += max(0, stop - segment["start"])
+    return total
 
 
 def cache_key(run_id: str, trajectory_id: str, turn_id: str) -> str:

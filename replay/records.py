@@ -88,6 +88,13 @@ def read_journal(result_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` whole (temp file + rename): a reader or a crash never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def write_parquet(records: list[dict[str, Any]], path: Path) -> None:
     table = pa.Table.from_pylist(records, schema=SCHEMA)
     tmp = path.with_suffix(".parquet.tmp")
@@ -123,9 +130,7 @@ class ResultsWriter:
         """Rewrite journal and Parquet after records were updated in place (method stats)."""
         self._journal.close()
         journal = self.result_dir / JOURNAL_NAME
-        tmp = journal.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, journal)
+        write_text_atomic(journal, "".join(json.dumps(r) + "\n" for r in self.records))
         self._journal = open(journal, "a", encoding="utf-8")
         self.snapshot()
 

@@ -9,7 +9,6 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import platform
 import secrets
 import signal
@@ -29,9 +28,9 @@ from kvbench import __version__
 from kvbench.analysis.metrics import summarize
 from kvbench.replay.client import stream_completion
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
-from kvbench.replay.method_stats import MethodStatsCollector
+from kvbench.replay.method_stats import MethodStatsCollector, empty_summary
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
-from kvbench.replay.records import ResultsWriter, RequestRecord, read_journal
+from kvbench.replay.records import ResultsWriter, RequestRecord, read_journal, write_text_atomic
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.tracegen.arrivals import arrival_times
@@ -316,10 +315,7 @@ class Replayer:
             handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
 
     def _write_config(self, run_config: dict[str, Any]) -> None:
-        path = self.config.result_dir / CONFIG_NAME
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(run_config, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(self.config.result_dir / CONFIG_NAME, json.dumps(run_config, indent=2) + "\n")
 
     def _check_lengths(self) -> None:
         """Refuse, before sending anything, a trace whose turns cannot fit the served context."""
@@ -553,9 +549,7 @@ class Replayer:
             **sampler.summary(),
             # store and method state of this run (since its reset), and the requests whose
             # tensor-parallel ranks decided differently (should always be 0)
-            **(self.stats.summary() if self.stats is not None else {
-                "method_store_peak_bytes": None, "store_evictions": None, "store_refused": None,
-                "method_state_bytes": None, "rank_mismatched_requests": 0}),
+            **(self.stats.summary() if self.stats is not None else empty_summary()),
             # successful requests whose method stats never reached the client (their server died
             # before it reported them): realized rho and the reuse columns leave them out
             "method_stats_missing": len(self.stats_missing),

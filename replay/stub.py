@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from kvbench.replay.prompts import reusable_rows
+
 StubMode = Literal["ok", "hang", "stream_error", "http_500", "truncate"]
 
 
@@ -80,11 +82,7 @@ class StubServer:
         plan = params.get("kvbench") or {}
         if not plan.get("save_as"):
             return
-        reused = 0
-        for s in plan.get("segments", []):
-            if s.get("kind") == "ph" and s.get("source"):
-                own_output = s["id"] == f"out:{s.get('source_turn')}"  # its last token never got K/V
-                reused += max(0, min(s["start"] + s["length"] - own_output, prompt_len - 1) - s["start"])
+        reused = reusable_rows(plan.get("segments", []), prompt_len)  # a perfect reuse
         self._stats[plan["save_as"]] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
                                         "recomputed_tokens": max(0, prompt_len - 1 - reused),
                                         "source_missing_tokens": 0}

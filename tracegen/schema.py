@@ -2,7 +2,7 @@
 
 A trace is JSON Lines. Line 1 is a `TraceHeader`; every further line is one `Trajectory`.
 Structure is checked by pydantic; cross-references (agents, turns, `ph` sources, cycles) by
-`Trajectory.check_references`. Every problem becomes a `TraceError` naming line and field.
+`reference_problems`, on the parsed JSON. Every problem becomes a `TraceError` naming line and field.
 """
 
 from __future__ import annotations
@@ -133,10 +133,6 @@ class Trajectory(_Strict):
     agents: dict[Identifier, Agent] = Field(min_length=1)
     shared: dict[Identifier, SharedText] = Field(default_factory=dict)
     turns: list[Turn] = Field(min_length=1)
-
-    def check_references(self) -> list[str]:
-        """Cross-field problems as 'field: message' strings (empty when the trajectory is sound)."""
-        return reference_problems(self.model_dump(mode="python"))
 
     @cached_property
     def turn_by_id(self) -> dict[str, Turn]:
