@@ -28,7 +28,7 @@ class Gate:
     ratio: tuple[str, str] | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Gate":
+    def parse(cls, text: str) -> Gate:
         match = re.fullmatch(r"([A-Za-z0-9_.]+)(?::([\w.-]+)/([\w.-]+))?=([+-]?)(\d+(?:\.\d+)?)%", text.strip())
         if not match:
             raise ValueError(f"bad gate {text!r}; expected METRIC=+10% or METRIC:METHOD_A/METHOD_B=-10%")

@@ -9,12 +9,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
-from kvbench.analysis.aggregate import average_repeats, runs_frame  # noqa: E402
-from kvbench.analysis.paper_values import table7_values  # noqa: E402
-from kvbench.analysis.runs import find_runs  # noqa: E402
+from kvbench.analysis.aggregate import average_repeats, runs_frame
+from kvbench.analysis.paper_values import table7_values
+from kvbench.analysis.runs import find_runs
 
 DEFAULT_METHODS = ["nonshared", "fullshared"]
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
 
-from kvbench.analysis.runs import Run  # noqa: E402
+from kvbench.analysis.runs import Run
 
 
 def ttft_cdf(runs: list[Run], path: Path) -> Path:

@@ -24,7 +24,7 @@ from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 
-def run_method(method: str, traces: dict[int, Trace], tokenizer, workdir: Path) -> dict[int, pd.DataFrame]:  # noqa: ANN001
+def run_method(method: str, traces: dict[int, Trace], tokenizer, workdir: Path) -> dict[int, pd.DataFrame]:
     config = method_server_config(method, resolve_model(None), log_path=workdir / f"{method}-server.log")
     results = {}
     with VLLMServer(config) as server:

@@ -48,10 +48,10 @@ def main() -> None:
         q = torch.randn(n, args.q_heads, args.head_dim, generator=g).bfloat16()
         k = torch.randn(n, args.kv_heads, args.head_dim, generator=g).bfloat16()
         v = torch.randn(n, args.kv_heads, args.head_dim, generator=g).bfloat16()
-        sdpa = ms_per_call(lambda: torch.nn.functional.scaled_dot_product_attention(
+        sdpa = ms_per_call(lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
             enable_gqa=args.q_heads != args.kv_heads), args.repeats)
-        kernel = ms_per_call(lambda: cpu_self_attention(q, k, v, scale, layout), args.repeats)
+        kernel = ms_per_call(lambda q=q, k=k, v=v: cpu_self_attention(q, k, v, scale, layout), args.repeats)
         print(f"n={n}: sdpa {sdpa:.3f} ms, kernel {kernel:.3f} ms, sdpa/kernel {sdpa / kernel:.2f}x")
 
 

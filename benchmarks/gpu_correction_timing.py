@@ -29,8 +29,14 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.anchors import (Anchor, LowRank, anchor_distances, distance_paths, gate_from_distances,
-                                     interpolated_delta)
+from kvbench.methods.anchors import (
+    Anchor,
+    LowRank,
+    anchor_distances,
+    distance_paths,
+    gate_from_distances,
+    interpolated_delta,
+)
 from kvbench.methods.rope import RopeAligner
 
 EDGE = "A0->A1"
@@ -102,14 +108,15 @@ def run(device: str, n: int, layers: int, heads: int, head_dim: int, rank: int, 
     paths = compared_paths(bases_v, device)
     result["paths"] = paths
     for path in paths:
-        def gate() -> None:
+        def gate(path: str = path) -> None:
             gate_from_distances(anchor_distances(current_v, bases_v, n, gate_rows=n, path=path)[1], 0.3)
 
         value_distances, _ = anchor_distances(current_v, bases_v, n, gate_rows=n, path=path)
-        times = {"gate": timed(gate, device, repeats),
-                 "delta": timed(lambda: interpolated_delta(current_k, current_v, members, EDGE, n,
-                                                           value_distances=value_distances, path=path),
-                                device, repeats)}
+
+        def delta(path: str = path, value_distances: torch.Tensor = value_distances) -> None:
+            interpolated_delta(current_k, current_v, members, EDGE, n, value_distances=value_distances, path=path)
+
+        times = {"gate": timed(gate, device, repeats), "delta": timed(delta, device, repeats)}
         for step, seconds in times.items():
             result[f"{step}_{path}_ms"] = 1e3 * seconds
             result[f"{step}_{path}_GBs"] = minimal[step] / seconds / 1e9

@@ -10,17 +10,16 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvbench.methods.plan import Plan, PlanSegment
+from kvbench.contracts import Plan, PlanSegment
+from kvbench.methods.params import MethodConfigError, MethodParams
 from kvbench.methods.store import SavedKV
+
+__all__ = ["MethodConfigError", "MethodParams", "SharingMethod"]
 
 
 def rows_digest(mask: torch.Tensor) -> str:
     """A short fingerprint of a row selection, to compare selections across tensor-parallel ranks."""
     return hashlib.sha1(mask.to(torch.bool).cpu().numpy().tobytes()).hexdigest()[:12]
-
-
-class MethodConfigError(ValueError):
-    """Bad method parameters in kv_connector_extra_config (raised at server start)."""
 
 
 @dataclass
@@ -71,12 +70,18 @@ class CoreServices(Protocol):
 
 
 class SharingMethod:
-    name: ClassVar[str] = "base"
+    """A sharing method: a subclass sets the four class attributes below, overrides the hooks it
+    needs, and is registered with `@register_method` (kvbench.methods.registry)."""
+
+    name: ClassVar[str] = "base"  # what --method takes
+    summary: ClassVar[str] = ""  # one line for `kvbench methods` and the README table
     # Placed K/V differ from a dense prefill: such requests get a cache_salt so that vLLM's prefix
     # cache never serves their blocks to an exact request.
     approximate: ClassVar[bool] = True
-    # Parameter names and defaults; kv_connector_extra_config["params"] may override them.
-    defaults: ClassVar[dict[str, Any]] = {}
+    # Runs inside vLLM through kvbench's connector (False: plain vLLM, NonShared only).
+    uses_connector: ClassVar[bool] = True
+    # Its parameters; kv_connector_extra_config["params"] may override the defaults.
+    Params: ClassVar[type[MethodParams]] = MethodParams
 
     core: CoreServices | None = None
 
@@ -85,15 +90,11 @@ class SharingMethod:
         self.core = core
 
     def __init__(self, params: dict[str, Any]) -> None:
-        unknown = set(params) - set(self.defaults)
-        if unknown:
-            raise MethodConfigError(f"method {self.name!r} has no parameter(s) {', '.join(sorted(unknown))}; "
-                                    f"known: {', '.join(sorted(self.defaults)) or 'none'}")
-        self.params = {**self.defaults, **params}
+        self.params = self.Params.parse(self.name, params)
         self.validate()
 
     def validate(self) -> None:
-        """Raise MethodConfigError on bad parameter values."""
+        """Raise MethodConfigError on parameter combinations `Params` cannot express alone."""
 
     def prepare(self, ctx: LoadContext) -> Generator[int, None, None]:
         """Work a load needs before `select`, one layer at a time: yields the rows each layer

@@ -8,25 +8,29 @@ at check layer 1 (peer-methods.md section 2.6)."""
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from kvbench.methods.base import LoadContext, MethodConfigError, SharingMethod, rows_digest
+from kvbench.methods.base import LoadContext, MethodParams, SharingMethod, rows_digest
+from kvbench.methods.registry import register_method
 
 
+class CacheBlendParams(MethodParams):
+    recompute_ratio: float = Field(0.15, ge=0, le=1, description="share of the reused tokens recomputed after "
+                                   "the check layer (those that deviate most)")
+    check_layer: int = Field(1, ge=0, description="layer where fresh and reused K/V are compared")
+    deviation: Literal["value", "key"] = Field("value", description="compare values (CacheBlend's code) or keys "
+                                               "(LMCache's port)")
+
+
+@register_method
 class CacheBlend(SharingMethod):
     name = "cacheblend"
-    defaults: ClassVar[dict[str, Any]] = {"recompute_ratio": 0.15, "check_layer": 1, "deviation": "value"}
-
-    def validate(self) -> None:
-        ratio, check = self.params["recompute_ratio"], self.params["check_layer"]
-        if not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
-            raise MethodConfigError(f"cacheblend: recompute_ratio must be in [0, 1], got {ratio!r}")
-        if not isinstance(check, int) or check < 0:
-            raise MethodConfigError(f"cacheblend: check_layer must be an integer >= 0, got {check!r}")
-        if self.params["deviation"] not in ("value", "key"):
-            raise MethodConfigError(f"cacheblend: deviation must be 'value' or 'key', got {self.params['deviation']!r}")
+    summary = ("reuse, then recompute the 15% of reused tokens whose values deviate most at layer 1 through "
+               "the later layers")
+    Params = CacheBlendParams
 
     def check_layer(self) -> int | None:
         return int(self.params["check_layer"])

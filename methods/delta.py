@@ -18,13 +18,20 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 
-from kvbench.methods.anchors import (Anchor, AnchorPool, Correction, anchor_distances, gate_from_distances,
-                                     token_weighted_corrections)
-from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.contracts import PlanSegment
+from kvbench.methods.anchors import (
+    Anchor,
+    AnchorPool,
+    Correction,
+    anchor_distances,
+    gate_from_distances,
+    token_weighted_corrections,
+)
+from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
 from kvbench.methods.forward import run_to_end
 from kvbench.methods.match_memo import MatchMemo, SegmentDistances
-from kvbench.methods.plan import PlanSegment
 from kvbench.methods.store import SavedKV
 
 MAX_REFERENCES = 256
@@ -95,6 +102,16 @@ class LazyRows:
         return self._rows
 
 
+class DeltaParams(MethodParams):
+    V: int = Field(10, ge=1, description="anchors kept per shared slot (online pool, LFU eviction)")
+    tau: float = Field(0.3, ge=0, le=1, description="gate: dense when the match entropy > tau * log2(anchors)")
+    r_c: int = Field(32, ge=1, description="rank of an anchor's base cache (truncated SVD)")
+    r_delta: int = Field(32, ge=1, description="rank of an anchor's correction")
+    gate_tokens: int = Field(0, ge=0, description="tokens of a segment matched against anchors (0: all)")
+    prematch: bool = Field(False, description="match a saved source's segments right after its first token, "
+                           "outside the consumers' TTFT (chained only)")
+
+
 class DeltaCorrection(SharingMethod):
     chained: ClassVar[bool] = True
     low_rank: ClassVar[bool] = True
@@ -104,8 +121,7 @@ class DeltaCorrection(SharingMethod):
     # prematch: match a saved request's segments against the anchor pools right after its first
     # token (its rows are final), so that the edges reading them later only combine the kept
     # distances; off: every edge matches its source at load time, inside its TTFT.
-    defaults: ClassVar[dict[str, Any]] = {"V": 10, "tau": 0.3, "r_c": 32, "r_delta": 32, "gate_tokens": 0,
-                                          "prematch": False}
+    Params: ClassVar[type[MethodParams]] = DeltaParams
 
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)
@@ -119,20 +135,9 @@ class DeltaCorrection(SharingMethod):
         self.peak_bytes: dict[str, int] = {}
 
     def validate(self) -> None:
-        p = self.params
-        for name in ("V", "r_c", "r_delta"):
-            if name in p and (not isinstance(p[name], int) or isinstance(p[name], bool) or p[name] < 1):
-                raise MethodConfigError(f"{self.name}: {name} must be a positive integer, got {p[name]!r}")
-        if "gate_tokens" in p and (not isinstance(p["gate_tokens"], int) or p["gate_tokens"] < 0):
-            raise MethodConfigError(f"{self.name}: gate_tokens must be an integer >= 0, got {p['gate_tokens']!r}")
-        if not isinstance(p.get("prematch", False), bool):
-            raise MethodConfigError(f"{self.name}: prematch must be true or false, got {p['prematch']!r}")
-        if p.get("prematch") and not self.chained:
+        if self.params.get("prematch") and not self.chained:
             raise MethodConfigError(f"{self.name}: prematch applies to chained sources only (a context-free "
                                     "reference's distances are always kept for the agents after the first)")
-        threshold = p.get(self.threshold_name)
-        if threshold is not None and not (isinstance(threshold, (int, float)) and 0 <= threshold <= 1):
-            raise MethodConfigError(f"{self.name}: {self.threshold_name} must be in [0, 1], got {threshold!r}")
 
     # -------------------------------------------------------------- geometry
     @staticmethod
@@ -441,7 +446,7 @@ class DeltaCorrection(SharingMethod):
         for prematch in prematches:  # after the new anchors: they are matched too
             try:
                 self._prematch(prematch)
-            except Exception:  # noqa: BLE001 - its readers then match at load, as without prematch
+            except Exception:  # its readers then match at load, as without prematch
                 logger.exception("kvbench: prematch of %s failed", prematch.key)
         self._track_peak()
 

@@ -16,24 +16,35 @@ or a source that vLLM prefilled without the connector) are computed densely."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from pydantic import Field, field_validator
+
+from kvbench.methods.base import LoadContext, MethodParams, SegmentReuse, SharingMethod
+from kvbench.methods.registry import register_method
 
 
+class DroidSpeakParams(MethodParams):
+    layers: list[int] | None = Field(None, description="the recomputed layer group [start, stop); default: the "
+                                     "deepest round((1 - reuse_ratio) * L) layers, at least 2")
+    reuse_ratio: float = Field(0.8, ge=0, lt=1, description="share of the layers that keep the reused K/V "
+                               "(sizes the default group)")
+
+    @field_validator("layers")
+    @classmethod
+    def _a_layer_range(cls, layers: list[int] | None) -> list[int] | None:
+        if layers is not None and not (len(layers) == 2 and 0 <= layers[0] < layers[1]):
+            raise ValueError("layers must be [start, stop) with 0 <= start < stop")
+        return layers
+
+
+@register_method
 class DroidSpeak(SharingMethod):
     name = "droidspeak"
+    summary = ("reuse, then recompute one contiguous layer group for all shared tokens from the source's saved "
+               "residual stream (deepest 20% of layers, at least 2)")
+    Params = DroidSpeakParams
     layer_profiled: ClassVar[bool] = True  # `kvbench calibrate` profiles its layer group
-    defaults: ClassVar[dict[str, Any]] = {"layers": None, "reuse_ratio": 0.8}
-
-    def validate(self) -> None:
-        layers, ratio = self.params["layers"], self.params["reuse_ratio"]
-        if layers is not None and not (isinstance(layers, list | tuple) and len(layers) == 2
-                                       and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
-                                       and 0 <= layers[0] < layers[1]):
-            raise MethodConfigError(f"droidspeak: layers must be [start, stop) with 0 <= start < stop, got {layers!r}")
-        if not isinstance(ratio, int | float) or not 0 <= ratio < 1:
-            raise MethodConfigError(f"droidspeak: reuse_ratio must be in [0, 1), got {ratio!r}")
 
     def recompute_layers(self) -> tuple[int, int] | None:
         if self.params["layers"] is not None:

@@ -4,14 +4,16 @@ without online matching."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
+from kvbench.methods.base import MethodParams
 from kvbench.methods.delta import DeltaCorrection
+from kvbench.methods.registry import register_method
 
 
+@register_method
 class GraphFlow(DeltaCorrection):
     name = "graphflow"
+    summary = "one calibrated correction per (slot, target agent), no online matching"
+    Params = MethodParams
     chained = False
     low_rank = False
     matching = False
-    defaults: ClassVar[dict[str, Any]] = {}

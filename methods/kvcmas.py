@@ -6,7 +6,10 @@ a rejected match prefills the segment densely and becomes a new anchor."""
 from __future__ import annotations
 
 from kvbench.methods.delta import DeltaCorrection
+from kvbench.methods.registry import register_method
 
 
+@register_method
 class KVCMAS(DeltaCorrection):
     name = "kvcmas"
+    summary = "chained low-rank delta correction from an online anchor pool (V=10, r=32, tau=0.3)"

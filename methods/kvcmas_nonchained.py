@@ -4,8 +4,11 @@ corrected from a context-free reference of each segment, prefilled on first sigh
 from __future__ import annotations
 
 from kvbench.methods.delta import DeltaCorrection
+from kvbench.methods.registry import register_method
 
 
+@register_method
 class KVCMASNonChained(DeltaCorrection):
     name = "kvcmas-nonchained"
+    summary = "KVCMAS corrected from a context-free reference (Fig. 6 ablation)"
     chained = False

@@ -4,15 +4,25 @@ the same test as normalized entropy > gamma), and layer 0 left uncorrected."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from pydantic import Field
 
+from kvbench.methods.base import MethodParams
 from kvbench.methods.delta import DeltaCorrection
+from kvbench.methods.registry import register_method
 
 
+class KVCommParams(MethodParams):
+    V: int = Field(20, ge=1, description="anchors kept per shared slot")
+    gamma: float = Field(0.3, ge=0, le=1, description="gate: dense when the match entropy > gamma * log2(anchors)")
+    gate_tokens: int = Field(0, ge=0, description="tokens of a segment matched against anchors (0: all)")
+
+
+@register_method
 class KVComm(DeltaCorrection):
     name = "kvcomm"
+    summary = "non-chained full-dimensional anchors from a context-free reference (V=20, gamma=0.3)"
+    Params = KVCommParams
     chained = False
     low_rank = False
     correct_layer0 = False
     threshold_name = "gamma"
-    defaults: ClassVar[dict[str, Any]] = {"V": 20, "gamma": 0.3, "gate_tokens": 0}

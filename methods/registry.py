@@ -1,67 +1,87 @@
-"""Method names accepted by `--method`, and what each needs from the vLLM server.
+"""The method registry: `--method NAME` -> the `SharingMethod` subclass that implements it.
 
-Kept free of torch/vLLM imports so that the CLI can validate names cheaply; the implementation
-classes are imported by the connector inside the server.
+A method is one file in this package whose class carries `@register_method`; the class itself
+holds its name, one-line summary, whether it is approximate, and its parameters (a pydantic
+model). `kvbench methods`, the docs' table and every CLI check read them from here. Methods
+outside kvbench register through the `kvbench.methods` entry-point group (a module to import).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import importlib
+import importlib.metadata
+import importlib.util
+import pkgutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from kvbench.methods.base import SharingMethod
 
 CONNECTOR_CLASS = "KVBenchConnector"
-CONNECTOR_MODULE = "kvbench.methods.connector"
+CONNECTOR_MODULE = "kvbench.methods.connector.adapter"
 WORKER_EXTENSION = "kvbench.methods.worker_ext.KVBenchWorkerExtension"
+ENTRY_POINT_GROUP = "kvbench.methods"
+REGISTER_MARK = "@register_method"
+
+M = TypeVar("M", bound="type[SharingMethod]")
+_METHODS: dict[str, type[SharingMethod]] = {}
+_discovered = False
 
 
-@dataclass(frozen=True)
-class MethodInfo:
-    name: str
-    summary: str
-    impl: str | None = None  # "module.Class" of the SharingMethod; None = plain vLLM, no connector
-    approximate: bool = False  # placed K/V differ from dense: requests get a cache_salt
+def register_method(cls: M) -> M:
+    """Class decorator: make a SharingMethod subclass available as `--method cls.name`."""
+    from kvbench.methods.base import SharingMethod
 
-    @property
-    def uses_connector(self) -> bool:
-        return self.impl is not None
-
-
-METHODS: dict[str, MethodInfo] = {m.name: m for m in [
-    MethodInfo("nonshared", "plain vLLM prefill of every prompt (vLLM's own prefix cache still reuses each "
-               "agent's own prefix)"),
-    MethodInfo("fullshared", "reuse the source agent's K/V of every shared segment, re-aligned, no correction",
-               impl="kvbench.methods.fullshared.FullShared", approximate=True),
-    MethodInfo("kvcmas", "chained low-rank delta correction from an online anchor pool (V=10, r=32, tau=0.3)",
-               impl="kvbench.methods.kvcmas.KVCMAS", approximate=True),
-    MethodInfo("kvcmas-nonchained", "KVCMAS corrected from a context-free reference (Fig. 6 ablation)",
-               impl="kvbench.methods.kvcmas_nonchained.KVCMASNonChained", approximate=True),
-    MethodInfo("kvcomm", "non-chained full-dimensional anchors from a context-free reference (V=20, gamma=0.3)",
-               impl="kvbench.methods.kvcomm.KVComm", approximate=True),
-    MethodInfo("cacheblend", "reuse, then recompute the 15% of reused tokens whose values deviate most at layer 1 "
-               "through the later layers", impl="kvbench.methods.cacheblend.CacheBlend", approximate=True),
-    MethodInfo("droidspeak", "reuse, then recompute one contiguous layer group for all shared tokens from the "
-               "source's saved residual stream (deepest 20% of layers, at least 2)",
-               impl="kvbench.methods.droidspeak.DroidSpeak", approximate=True),
-    MethodInfo("relaycaching", "reuse, compute every reused row through det_layer (1), then only those whose values "
-               "deviate or that the prompt's tail attends to, up to end_layer", impl="kvbench.methods.relaycaching.RelayCaching",
-               approximate=True),
-    MethodInfo("graphflow", "one calibrated correction per (slot, target agent), no online matching",
-               impl="kvbench.methods.graphflow.GraphFlow", approximate=True),
-]}
+    if not (isinstance(cls, type) and issubclass(cls, SharingMethod)) or cls is SharingMethod:
+        raise TypeError(f"@register_method needs a SharingMethod subclass, got {cls!r}")
+    if not cls.name or cls.name == SharingMethod.name or not cls.summary:
+        raise TypeError(f"{cls.__qualname__}: a registered method sets `name` and a one-line `summary`")
+    if (known := _METHODS.get(cls.name)) is not None and known.__qualname__ != cls.__qualname__:
+        raise ValueError(f"method name {cls.name!r} is taken by {known.__module__}.{known.__qualname__}")
+    _METHODS[cls.name] = cls
+    return cls
 
 
-def get_method(name: str) -> MethodInfo:
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
-    return METHODS[name]
+def _discover() -> None:
+    """Import this package's method files (those that register a class) and the entry points."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = Path(__file__).parent
+    for module in pkgutil.iter_modules([str(package)]):
+        path = package / f"{module.name}.py"
+        if not module.ispkg and module.name != "registry" and REGISTER_MARK in path.read_text(encoding="utf-8"):
+            importlib.import_module(f"kvbench.methods.{module.name}")
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry.load()
+
+
+def all_methods() -> dict[str, type[SharingMethod]]:
+    """Every registered method by name, sorted."""
+    _discover()
+    return dict(sorted(_METHODS.items()))
+
+
+def method_class(name: str) -> type[SharingMethod]:
+    methods = all_methods()
+    if name not in methods:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(methods)}")
+    return methods[name]
+
+
+def validate_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A method's parameters with defaults filled in, checked before a server is started for it
+    (raises ValueError naming the bad ones)."""
+    return method_class(name)(params).params
 
 
 def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_store_bytes: int | None = None,
                        fault_injection: str | None = None,
                        max_load_tokens_per_step: int | None = None) -> dict[str, Any] | None:
     """The server's --kv-transfer-config for a method (None for plain vLLM)."""
-    info = get_method(name)
-    if not info.uses_connector:
+    if not method_class(name).uses_connector:
         if params:
             raise ValueError(f"method {name!r} takes no parameters")
         return None
@@ -82,20 +102,10 @@ def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_stor
     }
 
 
-def method_class(name: str) -> type:
-    """The SharingMethod subclass implementing a connector method (imports torch)."""
-    import importlib
-
-    info = get_method(name)
-    if info.impl is None:
-        raise ValueError(f"method {name!r} runs without the connector")
-    module, _, cls = info.impl.rpartition(".")
-    return getattr(importlib.import_module(module), cls)
-
-
-def validate_params(name: str, params: dict[str, Any]) -> None:
-    """Check a method's parameters before a server is started for it (raises ValueError)."""
-    if get_method(name).uses_connector:
-        method_class(name)(params)
-    elif params:
-        raise ValueError(f"method {name!r} takes no parameters")
+def methods_table() -> str:
+    """A markdown table of the methods: name, approximate or exact, summary, parameters."""
+    rows = ["| method | output | what it does | parameters (default) |", "|---|---|---|---|"]
+    for name, cls in all_methods().items():
+        params = ", ".join(f"`{p}`={default}" for p, default, _ in cls.Params.describe()) or "none"
+        rows.append(f"| `{name}` | {'approximate' if cls.approximate else 'exact'} | {cls.summary} | {params} |")
+    return "\n".join(rows)

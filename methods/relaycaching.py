@@ -14,31 +14,35 @@ there too; start_layer 0 and the band's ends are this implementation's defaults.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import torch
+from pydantic import Field, model_validator
 
-from kvbench.methods.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod, rows_digest
+from kvbench.methods.base import LoadContext, MethodParams, SegmentReuse, SharingMethod, rows_digest
 from kvbench.methods.droidspeak import with_saved_stream
+from kvbench.methods.registry import register_method
 
 
+class RelayCachingParams(MethodParams):
+    start_layer: int = Field(0, ge=0, description="first layer of the rectified band")
+    det_layer: int = Field(1, ge=0, description="layer where the rows to rectify are detected")
+    end_layer: int = Field(-1, ge=-1, description="last layer of the band (-1: the model's last)")
+    tau_dev: float = Field(1.5, ge=0, description="rectify rows whose value deviation >= tau_dev * its mean")
+    tau_inf: float = Field(1.45, ge=0, description="rectify rows whose received attention >= tau_inf * its mean")
+    suffix_tokens: int = Field(10, ge=0, description="the prompt's last rows whose attention is measured")
+
+    @model_validator(mode="after")
+    def _band_in_order(self) -> RelayCachingParams:
+        if self.start_layer > self.det_layer:
+            raise ValueError(f"start_layer ({self.start_layer}) must be <= det_layer ({self.det_layer})")
+        return self
+
+
+@register_method
 class RelayCaching(SharingMethod):
     name = "relaycaching"
-    defaults: ClassVar[dict[str, Any]] = {"start_layer": 0, "det_layer": 1, "end_layer": -1, "tau_dev": 1.5,
-                                          "tau_inf": 1.45, "suffix_tokens": 10}
-
-    def validate(self) -> None:
-        p = self.params
-        for name in ("start_layer", "det_layer", "suffix_tokens"):
-            if not isinstance(p[name], int) or isinstance(p[name], bool) or p[name] < 0:
-                raise MethodConfigError(f"relaycaching: {name} must be an integer >= 0, got {p[name]!r}")
-        if not isinstance(p["end_layer"], int) or isinstance(p["end_layer"], bool) or p["end_layer"] < -1:
-            raise MethodConfigError(f"relaycaching: end_layer must be a layer index or -1 (the last), got {p['end_layer']!r}")
-        if not p["start_layer"] <= p["det_layer"]:
-            raise MethodConfigError(f"relaycaching: start_layer ({p['start_layer']}) must be <= det_layer ({p['det_layer']})")
-        for name in ("tau_dev", "tau_inf"):
-            if not isinstance(p[name], int | float) or p[name] < 0:
-                raise MethodConfigError(f"relaycaching: {name} must be a number >= 0, got {p[name]!r}")
+    summary = ("reuse, compute every reused row through det_layer (1), then only those whose values deviate or "
+               "that the prompt's tail attends to, up to end_layer")
+    Params = RelayCachingParams
 
     def recompute_layers(self) -> tuple[int, int] | None:
         end = int(self.params["end_layer"])

@@ -12,7 +12,7 @@ class RopeAligner:
     angle linear in the position, so rotating by (target - source) re-aligns a cached key."""
 
     @classmethod
-    def from_theta(cls, head_dim: int, max_positions: int, theta: float, neox: bool = True) -> "RopeAligner":
+    def from_theta(cls, head_dim: int, max_positions: int, theta: float, neox: bool = True) -> RopeAligner:
         """A plain (unscaled) RoPE table, for use outside a vLLM model (benchmarks, tests)."""
         aligner = cls.__new__(cls)
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -22,7 +22,7 @@ class RopeAligner:
         aligner._matrices = {}
         return aligner
 
-    def to(self, device: torch.device | str) -> "RopeAligner":
+    def to(self, device: torch.device | str) -> RopeAligner:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         self._matrices = {}
         return self

@@ -1,49 +1,72 @@
-"""Worker extension (vLLM `--worker-extension-cls`): kvbench's calls over `/collective_rpc`."""
+"""Worker extension (vLLM `--worker-extension-cls`): kvbench's calls over `/collective_rpc`.
+
+Each method's name is a `kvbench.contracts.WorkerRpc` value; answers are JSON-ready dicts of the
+contracts' types. Arguments arrive as strings (the endpoint passes JSON kwargs through)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvbench.contracts import WorkerRpc
 
-def _connector() -> Any:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvbench.methods.connector import KVBenchConnector
+def _worker() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    connector = get_kv_transfer_group()
+    from kvbench.methods.connector.adapter import KVBenchConnector
+
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
     if not isinstance(connector, KVBenchConnector):
-        raise RuntimeError("this server does not run the kvbench connector")
-    return connector
+        raise RuntimeError("this server does not run the kvbench connector (start it with `kvbench serve --method M`)")
+    return connector.worker
+
+
+def _flag(value: str) -> bool:
+    return str(value).lower() == "true"
 
 
 class KVBenchWorkerExtension:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
 
+    def kvbench_info(self) -> dict[str, Any]:
+        """What this server runs: method, parameters, kvbench and contract versions."""
+        return _worker().info().to_dict()
+
     def kvbench_attach_model(self) -> bool:
         """Hand the loaded model to the connector (the partial forward runs its modules)."""
-        _connector().attach_model(self.model_runner.model)
+        _worker().attach_model(self.model_runner.model)
         return True
 
     def kvbench_stats(self, clear: str = "false") -> dict[str, Any]:
         """Per-request method stats, segment-store and method-state bytes of this worker."""
-        return _connector().stats_snapshot(clear=str(clear).lower() == "true")
+        return _worker().stats(clear=_flag(clear)).to_dict()
 
     def kvbench_set_params(self, params: str) -> dict[str, Any]:
         """Swap in the method with new parameters (a JSON object), dropping its learned state."""
         import json
 
-        return _connector().set_params(json.loads(params))
+        return _worker().set_params(json.loads(params))
 
     def kvbench_reset(self, keep_method_state: str = "false") -> bool:
         """Drop saved caches and learned method state (between runs); with keep_method_state=true
         the method's online state (anchor pools, calibrations, references) survives."""
-        _connector().reset_state(keep_method_state=str(keep_method_state).lower() == "true")
+        _worker().reset_state(keep_method_state=_flag(keep_method_state))
         return True
 
     def kvbench_kv_error(self, key: str, reference: str, start: str = "0", stop: str = "") -> dict[str, Any]:
         """Per-layer normalized K/V error of a saved cache against a reference (e.g. dense) one."""
-        return _connector().kv_error(key, reference, int(start), int(stop) if stop else None)
+        from kvbench.methods.connector.diagnostics import kv_error
+
+        return kv_error(_worker().store, key, reference, int(start), int(stop) if stop else None)
 
     def kvbench_saved_rows(self, key: str, layer: str, start: str, stop: str) -> dict[str, Any]:
         """K and V rows [start, stop) of one layer of a saved cache (for numerical checks)."""
-        return _connector().saved_rows(key, int(layer), int(start), int(stop))
+        from kvbench.methods.connector.diagnostics import saved_rows
+
+        return saved_rows(_worker().store, key, int(layer), int(start), int(stop))
+
+
+# Every contract RPC is a method here (a renamed one fails at import, not at a replay's first call).
+_missing = [rpc.value for rpc in WorkerRpc if not callable(getattr(KVBenchWorkerExtension, rpc.value, None))]
+if _missing:
+    raise ImportError(f"KVBenchWorkerExtension lacks the worker RPC(s) {', '.join(_missing)}")

@@ -3,7 +3,6 @@ calibration trace: bisection over replays on one server, the method's state rese
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
                         on_step: Callable[[CalibrationStep], None] | None = None) -> list[CalibrationStep]:
     """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1]."""
     from kvbench.replay.runner import ReplayConfig, run_replay
-    from kvbench.replay.server import collective_rpc
+    from kvbench.replay.worker_rpc import WorkerClient
 
     def rho_at(threshold: float) -> float:
-        collective_rpc(base_url, "kvbench_set_params", params=json.dumps({threshold_name: threshold}))
+        WorkerClient(base_url).set_params({threshold_name: threshold})
         with tempfile.TemporaryDirectory() as tmp:
             summary = run_replay(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
                                               result_dir=Path(tmp) / "run", qps=0, show_progress=False))
@@ -93,9 +92,9 @@ def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: str, base_ur
 
     from kvbench.replay.kv_error import reused_segments, turn_layer_errors
     from kvbench.replay.runner import ReplayConfig, run_replay
-    from kvbench.replay.server import collective_rpc
+    from kvbench.replay.worker_rpc import WorkerClient
 
-    collective_rpc(base_url, "kvbench_set_params", params=json.dumps({"layers": [0, 1]}))
+    WorkerClient(base_url).set_params({"layers": [0, 1]})
     per_turn = []
     with tempfile.TemporaryDirectory() as tmp:
         run_replay(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
@@ -108,5 +107,5 @@ def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: str, base_ur
         raise ValueError("no turn of the calibration trace reused a cache: nothing to profile")
     deviation = [sum(values) / len(values) for values in zip(*per_turn)]
     layers = layer_group(deviation, target_rho)
-    collective_rpc(base_url, "kvbench_set_params", params=json.dumps({"layers": list(layers)}))
+    WorkerClient(base_url).set_params({"layers": list(layers)})
     return LayerProfile(deviation, layers, len(per_turn))

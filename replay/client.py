@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
     result.sent_ns = time.perf_counter_ns()
     try:
         await _post(session, url, body, timeout, request_id, result)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result.error_type, result.error_message = "timeout", f"no complete answer within {timeout_s:g}s"
     except aiohttp.ClientConnectorError as exc:
         result.error_type, result.error_message = "connection_refused", f"cannot reach {url}: {exc}"

@@ -11,14 +11,15 @@ from typing import Any
 
 import pandas as pd
 
-from kvbench.replay.server import collective_rpc
+from kvbench.contracts import Plan
+from kvbench.replay.worker_rpc import WorkerClient
 
 
 def dense_reference(base_url: str, model: str, prompt: list[int], key: str, timeout_s: float = 600) -> None:
     """Prefill `prompt` with vLLM's own forward and save its cache under `key` (a salt of its own
     keeps vLLM's prefix cache from serving it blocks of approximate requests)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "cache_salt": key,
-            "kv_transfer_params": {"kvbench": {"save_as": key, "claim": False, "segments": []}}}
+            "kv_transfer_params": Plan("", "", "", save_as=key, claim=False).to_params()}
     request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -32,8 +33,7 @@ def turn_layer_errors(base_url: str, model: str, turn: pd.Series) -> list[dict[s
         raise ValueError("the run did not store prompt token ids (replay with --save-prompt-ids)")
     reference = str(turn["request_id"]).replace("/", "_") + "-dense"
     dense_reference(base_url, model, [int(t) for t in turn["prompt_token_ids"]], reference)
-    ranks = collective_rpc(base_url, "kvbench_kv_error", key=turn["request_id"], reference=reference,
-                           start="0", stop=str(int(turn["prompt_tokens"]) - 1))
+    ranks = WorkerClient(base_url).kv_error(turn["request_id"], reference, 0, int(turn["prompt_tokens"]) - 1)
     return combine_ranks([rank["layers"] for rank in ranks])
 
 

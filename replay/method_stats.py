@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbench.contracts import WorkerStats
 from kvbench.replay.records import write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ METHOD_STATS_NAME = "method_stats.jsonl"
 # each segment's decision. Timings and bytes differ between ranks by nature.
 RANK_INVARIANT_STATS = ("reused_tokens", "recomputed_tokens", "fallback")
 
-Rpc = Callable[..., Awaitable[list[Any]]]  # (url, method, **kwargs) -> one answer per worker
+FetchStats = Callable[[str], Awaitable[list[WorkerStats]]]  # url -> one answer per worker, cleared
 
 
 def rank_mismatch(per_rank: list[dict[str, Any]]) -> list[str]:
@@ -65,7 +66,7 @@ class MethodStatsCollector:
 
     result_dir: Path
     base_urls: list[str]
-    rpc: Rpc
+    fetch: FetchStats
     by_request: dict[str, dict[str, Any]] = field(default_factory=dict)
     servers: dict[str, ServerState] = field(default_factory=dict)
     method_state_peak: dict[str, int] = field(default_factory=dict)
@@ -100,30 +101,31 @@ class MethodStatsCollector:
         """Ask every server for what it has not reported yet; journal it (with the segment and
         the seconds since its start), then merge it."""
         for url in self.base_urls:
-            workers = [w for w in await self.rpc(url, "kvbench_stats", clear="true") if isinstance(w, dict)]
+            workers = await self.fetch(url)
             if workers:
                 self._take(url, workers, segment, t_s)
 
-    def _take(self, url: str, workers: list[dict[str, Any]], segment: int, t_s: float) -> None:
+    def _take(self, url: str, workers: list[WorkerStats], segment: int, t_s: float) -> None:
         """A tensor-parallel server answers once per rank: each holds a shard of every cache, so
         bytes add up over its ranks, and the ranks must have decided alike (the first rank's
         stats are kept; a disagreement is recorded)."""
         lines = []
-        for key, stats in workers[0]["requests"].items():
+        for key, load_stats in workers[0].requests.items():
+            stats: dict[str, Any] = dict(load_stats)
             if len(workers) > 1:
-                stats = {**stats, "tp_ranks": len(workers)}
-                if mismatch := rank_mismatch([w["requests"].get(key, {}) for w in workers]):
+                stats["tp_ranks"] = len(workers)
+                if mismatch := rank_mismatch([dict(w.requests.get(key, {})) for w in workers]):
                     stats["rank_mismatch"] = mismatch
                     self.rank_mismatched_requests += 1
                     logger.warning("request %s: tensor-parallel ranks decided differently: %s", key, mismatch)
             lines.append({"kind": "request", "request_id": key, "stats": stats})
         state = ServerState(
-            store_bytes=sum(w.get("store_bytes", 0) for w in workers),
-            store_peak_bytes=sum(w.get("store_peak_bytes", 0) for w in workers),
-            store_evictions=workers[0].get("store_evictions", 0),
-            store_refused=workers[0].get("store_refused", 0),
-            method_state_bytes={name: sum(w["method_state_bytes"].get(name, 0) for w in workers)
-                                for name in workers[0].get("method_state_bytes", {})})
+            store_bytes=sum(w.store_bytes for w in workers),
+            store_peak_bytes=sum(w.store_peak_bytes for w in workers),
+            store_evictions=workers[0].store_evictions,
+            store_refused=workers[0].store_refused,
+            method_state_bytes={name: sum(w.method_state_bytes.get(name, 0) for w in workers)
+                                for name in workers[0].method_state_bytes})
         lines.append({"kind": "state", "segment": segment, "server_url": url, "t_s": round(t_s, 3),
                       **state.__dict__})
         with open(self.path, "a", encoding="utf-8") as journal:  # on disk before it is used

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvbench.contracts import Plan, PlanSegment, SegmentKind
 from kvbench.tracegen.schema import OUT_PREFIX, Segment, Trajectory, Turn
 from kvbench.tracegen.tokenizer import TraceTokenizer
-
-PLAN_KEY = "kvbench"
-PLAN_VERSION = 1
 
 
 @dataclass
 class SegmentSpan:
-    kind: str  # "pf" or "ph"
+    kind: SegmentKind
     id: str  # "system", "text", or the ph key ("q", "out:A0.r0")
     start: int
     length: int
@@ -24,7 +22,7 @@ class SegmentSpan:
 class TurnPrompt:
     token_ids: list[int]
     spans: list[SegmentSpan]
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: Plan = field(default_factory=lambda: Plan("", "", "", None))
 
     @property
     def shared_tokens(self) -> int:
@@ -35,20 +33,20 @@ class TurnPrompt:
         """PH rows a perfect reuse would serve: rows some earlier turn's cache holds with K/V (a
         producer's own last generated token never got any), before the prompt's last token
         (which vLLM always computes)."""
-        return reusable_rows(self.plan[PLAN_KEY]["segments"], len(self.token_ids))
+        return reusable_rows(self.plan.segments, len(self.token_ids))
 
 
-def reusable_rows(segments: list[dict[str, Any]], prompt_len: int) -> int:
+def reusable_rows(segments: Sequence[PlanSegment], prompt_len: int) -> int:
     """The rows of a plan's PH segments that name a source holding them with K/V (not a
     producer's own last generated token), before the prompt's last token."""
     total = 0
     for segment in segments:
-        if segment.get("kind") != "ph" or not segment.get("source"):
+        if segment.kind != "ph" or not segment.source:
             continue
-        stop = min(segment["start"] + segment["length"], prompt_len - 1)
-        if segment["id"] == OUT_PREFIX + str(segment.get("source_turn")):
-            stop = min(stop, segment["start"] + segment["length"] - 1)
-        total += max(0, stop - segment["start"])
+        stop = min(segment.start + segment.length, prompt_len - 1)
+        if segment.id == OUT_PREFIX + str(segment.source_turn):
+            stop = min(stop, segment.start + segment.length - 1)
+        total += max(0, stop - segment.start)
     return total
 
 
@@ -103,29 +101,22 @@ class PromptBuilder:
         return prompt
 
     def plan(self, trajectory: Trajectory, turn: Turn, prompt: TurnPrompt, outputs: dict[str, list[int]],
-             prompts: dict[str, TurnPrompt]) -> dict[str, Any]:
+             prompts: dict[str, TurnPrompt]) -> Plan:
         """Workload facts only (method parameters live in the server's connector config), so one
         trace replays against every method unchanged."""
         segments = []
         for span in prompt.spans:
-            entry: dict[str, Any] = {"kind": span.kind, "id": span.id, "start": span.start, "length": span.length}
-            if span.kind == "ph":
-                source = trajectory.source_of(turn, span.id)
-                entry["source"] = None
-                if source is not None:
-                    entry["source"] = cache_key(self.run_id, trajectory.trajectory_id, source)
-                    entry["source_turn"] = source
-                    entry["source_agent"] = trajectory.turn_by_id[source].agent
-                    entry["source_start"] = _start_in_cache(span.id, source, prompts[source])
-            segments.append(entry)
-        return {PLAN_KEY: {
-            "version": PLAN_VERSION,
-            "trajectory": trajectory.trajectory_id,
-            "turn": turn.turn_id,
-            "agent": turn.agent,
-            "save_as": cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id),
-            "segments": segments,
-        }}
+            source = trajectory.source_of(turn, span.id) if span.kind == "ph" else None
+            if source is None:
+                segments.append(PlanSegment(span.kind, span.id, span.start, span.length))
+                continue
+            segments.append(PlanSegment(
+                span.kind, span.id, span.start, span.length,
+                source=cache_key(self.run_id, trajectory.trajectory_id, source),
+                source_start=_start_in_cache(span.id, source, prompts[source]), source_turn=source,
+                source_agent=trajectory.turn_by_id[source].agent))
+        return Plan(trajectory=trajectory.trajectory_id, turn=turn.turn_id, agent=turn.agent,
+                    save_as=cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id), segments=tuple(segments))
 
 
 def _start_in_cache(ph: str, source_turn: str, source_prompt: TurnPrompt) -> int:

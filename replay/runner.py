@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,15 @@ import pandas as pd
 
 from kvbench import __version__
 from kvbench.analysis.metrics import summarize
+from kvbench.contracts import WorkerStats
 from kvbench.replay.client import stream_completion
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
 from kvbench.replay.method_stats import MethodStatsCollector, empty_summary
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
-from kvbench.replay.records import ResultsWriter, RequestRecord, read_journal, write_text_atomic
+from kvbench.replay.records import RequestRecord, ResultsWriter, read_journal, write_text_atomic
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
+from kvbench.replay.worker_rpc import WorkerClient
 from kvbench.tracegen.arrivals import arrival_times
 from kvbench.tracegen.schema import Trace, Trajectory, Turn
 from kvbench.tracegen.tokenizer import TraceTokenizer
@@ -107,10 +109,10 @@ def _git_sha() -> str | None:
 
 class Replayer:
     def __init__(self, config: ReplayConfig) -> None:
-        from kvbench.methods.registry import get_method
+        from kvbench.methods.registry import method_class
 
         self.config = config
-        self.method_info = get_method(config.method)
+        self.method_info = method_class(config.method)
         self.abort_reason: str | None = None
         self.interrupted: int | None = None  # the stop signal that ended the run
         self.writer: ResultsWriter | None = None  # set once the run reached its servers
@@ -163,7 +165,7 @@ class Replayer:
 
     def _new_run_config(self) -> dict[str, Any]:
         cfg = self.config
-        stamp = datetime.now(timezone.utc)
+        stamp = datetime.now(UTC)
         return {
             "run_id": f"{cfg.label or cfg.method}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
             "date": f"{stamp:%Y%m%d-%H%M%S}",
@@ -203,7 +205,7 @@ class Replayer:
                                 run_id=f"{run_config['run_id']}/s{segment}")
         sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
         if self.method_info.uses_connector:
-            self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self._rpc)
+            self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self._fetch_stats)
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False)) as session:
             body = asyncio.create_task(self._run_body(session, warmups, todo, kept, run_config, builder, sampler))
@@ -305,7 +307,7 @@ class Replayer:
             if self.abort_reason is None:
                 try:
                     await asyncio.wait_for(self.stats.poll(segment, self.segment["duration_s"]), FINAL_POLL_TIMEOUT_S)
-                except (ServerError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, ServerError) as exc:
                     logger.warning("the last method-stats poll failed: %s", exc)
             self.stats_missing = self.stats.apply(self.writer.records)
             self.writer.rewrite()
@@ -339,7 +341,7 @@ class Replayer:
                     self.max_model_lens[url] = limit if isinstance(limit, int) and limit > 0 else None
                 async with session.get(f"{url}/version", timeout=aiohttp.ClientTimeout(total=10)) as response:
                     versions[url] = (await response.json()).get("version") if response.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as exc:
                 raise ServerError(f"cannot reach a vLLM server at {url}: {type(exc).__name__}: {exc}") from None
         self.served_models = models
         run_config["served_models"] = models
@@ -347,21 +349,22 @@ class Replayer:
         run_config["server_pids"] = self.config.server_pids
         run_config["vllm_version"] = next(iter(versions.values()), None)
 
-    async def _rpc(self, url: str, method: str, **kwargs: str) -> list[Any]:
-        from kvbench.replay.server import collective_rpc
-
-        return await asyncio.to_thread(collective_rpc, url, method, **kwargs)
+    @staticmethod
+    async def _fetch_stats(url: str) -> list[WorkerStats]:
+        return await asyncio.to_thread(WorkerClient(url).stats, True)
 
     async def _reset_caches(self, session: aiohttp.ClientSession, keep_method_state: bool = False) -> None:
         """Start every run from cold caches (needs VLLM_SERVER_DEV_MODE=1 on the server)."""
         for url in self.config.base_urls:
             if self.method_info.uses_connector:
-                await self._rpc(url, "kvbench_attach_model")  # idempotent; servers not started by kvbench
-                await self._rpc(url, "kvbench_reset", keep_method_state=str(keep_method_state).lower())
+                client = WorkerClient(url)
+                await asyncio.to_thread(client.check_method, self.config.method)
+                await asyncio.to_thread(client.attach_model)  # idempotent; servers not started by kvbench
+                await asyncio.to_thread(client.reset, keep_method_state)
             try:
                 async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)):
                     pass
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass  # servers without dev mode keep their cache; recorded cached_tokens show it
 
     async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
@@ -456,7 +459,7 @@ class Replayer:
         body = {
             "model": self.served_models[url], "prompt": prompt.token_ids, "max_tokens": turn.max_tokens,
             "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True, "kv_transfer_params": prompt.plan,
+            "return_token_ids": True, "kv_transfer_params": prompt.plan.to_params(),
         }
         if self.method_info.approximate and record.reusable_tokens:
             # Approximate K/V must never serve a later exact request from vLLM's prefix cache.

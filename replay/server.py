@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbench.contracts import WorkerRpc
+
 
 class ServerError(RuntimeError):
     """The server could not be started, died, or is unreachable; the message says why."""
@@ -40,7 +42,7 @@ class ServerConfig:
     worker_extension_cls: str | None = None
     extra_args: list[str] = field(default_factory=list)
     # Worker-extension methods called over /collective_rpc once the server is healthy.
-    post_start_rpcs: list[str] = field(default_factory=list)
+    post_start_rpcs: list[WorkerRpc] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     log_path: Path | None = None
 
@@ -175,7 +177,7 @@ class VLLMServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cores, tp)
         return env
 
-    def start(self) -> "VLLMServer":
+    def start(self) -> VLLMServer:
         cfg = self.config
         if self.port is None:
             self.port = free_port(cfg.host)
@@ -195,8 +197,10 @@ class VLLMServer:
         )
         try:
             self.wait_until_healthy()
-            for method in self.config.post_start_rpcs:
-                collective_rpc(self.base_url, method)
+            from kvbench.replay.worker_rpc import WorkerClient
+
+            for rpc in self.config.post_start_rpcs:
+                WorkerClient(self.base_url).call(rpc)
         except BaseException:
             self.stop()
             raise
@@ -240,7 +244,7 @@ class VLLMServer:
                 self._log_file.close()
                 self._log_file = None
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -272,22 +276,6 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def collective_rpc(base_url: str, method: str, timeout_s: float = 120.0, **kwargs: str) -> list[Any]:
-    """Call a worker-extension method in every worker (needs VLLM_SERVER_DEV_MODE=1)."""
-    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
-    request = urllib.request.Request(f"{base_url}/collective_rpc", data=body,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.load(response).get("results", [])
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:500]
-        raise ServerError(f"collective_rpc {method} on {base_url} failed ({exc.code}): {detail}; is the server "
-                          "started with VLLM_SERVER_DEV_MODE=1 and kvbench's --worker-extension-cls?") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ServerError(f"collective_rpc {method} on {base_url} failed: {exc}") from None
-
-
 def method_server_config(method: str, model: str, params: dict[str, Any] | None = None,
                          max_load_tokens_per_step: int = 0, max_store_bytes: int | None = None,
                          fault_injection: str | None = None, **options: Any) -> ServerConfig:
@@ -295,12 +283,12 @@ def method_server_config(method: str, model: str, params: dict[str, Any] | None 
     extension and the model handed to the connector once the server is up. The connector's
     settings (load spreading, store cap, injected faults) mean nothing to plain vLLM and are
     left out for it."""
-    from kvbench.methods.registry import WORKER_EXTENSION, get_method, kv_transfer_config
+    from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, method_class
 
-    uses_connector = get_method(method).uses_connector
+    uses_connector = method_class(method).uses_connector
     transfer = kv_transfer_config(method, params, max_load_tokens_per_step=max_load_tokens_per_step if uses_connector else None,
                                   max_store_bytes=max_store_bytes if uses_connector else None,
                                   fault_injection=fault_injection if uses_connector else None)
     return ServerConfig(model=model, kv_transfer_config=transfer,
                         worker_extension_cls=WORKER_EXTENSION if uses_connector else None,
-                        post_start_rpcs=["kvbench_attach_model"] if uses_connector else [], **options)
+                        post_start_rpcs=[WorkerRpc.ATTACH_MODEL] if uses_connector else [], **options)

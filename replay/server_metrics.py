@@ -80,7 +80,7 @@ class MetricsSampler:
             try:
                 async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as response:
                     values = parse_metrics(await response.text()) if response.status == 200 else {}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, UnicodeDecodeError):
+            except (TimeoutError, aiohttp.ClientError, ConnectionError, UnicodeDecodeError):
                 values = {}
             if url in self.pids:
                 rss = process_tree_rss(self.pids[url])

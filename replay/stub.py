@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from kvbench.contracts import Plan, ServerInfo, WorkerRpc, WorkerStats
 from kvbench.replay.prompts import reusable_rows
 
 StubMode = Literal["ok", "hang", "stream_error", "http_500", "truncate"]
@@ -28,6 +29,7 @@ class StubServer:
     # request (every PH row with a source counts as reused): the replayer's stats plumbing
     # without vLLM. A stand-in for tests, never a method.
     connector: bool = False
+    connector_method: str = "fullshared"  # the method its RPCs say it runs
     metrics_text: str = "vllm:num_requests_running 0\n"
     rpc_calls: list[str] = field(default_factory=list)
     _stats: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -79,13 +81,13 @@ class StubServer:
         return response
 
     def _record_stats(self, params: dict[str, Any], prompt_len: int) -> None:
-        plan = params.get("kvbench") or {}
-        if not plan.get("save_as"):
+        plan = Plan.from_params(params)  # the connector's own check of the plan
+        if plan is None or not plan.save_as:
             return
-        reused = reusable_rows(plan.get("segments", []), prompt_len)  # a perfect reuse
-        self._stats[plan["save_as"]] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
-                                        "recomputed_tokens": max(0, prompt_len - 1 - reused),
-                                        "source_missing_tokens": 0}
+        reused = reusable_rows(plan.segments, prompt_len)  # a perfect reuse
+        self._stats[plan.save_as] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
+                                     "recomputed_tokens": max(0, prompt_len - 1 - reused),
+                                     "source_missing_tokens": 0}
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -93,13 +95,16 @@ class StubServer:
         self.rpc_calls.append(method)
         if not self.connector:
             return web.json_response({"error": "no worker extension"}, status=500)
-        if method == "kvbench_stats":
+        if method == WorkerRpc.INFO:
+            result: Any = ServerInfo(self.connector_method, {}, True, "stub").to_dict()
+        elif method == WorkerRpc.STATS:
             requests = dict(self._stats)
             if str(kwargs.get("clear", "false")).lower() == "true":
                 self._stats.clear()
-            result: Any = {"method": "stub", "requests": requests, "store_bytes": 0, "store_peak_bytes": 0,
-                           "store_evictions": 0, "store_refused": 0, "method_state_bytes": {}}
-        elif method == "kvbench_reset":
+            result = WorkerStats(method=self.connector_method, params={}, requests=requests, store_bytes=0,
+                                 store_peak_bytes=0, store_entries=0, store_evictions=0, store_refused=0,
+                                 method_state_bytes={}, model_attached=True).to_dict()
+        elif method == WorkerRpc.RESET:
             self._stats.clear()
             result = True
         else:
@@ -107,7 +112,7 @@ class StubServer:
         return web.json_response({"results": [result]})
 
     def _app(self) -> web.Application:
-        def fixed(make: Any):  # noqa: ANN202
+        def fixed(make: Any):
             async def handler(_: web.Request) -> web.Response:
                 return make()  # a fresh response each time: one can be sent only once
             return handler
@@ -123,7 +128,7 @@ class StubServer:
         app.router.add_post("/reset_prefix_cache", fixed(lambda: web.Response(text="")))
         return app
 
-    def start(self) -> "StubServer":
+    def start(self) -> StubServer:
         ready = threading.Event()
 
         def serve() -> None:
@@ -151,7 +156,7 @@ class StubServer:
         if self._thread is not None:
             self._thread.join(10)
 
-    def __enter__(self) -> "StubServer":
+    def __enter__(self) -> StubServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -48,12 +48,12 @@ class SweepSpec:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "SweepSpec":
+    def from_json(cls, data: dict[str, Any]) -> SweepSpec:
         data = dict(data)
         data["methods"] = [MethodConfig(**m) for m in data["methods"]]
         return cls(**data)
 
-    def extends(self, stored: "SweepSpec") -> bool:
+    def extends(self, stored: SweepSpec) -> bool:
         """This grid is `stored` (a sweep already on disk) with possibly more method
         configurations and nothing else changed: its finished cells stay valid."""
         return (replace(self, methods=stored.methods) == stored

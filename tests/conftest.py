@@ -7,12 +7,21 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 from kvbench.model.store import resolve_model
 from kvbench.replay.server import ServerConfig, VLLMServer, method_server_config
 
 # KV slots of the connector server: small enough that concurrent long requests get preempted.
 FULLSHARED_BLOCKS = 56
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that needs the embedded model (built on first use, ~3 minutes) belongs to the engine
+    tier, like the tests that start vLLM: `pytest -m "not engine"` is the unit tier."""
+    for item in items:
+        if "default_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +44,7 @@ def fullshared_server(default_model: str, tmp_path_factory: pytest.TempPathFacto
     config = ServerConfig(
         model=default_model, log_path=Path(tmp_path_factory.mktemp("fullshared")) / "server.log",
         max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
-        worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=["kvbench_attach_model"],
+        worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=[WorkerRpc.ATTACH_MODEL],
         extra_args=["--num-gpu-blocks-override", str(FULLSHARED_BLOCKS)])
     with VLLMServer(config) as server:
         yield server

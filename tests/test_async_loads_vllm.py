@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from test_methods_vllm import _complete, _dense, _key, _kv_error, _max_dlogprob, _request_stats, bf16_noise, prompts  # noqa: F401
 
+from kvbench.contracts import CONTRACT_VERSION, Plan
 from kvbench.replay.client import stream_completion
 from kvbench.replay.server import VLLMServer, method_server_config
 
@@ -31,6 +32,10 @@ def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     config.kv_transfer_config["kv_connector_extra_config"]["fault_injection"] = "flagged"
     with VLLMServer(config) as server:
         yield server
+
+
+def _params(plan: dict) -> dict:
+    return Plan.from_dict({**plan, "version": CONTRACT_VERSION}).to_params()
 
 
 def _compute_all(prompt: list[int], key: str) -> dict:
@@ -81,7 +86,7 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
             key = _key()
             load = await stream_completion(session, url, {
                 **common, "prompt": prompts["p1"], "max_tokens": 1, "cache_salt": key,
-                "kv_transfer_params": {"kvbench": _compute_all(prompts["p1"], key)}}, 300, "load")
+                "kv_transfer_params": _params(_compute_all(prompts["p1"], key))}, 300, "load")
             return await decoding, load, key
 
     decoding, load, key = asyncio.run(scenario())
@@ -103,7 +108,7 @@ def test_the_load_budget_reaches_the_connector() -> None:
     from kvbench.cli import main
     from kvbench.cli.server_options import ServerOptions
     from kvbench.methods.base import MethodConfigError
-    from kvbench.methods.connector import ConnectorSettings
+    from kvbench.methods.connector.settings import ConnectorSettings
 
     options = ServerOptions(model=None, max_model_len=None, cpu_kv_cache_gib=2.0, startup_timeout_s=60.0,
                             method_params=(), vllm_args=(), max_load_tokens_per_step=512, max_store_bytes=None,
@@ -133,11 +138,11 @@ def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServ
         async with aiohttp.ClientSession() as session:
             long = asyncio.create_task(stream_completion(session, url, {
                 **common, "prompt": prompts["p1"], "cache_salt": long_key,
-                "kv_transfer_params": {"kvbench": _compute_all(prompts["p1"], long_key)}}, 300, "long"))
+                "kv_transfer_params": _params(_compute_all(prompts["p1"], long_key))}, 300, "long"))
             await asyncio.sleep(0.02)  # sent after the long one, while its load runs (4 engine steps)
             short = await stream_completion(session, url, {
                 **common, "prompt": short_prompt, "cache_salt": short_key,
-                "kv_transfer_params": {"kvbench": _compute_all(short_prompt, short_key)}}, 300, "short")
+                "kv_transfer_params": _params(_compute_all(short_prompt, short_key))}, 300, "short")
             return await long, short, long_key, short_key
 
     long, short, long_key, short_key = asyncio.run(scenario())

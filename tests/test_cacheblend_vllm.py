@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 from conftest import method_server
 from test_methods_vllm import (  # noqa: F401
-    _complete, _dense, _key, _kv_error, _request_stats, _reuse_q, _set_params, _small_replay, prompts)
+    _complete,
+    _dense,
+    _key,
+    _kv_error,
+    _request_stats,
+    _reuse_q,
+    _set_params,
+    _small_replay,
+    prompts,
+)
 
 from kvbench.replay.server import ServerError, VLLMServer
 

@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.replay.server import VLLMServer, collective_rpc, method_server_config
+from kvbench.replay.server import VLLMServer, method_server_config
+from kvbench.replay.worker_rpc import WorkerClient
 
 pytestmark = pytest.mark.engine
 
@@ -82,7 +83,7 @@ def test_calibrate_finds_a_threshold(method_server: tuple[str, VLLMServer]) -> N
     thresholds = [s["tau"] for s in report["steps"]]
     assert thresholds[0] == 0.5 and len(thresholds) == 3
     assert all(0 <= s["realized_rho"] <= 1 for s in report["steps"])
-    collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps({"tau": 0.3}))  # restore the default
+    WorkerClient(server.base_url).set_params({"tau": 0.3})  # restore the default
 
 
 def test_warmups_prime_the_anchor_pools_only_when_asked(method_server: tuple[str, VLLMServer],
@@ -121,7 +122,7 @@ def test_prematch_decides_alike_from_distances_kept_at_the_source(method_server:
     runs = {}
     try:
         for prematch in (False, True):
-            collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps({"prematch": prematch}))
+            WorkerClient(server.base_url).set_params({"prematch": prematch})
             out = tmp_path / f"prematch-{prematch}"
             result = _replay(server, method, out, "--num-warmups", "3", "--prime-method-state")
             assert result.exit_code == 0, result.output
@@ -130,7 +131,7 @@ def test_prematch_decides_alike_from_distances_kept_at_the_source(method_server:
                               zip(requests.itertuples(), requests["method_stats"].map(json.loads))
                               for d in s.get("decisions", [])]
     finally:
-        collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps({"prematch": False}))
+        WorkerClient(server.base_url).set_params({"prematch": False})
     off, on = runs[False], runs[True]
     assert [(t, turn, d["id"]) for t, turn, d in off] == [(t, turn, d["id"]) for t, turn, d in on]
     gated = [(a, b) for (_, _, a), (_, _, b) in zip(off, on) if "entropy" in a]

@@ -10,11 +10,17 @@ from collections.abc import Generator
 import pytest
 import torch
 
-from kvbench.methods.anchors import (EXACT_EIGH_MAX_FEATURES, Anchor, LowRank, anchor_distances, gate_from_distances,
-                                     interpolated_delta)
+from kvbench.contracts import Plan, PlanSegment
+from kvbench.methods.anchors import (
+    EXACT_EIGH_MAX_FEATURES,
+    Anchor,
+    LowRank,
+    anchor_distances,
+    gate_from_distances,
+    interpolated_delta,
+)
 from kvbench.methods.base import LoadContext, SegmentReuse
 from kvbench.methods.paged import PlainLayout
-from kvbench.methods.plan import Plan, PlanSegment
 from kvbench.methods.registry import method_class
 from kvbench.methods.rope import RopeAligner
 from kvbench.methods.store import SavedKV

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from kvbench.methods.connector import LoadJob, LoadSpec, next_load, planned_rows
-from kvbench.methods.plan import Plan, PlanSegment
+from kvbench.contracts import Plan, PlanSegment
+from kvbench.methods.connector.loads import LoadJob, next_load, planned_rows
+from kvbench.methods.connector.specs import LoadSpec
 
 LAYERS = 4
 

@@ -16,7 +16,9 @@ import torch
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.replay.server import VLLMServer, collective_rpc
+from kvbench.contracts import CONTRACT_VERSION, Plan
+from kvbench.replay.server import VLLMServer
+from kvbench.replay.worker_rpc import WorkerClient
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.tokenizer import load_tokenizer
 
@@ -48,7 +50,7 @@ def _complete(server: VLLMServer, prompt: list[int], plan: dict | None = None, s
     body: dict = {"model": server.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                   "ignore_eos": True, "logprobs": 20, "return_tokens_as_token_ids": True}
     if plan is not None:
-        body["kv_transfer_params"] = {"kvbench": plan}
+        body["kv_transfer_params"] = Plan.from_dict({**plan, "version": CONTRACT_VERSION}).to_params()
     if salt is not None:
         body["cache_salt"] = salt
     request = urllib.request.Request(f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),
@@ -101,12 +103,11 @@ def _reuse_q(prompts: dict, target: str, source_key: str, save_as: str, **extra)
 
 
 def _kv_error(server: VLLMServer, key: str, reference: str, start: int = 0, stop: int | None = None) -> dict:
-    kwargs = {"start": str(start), "stop": "" if stop is None else str(stop)}
-    return collective_rpc(server.base_url, "kvbench_kv_error", key=key, reference=reference, **kwargs)[0]
+    return WorkerClient(server.base_url).kv_error(key, reference, start, stop)[0]
 
 
 def _request_stats(server: VLLMServer, key: str) -> dict:
-    return collective_rpc(server.base_url, "kvbench_stats")[0]["requests"][key]
+    return dict(WorkerClient(server.base_url).stats()[0].requests[key])
 
 
 def _small_replay(server: VLLMServer, method: str, result_dir: Path) -> tuple[pd.DataFrame, dict, list[dict]]:
@@ -124,7 +125,7 @@ def _small_replay(server: VLLMServer, method: str, result_dir: Path) -> tuple[pd
 
 def _set_params(server: VLLMServer, **params: object) -> dict:
     """Swap the server's method parameters (its learned state is dropped); returns them all."""
-    return collective_rpc(server.base_url, "kvbench_set_params", params=json.dumps(params))[0]
+    return WorkerClient(server.base_url).set_params(params)
 
 
 @pytest.mark.parametrize("name", ["p0", "p1"])
@@ -171,8 +172,9 @@ def test_rope_realignment_of_layer0_keys(server: VLLMServer, prompts: dict) -> N
     _dense(server, prompts["p1"], dense_key)
     s0, s1, rows = len(prompts["sys0"]), len(prompts["sys1"]), 256
     assert s0 != s1  # q really moved
-    rpc = lambda key, start: collective_rpc(server.base_url, "kvbench_saved_rows", key=key, layer="0",  # noqa: E731
-                                            start=str(start), stop=str(start + rows))[0]
+    def rpc(key: str, start: int) -> dict:
+        return WorkerClient(server.base_url).saved_rows(key, 0, start, start + rows)[0]
+
     realigned = torch.tensor(rpc(target_key, s1)["k"])
     fresh = torch.tensor(rpc(dense_key, s1)["k"])
     unrotated = torch.tensor(rpc(source_key, s0)["k"])

@@ -26,14 +26,17 @@ def quick_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return builds
 
 
+@pytest.mark.engine  # trains models (two steps each, but the tokenizer and corpus too)
 def test_same_seed_gives_identical_weights(quick_builds: dict[str, dict]) -> None:
     assert quick_builds["a"]["weights_sha256"] == quick_builds["b"]["weights_sha256"]
 
 
+@pytest.mark.engine  # trains models (two steps each, but the tokenizer and corpus too)
 def test_different_seed_gives_different_weights(quick_builds: dict[str, dict]) -> None:
     assert quick_builds["a"]["weights_sha256"] != quick_builds["c"]["weights_sha256"]
 
 
+@pytest.mark.engine  # trains models (two steps each, but the tokenizer and corpus too)
 def test_manifest_hash_matches_saved_file(quick_builds: dict[str, dict]) -> None:
     from safetensors.torch import load_file
 

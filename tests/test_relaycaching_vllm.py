@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 from conftest import method_server
 from test_methods_vllm import (  # noqa: F401
-    _complete, _dense, _key, _kv_error, _request_stats, _reuse_q, _set_params, _small_replay, prompts)
+    _complete,
+    _dense,
+    _key,
+    _kv_error,
+    _request_stats,
+    _reuse_q,
+    _set_params,
+    _small_replay,
+    prompts,
+)
 
 from kvbench.replay.server import ServerError, VLLMServer
 
@@ -37,7 +46,8 @@ def test_detection_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) 
         _set_params(server, **taus)
         key = _key()
         _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key), salt=key)
-        errors[name], stats[name] = _kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"], _request_stats(server, key)
+        errors[name] = _kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"]
+        stats[name] = _request_stats(server, key)
     close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
     relay = {name: s["relay"] for name, s in stats.items()}
     assert all(r["det_layer"] == DET_LAYER and r["candidate_tokens"] == q for r in relay.values())

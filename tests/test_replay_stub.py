@@ -11,14 +11,17 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
+from kvbench.contracts import Plan
 from kvbench.replay.records import JOURNAL_NAME
 from kvbench.replay.stub import StubServer
 
 SMALL = ["--shared-tokens", "64", "--output-len", "4"]
 
 
-def _replay(*args: str):
-    return CliRunner().invoke(main, ["replay", *args], prog_name="kvbench")
+def _replay(*args: str, model: Path | None = None):
+    """`kvbench replay`, its in-memory trace and prompts tokenized by `model` (a tokenizer directory)."""
+    return CliRunner().invoke(main, ["replay", *(["--model", str(model)] if model else []), *args],
+                              prog_name="kvbench")
 
 
 @pytest.fixture
@@ -27,13 +30,13 @@ def stub():
         yield server
 
 
-def test_requests_chain_outputs_into_prompts(default_model: str, stub: StubServer, tmp_path: Path) -> None:
+def test_requests_chain_outputs_into_prompts(tiny_tokenizer_dir: Path, stub: StubServer, tmp_path: Path) -> None:
     result = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "2", *SMALL,
-                     "--save-prompt-ids", "--result-dir", str(tmp_path / "r"))
+                     "--save-prompt-ids", "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)
     assert result.exit_code == 0, result.output
     requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
     assert len(requests) == 8 and requests["success"].all()
-    for trajectory_id, turns in requests.groupby("trajectory_id"):
+    for _, turns in requests.groupby("trajectory_id"):
         by_turn = turns.set_index("turn_id")
         a0_output = list(by_turn.loc["A0.r0", "output_token_ids"])
         assert len(a0_output) == 4
@@ -50,37 +53,39 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
     return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
 
 
-def test_plan_spans_match_prompt_tokens(default_model: str) -> None:
+def test_plan_spans_match_prompt_tokens(tiny_tokenizer_dir: Path) -> None:
     from kvbench.replay.prompts import PromptBuilder
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(str(tiny_tokenizer_dir))
     _, (trajectory,) = generate_trace(TraceSpec(shared_tokens=200, output_len=5, num_trajectories=1), tokenizer)
     builder = PromptBuilder(tokenizer, [], run_id="run")
     outputs, prompts = {}, {}
     for k, turn in enumerate(trajectory.turns):
         prompt = builder.build(trajectory, turn, outputs, prompts)
-        plan = prompt.plan["kvbench"]
-        assert plan["save_as"] == f"run/{trajectory.trajectory_id}/{turn.turn_id}"
-        q = next(s for s in plan["segments"] if s["id"] == "q")
-        assert prompt.token_ids[q["start"]:q["start"] + q["length"]] == tokenizer.encode(trajectory.shared["q"].text)
-        for segment in plan["segments"]:
-            if segment["kind"] == "ph" and segment.get("source"):
-                source = prompts[segment["source_turn"]]
-                source_cache = source.token_ids + outputs[segment["source_turn"]]
-                start, n = segment["source_start"], segment["length"]
-                mine = prompt.token_ids[segment["start"]:segment["start"] + n]
+        plan = Plan.from_params(prompt.plan.to_params())  # what the connector reads
+        assert plan is not None and plan == prompt.plan
+        assert plan.save_as == f"run/{trajectory.trajectory_id}/{turn.turn_id}"
+        q = next(s for s in plan.segments if s.id == "q")
+        assert prompt.token_ids[q.start:q.start + q.length] == tokenizer.encode(trajectory.shared["q"].text)
+        for segment in plan.segments:
+            if segment.kind == "ph" and segment.source:
+                assert segment.source_turn is not None and segment.source_start is not None
+                source = prompts[segment.source_turn]
+                source_cache = source.token_ids + outputs[segment.source_turn]
+                start, n = segment.source_start, segment.length
+                mine = prompt.token_ids[segment.start:segment.start + n]
                 assert source_cache[start:start + n] == mine  # the source span holds the same tokens
-                assert segment["source_turn"] in turn.after  # chained along the workflow edge
+                assert segment.source_turn in turn.after  # chained along the workflow edge
         outputs[turn.turn_id] = [100 + k] * 5
         prompts[turn.turn_id] = prompt
-    assert plan["segments"][2]["source"] is not None  # A3 reuses q from A2
+    assert plan.segments[2].source is not None  # A3 reuses q from A2
 
 
-def test_arrivals_follow_the_schedule(default_model: str, stub: StubServer, tmp_path: Path) -> None:
+def test_arrivals_follow_the_schedule(tiny_tokenizer_dir: Path, stub: StubServer, tmp_path: Path) -> None:
     result = _replay("--base-url", stub.base_url, "--qps", "10", "--arrival", "constant", "--num-trajectories", "20",
-                     *SMALL, "--result-dir", str(tmp_path / "r"))
+                     *SMALL, "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)
     assert result.exit_code == 0, result.output
     requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
     first = requests[requests["turn_id"] == "A0.r0"].sort_values("scheduled_ns")
@@ -91,17 +96,17 @@ def test_arrivals_follow_the_schedule(default_model: str, stub: StubServer, tmp_
     assert lag_ms.median() < 50
 
 
-def test_fan_out_turns_run_concurrently(default_model: str, tmp_path: Path) -> None:
+def test_fan_out_turns_run_concurrently(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.schema import write_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     header, trajectories = generate_trace(TraceSpec(workflow="fan-out", shared_tokens=32, output_len=8,
-                                                    num_trajectories=1), load_tokenizer(None))
+                                                    num_trajectories=1), load_tokenizer(str(tiny_tokenizer_dir)))
     write_trace(tmp_path / "t.jsonl", header, trajectories)
     with StubServer(token_delay_s=0.02) as slow:
         result = _replay("--trace", str(tmp_path / "t.jsonl"), "--base-url", slow.base_url, "--qps", "0",
-                         "--result-dir", str(tmp_path / "r"))
+                         "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)
     assert result.exit_code == 0, result.output
     leaves = pd.read_parquet(tmp_path / "r" / "requests.parquet").query("turn_id != 'A0.r0'")
     assert leaves["sent_ns"].max() < leaves["end_ns"].min()  # all three in flight together
@@ -109,10 +114,10 @@ def test_fan_out_turns_run_concurrently(default_model: str, tmp_path: Path) -> N
 
 @pytest.mark.parametrize("mode,error_type", [("stream_error", "stream_error"), ("http_500", "http_500"),
                                              ("truncate", "truncated_stream"), ("hang", "timeout")])
-def test_request_failures_are_recorded(default_model: str, tmp_path: Path, mode: str, error_type: str) -> None:
+def test_request_failures_are_recorded(tiny_tokenizer_dir: Path, tmp_path: Path, mode: str, error_type: str) -> None:
     with StubServer(mode=mode) as bad:
         result = _replay("--base-url", bad.base_url, "--qps", "0", "--num-trajectories", "2", *SMALL,
-                         "--request-timeout", "1", "--result-dir", str(tmp_path / "r"))
+                         "--request-timeout", "1", "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)
     assert result.exit_code == 1 and "every request failed" in result.output
     assert error_type in result.output
     requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
@@ -122,18 +127,18 @@ def test_request_failures_are_recorded(default_model: str, tmp_path: Path, mode:
     assert summary["failed"] == 8 and summary["completed"] == 0 and summary["failed_trajectories"] == 2
 
 
-def test_resume_finishes_an_interrupted_run(default_model: str, stub: StubServer, tmp_path: Path) -> None:
+def test_resume_finishes_an_interrupted_run(tiny_tokenizer_dir: Path, stub: StubServer, tmp_path: Path) -> None:
     out = tmp_path / "r"
     assert _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,
-                   "--result-dir", str(out)).exit_code == 0
+                   "--result-dir", str(out), model=tiny_tokenizer_dir).exit_code == 0
     journal = out / JOURNAL_NAME
     lines = journal.read_text().splitlines()
     journal.write_text("\n".join(lines[:6]) + "\n{\"torn")  # killed mid-way through trajectory 2
     refused = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,
-                      "--result-dir", str(out))
+                      "--result-dir", str(out), model=tiny_tokenizer_dir)
     assert refused.exit_code == 1 and "--resume" in refused.output  # never overwrites
     resumed = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,
-                      "--result-dir", str(out), "--resume")
+                      "--result-dir", str(out), "--resume", model=tiny_tokenizer_dir)
     assert resumed.exit_code == 0, resumed.output
     requests = pd.read_parquet(out / "requests.parquet")
     assert len(requests) == 12 and requests["success"].all()
@@ -147,11 +152,12 @@ def test_unknown_method_is_a_usage_error(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "unknown method 'telepathy'" in result.output
 
 
-def test_unreachable_server_is_a_clear_error(default_model: str, tmp_path: Path) -> None:
+def test_unreachable_server_is_a_clear_error(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = _replay("--base-url", f"http://127.0.0.1:{port}", *SMALL, "--result-dir", str(tmp_path / "r"))
+    result = _replay("--base-url", f"http://127.0.0.1:{port}", *SMALL, "--result-dir", str(tmp_path / "r"),
+                     model=tiny_tokenizer_dir)
     assert result.exit_code == 1 and "cannot reach a vLLM server" in result.output
     assert "Traceback" not in result.output
 
@@ -163,12 +169,12 @@ def test_malformed_trace_is_a_clear_error(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "line 2: not JSON" in result.output
 
 
-def test_port_in_use_is_a_clear_error(default_model: str, tmp_path: Path) -> None:
+def test_port_in_use_is_a_clear_error(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = _replay("--port", str(port), *SMALL, "--result-dir", str(tmp_path / "r"))
+        result = _replay("--port", str(port), *SMALL, "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)
     assert result.exit_code == 1 and f"port {port}" in result.output and "already in use" in result.output
 
 

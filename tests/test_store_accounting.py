@@ -66,7 +66,7 @@ def _server_options(*args: str) -> tuple[Result, ServerOptions | None]:
 
 
 def test_store_cap_and_fault_injection_are_kvbench_options() -> None:
-    from kvbench.methods.connector import ConnectorSettings
+    from kvbench.methods.connector.settings import ConnectorSettings
 
     result, options = _server_options("--max-store-bytes", "32MiB", "--fault-injection", "0.25")
     assert result.exit_code == 0 and options is not None, result.output
@@ -81,7 +81,7 @@ def test_store_cap_and_fault_injection_are_kvbench_options() -> None:
 
 
 def test_a_fault_fraction_fails_that_share_of_loads_alike_everywhere() -> None:
-    from kvbench.methods.connector import fault_fraction, fault_hash
+    from kvbench.methods.connector.settings import fault_fraction, fault_hash
 
     keys = [f"run/s0/t{i:06d}/A1.r0" for i in range(4000)]
     share = sum(fault_hash(k) < 0.25 for k in keys) / len(keys)

@@ -16,8 +16,15 @@ from test_methods_vllm import _complete, _dense, _key, _reuse_q, prompts  # noqa
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.method_stats import rank_mismatch
 from kvbench.replay.runner import ReplayConfig, run_replay
-from kvbench.replay.server import (ServerError, VLLMServer, collective_rpc, cpu_binding, method_server_config,
-                                   reserved_cpu_cores, tensor_parallel_size)
+from kvbench.replay.server import (
+    ServerError,
+    VLLMServer,
+    cpu_binding,
+    method_server_config,
+    reserved_cpu_cores,
+    tensor_parallel_size,
+)
+from kvbench.replay.worker_rpc import WorkerClient
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -159,7 +166,7 @@ def test_a_load_failing_on_one_rank_falls_back_on_every_rank(default_model: str,
         dense = _dense(server, prompts["p1"], _key(), max_tokens=8)
         faulty = _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key, inject_fault=True),
                            salt=key, max_tokens=8)
-        ranks = [worker["requests"][key] for worker in collective_rpc(server.base_url, "kvbench_stats")]
+        ranks = [worker.requests[key] for worker in WorkerClient(server.base_url).stats()]
     assert faulty["text"] == dense["text"]
     assert len(ranks) == 2
     for stats in ranks:

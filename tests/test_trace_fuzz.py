@@ -2,7 +2,8 @@
 validate` with a clear error (line and field, exit 1) or replays against the stub server; no
 mutation gives a traceback. KVBENCH_FUZZ_MUTATIONS sets how many (default 1500, under a minute on
 two cores), KVBENCH_FUZZ_SEED the first seed (default 0): a longer run is
-`KVBENCH_FUZZ_MUTATIONS=20000 pytest tests/test_trace_fuzz.py`."""
+`KVBENCH_FUZZ_MUTATIONS=20000 pytest tests/test_trace_fuzz.py`. The unit tier runs the first
+QUICK_MUTATIONS of them, the slow (engine) tier the rest."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.trace_mutations import TraceMutator
 
 MUTATIONS = int(os.environ.get("KVBENCH_FUZZ_MUTATIONS", "1500"))
 FIRST_SEED = int(os.environ.get("KVBENCH_FUZZ_SEED", "0"))
+QUICK_MUTATIONS = min(MUTATIONS, 300)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +51,20 @@ def _no_traceback(result, what: str) -> None:
     assert "Traceback" not in result.output, f"{what}:\n{result.output[-3000:]}"
 
 
-def test_every_mutated_trace_is_refused_clearly_or_replays(base_lines: list[dict], tmp_path: Path) -> None:
+@pytest.mark.parametrize("first, count", [
+    pytest.param(FIRST_SEED, QUICK_MUTATIONS, id="quick"),
+    pytest.param(FIRST_SEED + QUICK_MUTATIONS, MUTATIONS - QUICK_MUTATIONS, id="rest", marks=pytest.mark.engine),
+])
+def test_every_mutated_trace_is_refused_clearly_or_replays(base_lines: list[dict], tmp_path: Path, first: int,
+                                                           count: int) -> None:
+    if count <= 0:
+        pytest.skip("KVBENCH_FUZZ_MUTATIONS leaves no mutations for this part")
     mutator = TraceMutator(base_lines)
     runner = CliRunner()
     refused: dict[str, int] = {}
     replayed: dict[str, int] = {}
     with StubServer(max_model_len=1024) as stub:
-        for seed in range(FIRST_SEED, FIRST_SEED + MUTATIONS):
+        for seed in range(first, first + count):
             name, data = mutator.mutate(seed)
             path = tmp_path / f"m{seed}.jsonl"
             path.write_bytes(data)
@@ -74,6 +83,6 @@ def test_every_mutated_trace_is_refused_clearly_or_replays(base_lines: list[dict
             _no_traceback(replay, what)
             assert replay.exit_code in (0, 1), f"{what}:\n{replay.output[-3000:]}"
             replayed[name] = replayed.get(name, 0) + 1
-    print(f"\n{MUTATIONS} mutations: refused by validate {sum(refused.values())} {refused}; "
+    print(f"\n{count} mutations: refused by validate {sum(refused.values())} {refused}; "
           f"replayed {sum(replayed.values())} {replayed}")
-    assert sum(refused.values()) > MUTATIONS / 4 and sum(replayed.values()) > MUTATIONS / 20  # both paths exercised
+    assert sum(refused.values()) > count / 4 and sum(replayed.values()) > count / 20  # both paths exercised

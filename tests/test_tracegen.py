@@ -20,7 +20,13 @@ from kvbench.tracegen.workflows import WORKFLOWS
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model: str):
+def tokenizer(tiny_tokenizer_dir: Path):
+    return load_tokenizer(str(tiny_tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer(default_model: str):
+    """The embedded model's tokenizer: for figures that depend on its vocabulary."""
     return load_tokenizer(None)
 
 
@@ -80,7 +86,8 @@ def test_shared_context_has_exact_token_count_and_prompts_add_up(tokenizer) -> N
                 assert total == trajectory.prompt_tokens(turn)
 
 
-def test_each_trajectory_has_its_own_natural_looking_context(tokenizer) -> None:
+def test_each_trajectory_has_its_own_natural_looking_context(embedded_tokenizer) -> None:
+    tokenizer = embedded_tokenizer
     _, trajectories = generate_trace(TraceSpec(shared_tokens=512, num_trajectories=5), tokenizer)
     texts = [t.shared["q"].text for t in trajectories]
     assert len(set(texts)) == 5
@@ -89,12 +96,12 @@ def test_each_trajectory_has_its_own_natural_looking_context(tokenizer) -> None:
     assert sum(w[0].isupper() for w in words) > len(words) / 20  # sentences
 
 
-def test_same_seed_same_bytes_different_seed_different_content(default_model: str, tmp_path: Path) -> None:
+def test_same_seed_same_bytes_different_seed_different_content(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     paths = {}
     for name, seed in [("a", 11), ("b", 11), ("c", 12)]:
         paths[name] = tmp_path / f"{name}.jsonl"
-        result = _invoke("gen-trace", "-o", str(paths[name]), "--num-trajectories", "3", "--seed", str(seed),
-                         "--shared-tokens", "300")
+        result = _invoke("gen-trace", "--model", str(tiny_tokenizer_dir), "-o", str(paths[name]),
+                         "--num-trajectories", "3", "--seed", str(seed), "--shared-tokens", "300")
         assert result.exit_code == 0, result.output
     assert paths["a"].read_bytes() == paths["b"].read_bytes()
     assert paths["a"].read_bytes() != paths["c"].read_bytes()
@@ -131,7 +138,8 @@ def test_arrival_processes() -> None:
         arrival_times(3, qps=1, burstiness=0)
 
 
-def test_stats_shared_tokens_per_edge_and_reuse(tokenizer) -> None:
+def test_stats_shared_tokens_per_edge_and_reuse(embedded_tokenizer) -> None:
+    tokenizer = embedded_tokenizer
     header, trajectories = generate_trace(TraceSpec(shared_tokens=1000, output_len=50, num_trajectories=2),
                                           tokenizer)
     stats = trace_stats(Trace(header=header, trajectories=trajectories))
@@ -162,9 +170,11 @@ def test_mooncake_export_chains_block_hashes(tokenizer) -> None:
     assert [r["hash_ids"] for r in again] == [r["hash_ids"] for r in records[:3]]
 
 
-def test_cli_stats_and_export(default_model: str, tmp_path: Path) -> None:
+def test_cli_stats_and_export(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    assert _invoke("gen-trace", "-o", str(path), "--num-trajectories", "2", "--shared-tokens", "600").exit_code == 0
+    generated = _invoke("gen-trace", "--model", str(tiny_tokenizer_dir), "-o", str(path), "--num-trajectories", "2",
+                        "--shared-tokens", "600")
+    assert generated.exit_code == 0, generated.output
     validated = _invoke("trace", "validate", str(path))
     assert validated.exit_code == 0 and "valid kvbench-trace v1, 2 trajectories, 8 turns" in validated.output
     stats = _invoke("trace", "stats", str(path), "--json")

@@ -9,8 +9,17 @@ from dataclasses import asdict, dataclass
 from kvbench import __version__
 from kvbench.tracegen.arrivals import arrival_times
 from kvbench.tracegen.roles import MAX_AGENTS, Role, roles_for
-from kvbench.tracegen.schema import (OUT_PREFIX, TRACE_FORMAT, TRACE_VERSION, Agent, Segment, SharedText,
-                                     TraceHeader, Trajectory, Turn)
+from kvbench.tracegen.schema import (
+    OUT_PREFIX,
+    TRACE_FORMAT,
+    TRACE_VERSION,
+    Agent,
+    Segment,
+    SharedText,
+    TraceHeader,
+    Trajectory,
+    Turn,
+)
 from kvbench.tracegen.text import document_words, question
 from kvbench.tracegen.tokenizer import TraceTokenizer
 from kvbench.tracegen.workflows import workflow_turns

@@ -105,7 +105,7 @@ class Segment(_Strict):
     num_tokens: int | None = Field(default=None, ge=0, le=MAX_SEGMENT_TOKENS)
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "Segment":
+    def _one_kind(self) -> Segment:
         if (self.pf is None) == (self.ph is None):
             raise ValueError("a segment has exactly one of 'pf' or 'ph'")
         if self.pf == "text" and (self.text is None or self.num_tokens is None):

@@ -8,8 +8,8 @@ from kvbench import __version__
 from kvbench.cli.analysis import compare_command, report_command
 from kvbench.cli.model import model_group
 from kvbench.cli.quickstart import quickstart_command
-from kvbench.cli.sweep import paper_command, sweep_command
 from kvbench.cli.replay import calibrate_command, methods_command, replay_command, serve_command
+from kvbench.cli.sweep import paper_command, sweep_command
 from kvbench.cli.trace import gen_trace_command, trace_group
 
 

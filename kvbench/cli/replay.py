@@ -39,11 +39,10 @@ def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
-    from kvbench.methods.registry import get_method, validate_params
+    from kvbench.methods.registry import validate_params
 
     params = parse_method_params(method_params)
     try:
-        get_method(method)
         validate_params(method, params)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--method/--method-param") from None
@@ -272,12 +271,18 @@ def serve_command(method: str, host: str, port: int, server: ServerOptions) -> N
 
 
 @click.command("methods")
-def methods_command() -> None:
-    """List the KV sharing methods and what each does."""
-    from kvbench.methods.registry import METHODS
+@click.option("--markdown", is_flag=True, help="One markdown table (the README's and docs' method table).")
+def methods_command(markdown: bool) -> None:
+    """List the KV sharing methods: what each does and its parameters (set with --method-param)."""
+    from kvbench.methods.registry import all_methods, methods_table
 
-    for name, info in sorted(METHODS.items()):
-        click.echo(f"{name:20s} {info.summary}")
+    if markdown:
+        click.echo(methods_table())
+        return
+    for name, cls in all_methods().items():
+        click.echo(f"{name:20s} {'exact' if not cls.approximate else 'approximate'}: {cls.summary}")
+        for param, default, description in cls.Params.describe():
+            click.echo(f"{'':22s}{param}={default}  {description}")
 
 
 @click.command("calibrate")
@@ -317,7 +322,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
                                            output_len, seed)
 
-    def show(step) -> None:  # noqa: ANN001
+    def show(step) -> None:
         click.echo(f"  {cls.threshold_name}={step.threshold:.4f} -> realized rho {step.realized_rho:.3f}", err=True)
 
     try:

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 
-def _csv(kind: type):  # noqa: ANN202
+def _csv(kind: type):
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list | None:
         if value is None:
             return None
@@ -23,7 +23,7 @@ def _csv(kind: type):  # noqa: ANN202
 
 def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[Any]:
     """`kvcmas:V=5,10` (repeatable) -> one configuration per value combination of that method."""
-    from kvbench.methods.registry import get_method, validate_params
+    from kvbench.methods.registry import method_class, validate_params
     from kvbench.replay.sweep import MethodConfig
 
     grids: dict[str, dict[str, list[Any]]] = {m: {} for m in methods}
@@ -38,7 +38,7 @@ def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[An
     configs = []
     for method in methods:
         try:
-            get_method(method)
+            method_class(method)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--methods") from None
         keys = sorted(grids[method])
@@ -52,7 +52,7 @@ def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[An
     return configs
 
 
-def _sweep_options(func):  # noqa: ANN001, ANN202
+def _sweep_options(func):
     for option in reversed([
         click.option("--methods", callback=_csv(str), default=None, help="Comma-separated methods."),
         click.option("--method-param", "method_params", multiple=True, metavar="METHOD:KEY=V1,V2",

@@ -65,7 +65,7 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     click.echo(f"wrote {output}: {len(trajectories)} trajectories, {turns} turns, {size:,} bytes")
 
 
-def _stderr_console():  # noqa: ANN202
+def _stderr_console():
     from rich.console import Console
 
     return Console(stderr=True)

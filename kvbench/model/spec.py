@@ -43,7 +43,7 @@ class TinyModelSpec:
         payload = json.dumps({"recipe": BUILD_RECIPE_VERSION, **self.to_dict()}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
-    def with_overrides(self, **overrides: Any) -> "TinyModelSpec":
+    def with_overrides(self, **overrides: Any) -> TinyModelSpec:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"unknown model spec field(s): {', '.join(sorted(unknown))}")

@@ -1,0 +1,210 @@
+"""What crosses the process boundary between the replayer and the connector inside vLLM.
+
+Three contracts, versioned together: the per-request plan (sent in `kv_transfer_params`), the
+worker RPCs (vLLM's `/collective_rpc` into kvbench's worker extension), and the stats those RPCs
+return. Both sides import this module; it imports neither vLLM nor torch. A change to any field
+here bumps CONTRACT_VERSION, and each side checks the other's version before relying on a key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+from typing import Any, Literal, TypedDict
+
+CONTRACT_VERSION = 1
+PLAN_KEY = "kvbench"  # the plan's key in a request's kv_transfer_params
+
+
+class ContractError(ValueError):
+    """The replayer and the server disagree on a contract (another kvbench version, or a server
+    running something else)."""
+
+
+# ---------------------------------------------------------------------------------- the plan
+SegmentKind = Literal["pf", "ph"]
+
+
+@dataclass(frozen=True)
+class PlanSegment:
+    """One span of a prompt: a private prefix (pf) or a shared segment (ph)."""
+
+    kind: SegmentKind
+    id: str  # "system", "text", or the shared segment's key ("q", "out:A0.r0")
+    start: int
+    length: int
+    source: str | None = None  # cache key of the turn whose cache holds this PH segment
+    source_start: int | None = None  # where the segment starts in that cache
+    source_turn: str | None = None  # that turn's id in the trace
+    source_agent: str | None = None  # its agent (the edge source_agent -> plan.agent)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> PlanSegment:
+        if not isinstance(raw, dict):
+            raise ContractError(f"a plan segment must be an object, got {type(raw).__name__}")
+        if raw.get("kind") not in ("pf", "ph"):
+            raise ContractError(f"a plan segment's kind must be 'pf' or 'ph', got {raw.get('kind')!r}")
+        try:
+            return cls(kind=raw["kind"], id=str(raw["id"]), start=int(raw["start"]), length=int(raw["length"]),
+                       source=raw.get("source"),
+                       source_start=None if raw.get("source_start") is None else int(raw["source_start"]),
+                       source_turn=raw.get("source_turn"), source_agent=raw.get("source_agent"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ContractError(f"bad plan segment {raw!r}: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Workload facts of one request (never method parameters, which live in the server's
+    connector config), so one trace replays against every method unchanged."""
+
+    trajectory: str
+    turn: str
+    agent: str
+    save_as: str | None  # where the connector saves this request's cache when it finishes
+    segments: tuple[PlanSegment, ...] = ()
+    # False: vLLM prefills the request itself and the connector only saves its cache (e.g. a
+    # dense reference for measuring KV error).
+    claim: bool = True
+    inject_fault: bool = False  # honoured only with kv_connector_extra_config.fault_injection="flagged"
+    version: int = CONTRACT_VERSION
+
+    @property
+    def sources(self) -> set[str]:
+        return {s.source for s in self.segments if s.source}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["segments"] = [asdict(s) for s in self.segments]
+        return out
+
+    def to_params(self) -> dict[str, Any]:
+        """The request's `kv_transfer_params`."""
+        return {PLAN_KEY: self.to_dict()}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Plan:
+        if not isinstance(raw, dict):
+            raise ContractError(f"a kvbench plan must be an object, got {type(raw).__name__}")
+        if raw.get("version") != CONTRACT_VERSION:
+            raise ContractError(f"plan version {raw.get('version')!r}, this kvbench reads version {CONTRACT_VERSION}: "
+                                "the replayer and the server run different kvbench versions")
+        segments = raw.get("segments", [])
+        if not isinstance(segments, list):
+            raise ContractError("a kvbench plan's segments must be a list")
+        return cls(trajectory=str(raw.get("trajectory", "")), turn=str(raw.get("turn", "")),
+                   agent=str(raw.get("agent", "")), save_as=raw.get("save_as"),
+                   segments=tuple(PlanSegment.from_dict(s) for s in segments),
+                   claim=bool(raw.get("claim", True)), inject_fault=bool(raw.get("inject_fault", False)))
+
+    @classmethod
+    def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> Plan | None:
+        """The plan in a request's `kv_transfer_params`; None for requests without one (plain
+        vLLM requests)."""
+        raw = (kv_transfer_params or {}).get(PLAN_KEY)
+        return cls.from_dict(raw) if raw else None
+
+
+# ---------------------------------------------------------------------------------- worker RPCs
+class WorkerRpc(StrEnum):
+    """Methods of kvbench's vLLM worker extension, called over `/collective_rpc` (arguments are
+    strings: the endpoint passes JSON kwargs through)."""
+
+    INFO = "kvbench_info"  # -> ServerInfo: what the server runs
+    ATTACH_MODEL = "kvbench_attach_model"  # hand the loaded model to the connector (idempotent)
+    STATS = "kvbench_stats"  # (clear) -> WorkerStats
+    SET_PARAMS = "kvbench_set_params"  # (params: JSON object) -> the method's parameters
+    RESET = "kvbench_reset"  # (keep_method_state) -> True
+    KV_ERROR = "kvbench_kv_error"  # (key, reference, start, stop) -> per-layer normalized error
+    SAVED_ROWS = "kvbench_saved_rows"  # (key, layer, start, stop) -> K/V rows of a saved cache
+
+
+# ---------------------------------------------------------------------------------- stats
+class SegmentDecision(TypedDict, total=False):
+    id: str
+    source: str | None
+    reused: int
+
+
+class LoadStats(TypedDict, total=False):
+    """What the connector records per request (by its plan's `save_as`). The first five keys
+    are what the replayer's records take; methods add their own (gate decisions, `blend`...)."""
+
+    reused_tokens: int  # rows served from a source (whole-token units)
+    recomputed_tokens: int  # rows computed by the partial forward
+    eligible_tokens: int  # rows a source held with identical tokens
+    source_missing_tokens: int  # rows whose named source the store no longer held
+    ph_without_source_tokens: int
+    method: str
+    materialize_s: float
+    attention_s: float
+    load_s: float
+    save_s: float
+    segments: list[SegmentDecision]
+    turn: str
+    agent: str
+    local_tokens: int  # rows vLLM's prefix cache held
+    claimed_tokens: int
+    load_steps: int
+    load_step_batches: list[int]
+    load_step_offsets_s: list[float]
+    fallback: str  # "dense": the load failed and vLLM recomputed the request
+    error: str
+
+
+def _checked(cls: type, raw: Any, what: str) -> dict[str, Any]:
+    """The fields of dataclass `cls` from an RPC answer, refusing another contract version or a
+    missing key with an error that names them."""
+    if not isinstance(raw, dict):
+        raise ContractError(f"{what}: expected an object, got {type(raw).__name__}")
+    if raw.get("contract_version") != CONTRACT_VERSION:
+        raise ContractError(f"{what}: the server speaks kvbench contract version {raw.get('contract_version')!r}, "
+                            f"this replayer {CONTRACT_VERSION}; install the same kvbench on both sides")
+    names = [f.name for f in fields(cls)]
+    if missing := [name for name in names if name not in raw]:
+        raise ContractError(f"{what}: the answer lacks {', '.join(missing)}")
+    return {name: raw[name] for name in names}
+
+
+@dataclass
+class ServerInfo:
+    """What a connector server runs (answer of WorkerRpc.INFO, one per worker)."""
+
+    method: str
+    params: dict[str, Any]
+    model_attached: bool
+    kvbench_version: str
+    contract_version: int = CONTRACT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> ServerInfo:
+        return cls(**_checked(cls, raw, WorkerRpc.INFO))
+
+
+@dataclass
+class WorkerStats:
+    """One worker's answer to WorkerRpc.STATS: per-request load stats since the last clearing,
+    and its segment store's and method state's bytes."""
+
+    method: str
+    params: dict[str, Any]
+    requests: dict[str, LoadStats]
+    store_bytes: int
+    store_peak_bytes: int
+    store_entries: int
+    store_evictions: int
+    store_refused: int
+    method_state_bytes: dict[str, int]
+    model_attached: bool
+    contract_version: int = CONTRACT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)  # nothing yet: room without a version bump
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> WorkerStats:
+        return cls(**_checked(cls, raw, WorkerRpc.STATS))

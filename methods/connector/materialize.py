@@ -1,0 +1,219 @@
+"""Materializing one request's cache: which rows are reused, where they are placed, which are
+computed, and how they are counted.
+
+Rows a method reuses come from a saved source cache, keys re-rotated to their new positions,
+plus the method's correction; every other claimed row is computed by a partial forward over the
+model's own modules. Selective recomputation (a check layer) and layer groups change which rows
+are computed in which layers; `count_rows` turns that into whole-token reused/recomputed counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from kvbench.contracts import LoadStats
+from kvbench.methods.base import LoadContext, SegmentReuse, SharingMethod
+from kvbench.methods.connector.specs import LoadSpec
+from kvbench.methods.forward import LayerGroup
+from kvbench.methods.store import SegmentStore
+
+if TYPE_CHECKING:
+    from kvbench.methods.connector.worker import ConnectorWorker
+
+MAX_PENDING_HIDDEN = 256
+
+
+@dataclass
+class Candidates:
+    """PH rows a saved source holds with identical tokens, and the PH rows without one."""
+
+    reuses: list[SegmentReuse] = field(default_factory=list)
+    missing: int = 0  # PH rows no source holds (no source named, evicted, or other tokens)
+    evicted: int = 0  # among them: rows whose named source the store no longer holds
+
+
+def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -> Candidates:
+    """Match each PH segment of the plan with its source's rows; never reuse rows of other tokens."""
+    found = Candidates()
+    for segment in spec.plan.segments:
+        if segment.kind != "ph":
+            continue
+        start = max(segment.start, spec.num_local)
+        stop = min(segment.start + segment.length, spec.num_target)
+        if stop <= start:
+            continue
+        source = store.get(segment.source) if segment.source else None
+        if source is None or segment.source_start is None:
+            found.missing += stop - start
+            if segment.source and source is None:  # the store's cap dropped (or refused) it
+                found.evicted += stop - start
+            continue
+        dst = torch.arange(start, stop)
+        src = dst - segment.start + segment.source_start
+        inside = src < source.num_tokens  # the producer's last token never got K/V
+        dst, src = dst[inside], src[inside]
+        same = source.token_ids[src] == tokens[dst]
+        found.missing += (stop - start) - int(same.sum())
+        if bool(same.any()):
+            found.reuses.append(SegmentReuse(segment, source, dst[same], src[same]))
+    return found
+
+
+class Placement:
+    """The reused rows' K/V per layer: the source's rows re-rotated and corrected by the method.
+    At the check layer they are kept for the comparison with the fresh rows computed there."""
+
+    def __init__(self, worker: ConnectorWorker, method: SharingMethod, chosen: list[SegmentReuse],
+                 check: int | None, group_layers: tuple[int, int] | None, poison: bool) -> None:
+        self.worker, self.method, self.chosen = worker, method, chosen
+        self.check, self.group_layers, self.poison = check, group_layers, poison
+        self.rows = torch.cat([r.dst for r in chosen]) if chosen else torch.empty(0, dtype=torch.long)
+        self.at_check: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def all_computed(self, layer: int) -> bool:
+        """Every reused row is computed in this layer (so none is placed)."""
+        if self.group_layers is None:
+            return self.check is not None and layer < self.check
+        start, stop = self.group_layers
+        return start <= layer < (self.check if self.check is not None else stop)
+
+    def __call__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.chosen or self.all_computed(layer):
+            return self.rows[:0], torch.empty(0), torch.empty(0)
+        ks, vs = [], []
+        for reuse in self.chosen:
+            src = reuse.src.to(reuse.source.k.device)  # plans index on the CPU; the cache may be on a GPU
+            k = self.worker.aligner.rotate(reuse.source.k[layer].index_select(0, src), reuse.dst - reuse.src)
+            v = reuse.source.v[layer].index_select(0, src)
+            k, v = self.method.correct(layer, reuse, k, v)
+            ks.append(k)
+            vs.append(v)
+        k_all, v_all = torch.cat(ks), torch.cat(vs)
+        if self.poison:
+            k_all.view(-1)[0] = float("nan")
+        # Summed over tensor-parallel ranks (each holds other heads), so that all of them raise
+        # together: a rank falling back alone would leave the others waiting in a collective.
+        bad = (~torch.isfinite(k_all)).sum() + (~torch.isfinite(v_all)).sum()
+        if float(self.worker.sum_over_ranks(bad.float().reshape(1))) > 0:
+            raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
+        if layer == self.check:  # written, then overwritten by the fresh rows: kept for the comparison
+            self.at_check.append((k_all, v_all))
+        return self.rows, k_all, v_all
+
+
+class Narrowing:
+    """At the check layer: keep computing the rows no source held and the reused rows the method
+    picks from their fresh vs reused K/V (and the attention they get)."""
+
+    def __init__(self, worker: ConnectorWorker, ctx: LoadContext, placement: Placement, reused: torch.Tensor,
+                 block_ids: torch.Tensor) -> None:
+        self.worker, self.ctx, self.placement = worker, ctx, placement
+        self.reused, self.block_ids = reused, block_ids
+        self.picked: int = 0  # reused rows the method kept computing
+
+    def __call__(self, layer: int, computed: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor | None:
+        if layer != self.placement.check:
+            return None
+        k_reused, v_reused = self.placement.at_check.pop()
+        rows = self.placement.rows
+        past_local = rows >= self.ctx.num_local  # rows vLLM's prefix cache held are not computed
+        position = torch.searchsorted(computed, rows[past_local])  # computed rows are in position order
+        method, influence = self.worker.method, None
+        if (queries := method.influence_queries()) > 0:
+            influence = self.worker.influence(layer, q[-queries:], computed[-queries:], self.block_ids)[rows[past_local]]
+        chosen_rows = method.recompute(self.ctx, layer, k[position], v[position], k_reused[past_local],
+                                       v_reused[past_local], influence).cpu()  # row indices live on the CPU
+        keep = ~self.reused[computed]
+        keep[position[chosen_rows]] = True
+        self.picked = int(chosen_rows.sum())
+        return keep.nonzero().flatten()
+
+
+def count_rows(reused: torch.Tensor, compute: torch.Tensor, picked: int, check: int | None,
+               group_layers: tuple[int, int] | None, layers: int) -> tuple[int, int]:
+    """(reused, recomputed) rows in whole-token units. Selective recomputation: reused rows count
+    as reused when served from reuse after the check layer; the recomputed ones count as
+    recomputed. A recomputed layer group: reused rows count by the share of their (token, layer)
+    entries served from reuse."""
+    reused_count = int(reused.sum())
+    if group_layers is None:
+        recomputed = (int((~reused[compute]).sum()) + picked) if check is not None else int(len(compute))
+        return reused_count - picked, recomputed
+    start, stop = group_layers
+    all_width = (check + 1 - start) if check is not None else (stop - start)  # layers every reused row computes
+    served = round((reused_count * (layers - all_width) - picked * ((stop - start) - all_width)) / layers)
+    return served, int(len(compute)) + reused_count - served
+
+
+@torch.inference_mode()
+def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
+                      keep_hidden: Callable[[str, tuple[torch.Tensor, torch.Tensor, int]], None]
+                      ) -> Generator[int, None, LoadStats]:
+    """A request's load, one partial-forward layer at a time (yields the rows each computed)."""
+    if worker.settings.fails_load(spec.key, spec.plan.inject_fault):
+        raise RuntimeError("injected fault (kv_connector_extra_config.fault_injection)")
+    if worker.forward is None:
+        raise RuntimeError("model not attached: call the worker extension's kvbench_attach_model "
+                           "(kvbench serve/replay do this after start-up)")
+    method, n = worker.method, spec.num_target
+    tokens = torch.tensor(spec.token_ids[:n], dtype=torch.long)
+    block_ids = torch.tensor(spec.block_ids, dtype=torch.long)
+    positions = torch.arange(n, dtype=torch.long)
+    slots = block_ids[positions // worker.block_size] * worker.block_size + positions % worker.block_size
+    found = find_candidates(worker.store, spec, tokens)
+    ctx = LoadContext(spec.key, spec.plan, tokens, spec.num_local, found.reuses, worker.rows_reader(block_ids),
+                      req_id=spec.req_id)
+    yield from method.prepare(ctx)  # e.g. reference prefills: spread over steps like the layers below
+    chosen = method.select(ctx)
+    reused = torch.zeros(n, dtype=torch.bool)
+    for reuse in chosen:
+        reused[reuse.dst] = True
+    reused[: spec.num_local] = False
+    compute = (~reused).nonzero().flatten()
+    compute = compute[compute >= spec.num_local]
+    check = method.check_layer() if chosen else None
+    group_layers = method.recompute_layers() if chosen else None
+    poison = (worker.settings.fault_injection == "flagged_nonfinite_rank0" and spec.plan.inject_fault
+              and worker.tensor_parallel_rank() == 0)
+    placement = Placement(worker, method, chosen, check, group_layers, poison)
+    group = None
+    if group_layers is not None:  # reused rows are computed in these layers, from their source's stream
+        start, stop = group_layers
+        entering = None
+        if start:
+            entering = torch.cat([r.source.hidden[r.src.to(r.source.hidden.device)]  # type: ignore[index]
+                                  for r in chosen])
+        group = LayerGroup(placement.rows, entering, start, stop)
+    if check is not None and group is None:  # CacheBlend: every row is computed up to the check layer
+        compute = torch.arange(spec.num_local, n)
+    narrowing = Narrowing(worker, ctx, placement, reused, block_ids) if check is not None else None
+    capture = worker.hidden_layer() if spec.plan.save_as else None
+
+    started = time.perf_counter()
+    forward = yield from worker.forward.steps(tokens, block_ids, slots, compute, placement, narrowing, group, capture)
+    if capture is not None and forward.captured is not None:
+        keep_hidden(str(spec.plan.save_as), (*forward.captured, capture))
+    reused_count, recomputed = count_rows(reused, compute, narrowing.picked if narrowing else 0, check,
+                                          group_layers, worker.num_layers)
+    stats: dict[str, Any] = {
+        "method": method.name,
+        "reused_tokens": reused_count,
+        "recomputed_tokens": recomputed,
+        "ph_without_source_tokens": found.missing,
+        "source_missing_tokens": found.evicted,
+        "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in found.reuses)),
+        "materialize_s": time.perf_counter() - started,
+        "attention_s": forward.attention_s,
+        "segments": [{"id": r.segment.id, "source": r.segment.source, "reused": int(len(r.dst))} for r in chosen],
+        **ctx.stats,
+    }
+    ctx.stats = stats  # after_load may add to them
+    worker.computed_requests.loaded(spec.req_id)
+    method.after_load(ctx)
+    return cast(LoadStats, stats)

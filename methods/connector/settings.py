@@ -1,0 +1,84 @@
+"""The connector's settings (`kv_connector_extra_config`) and the method they name."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvbench.methods.base import MethodConfigError, SharingMethod
+
+DEFAULT_MAX_STORE_BYTES = 4 << 30
+FAULT_MODES = ("all", "flagged", "flagged_nonfinite_rank0")
+
+
+def fault_fraction(mode: Any) -> float | None:
+    """The share of loads a `fault_injection` fraction fails (None: not a fraction)."""
+    try:
+        fraction = float(mode)
+    except (TypeError, ValueError):
+        return None
+    return fraction if 0 < fraction <= 1 else None
+
+
+def fault_hash(key: str) -> float:
+    """A request key's place in [0, 1): which loads a fault fraction fails, alike on every rank."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
+def load_method(name: str, params: dict[str, Any]) -> SharingMethod:
+    from kvbench.methods.registry import method_class
+
+    try:
+        return method_class(name)(params)
+    except ValueError as exc:  # unknown name, or a method that runs without the connector
+        raise MethodConfigError(str(exc)) from None
+
+
+@dataclass
+class ConnectorSettings:
+    method: str
+    params: dict[str, Any]
+    max_store_bytes: int
+    # Tests of the dense fallback: "all" raises inside every load, a fraction (e.g. "0.25") inside
+    # that share of the loads (picked by a hash of the request's key: the same on every
+    # tensor-parallel rank, and from run to run), "flagged" inside loads whose plan has
+    # inject_fault; "flagged_nonfinite_rank0" makes such loads place a non-finite value on
+    # tensor-parallel rank 0 only (every rank must still fall back together).
+    fault_injection: str | None
+    # 0: a request's cache is materialized in the engine step that schedules it (vLLM's sync
+    # load). N > 0: loads are asynchronous and each engine step runs partial-forward layers of the
+    # waiting loads, the one with the least work left first, until about N tokens' worth of rows
+    # went through all layers (at least one layer per step), so one long load cannot stall the
+    # batch for long, nor hold up the short loads queued behind it.
+    max_load_tokens_per_step: int = 0
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.max_load_tokens_per_step > 0
+
+    def fails_load(self, key: str, flagged: bool) -> bool:
+        """Whether fault injection fails the load of request `key` (plan flagged or not)."""
+        fault = self.fault_injection
+        fraction = fault_fraction(fault)
+        return (fault == "all" or (fault == "flagged" and flagged)
+                or (fraction is not None and fault_hash(key) < fraction))
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step"}
+        if unknown := set(extra) - known:
+            raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
+        if "method" not in extra:
+            raise MethodConfigError("kv_connector_extra_config needs 'method'")
+        max_bytes = int(extra.get("max_store_bytes", DEFAULT_MAX_STORE_BYTES))
+        if max_bytes <= 0:
+            raise MethodConfigError(f"max_store_bytes must be > 0, got {max_bytes}")
+        fault = extra.get("fault_injection")
+        if fault is not None and fault not in FAULT_MODES and fault_fraction(fault) is None:
+            raise MethodConfigError(f"fault_injection must be 'all', a fraction in (0, 1] of the loads, 'flagged', "
+                                    f"'flagged_nonfinite_rank0' or absent, got {fault!r}")
+        budget = extra.get("max_load_tokens_per_step", 0)
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise MethodConfigError(f"max_load_tokens_per_step must be an integer >= 0, got {budget!r}")
+        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget)

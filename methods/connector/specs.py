@@ -1,0 +1,30 @@
+"""What the scheduler side asks the worker side to do for one request (vLLM-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.contracts import Plan
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_local: int  # rows already valid (vLLM prefix-cache hit)
+    num_target: int  # rows valid after the load: prompt length - 1
+    plan: Plan
+
+    @property
+    def key(self) -> str:
+        """The name its stats are kept under: the cache it will be saved as, else its request."""
+        return self.plan.save_as or self.req_id
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    key: str
+    token_ids: list[int]
+    block_ids: list[int]

@@ -1,0 +1,250 @@
+"""The connector's worker side (each worker process): the paged caches, the attached model, the
+loads, the saves into the segment store, and what the worker RPCs ask of them. It is also the
+`CoreServices` that methods see."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from kvbench import __version__
+from kvbench.contracts import LoadStats, ServerInfo, WorkerStats
+from kvbench.methods.base import MethodConfigError, SharingMethod
+from kvbench.methods.compute_tracker import ComputedRequests
+from kvbench.methods.connector.loads import LoadJob, make_loads
+from kvbench.methods.connector.materialize import MAX_PENDING_HIDDEN, materialize_steps
+from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
+from kvbench.methods.connector.saves import Hidden, saved_copy
+from kvbench.methods.connector.settings import ConnectorSettings, load_method
+from kvbench.methods.store import SavedKV, SegmentStore
+
+logger = logging.getLogger("kvbench.connector")
+
+MAX_KEPT_REQUEST_STATS = 100_000
+
+
+class ConnectorWorker:
+    def __init__(self, settings: ConnectorSettings, method: SharingMethod, block_size: int,
+                 static_forward_context: dict[str, Any]) -> None:
+        self.settings, self.method, self.block_size = settings, method, block_size
+        self._forward_context = static_forward_context  # layer name -> attention module
+        self.store = SegmentStore(settings.max_store_bytes)
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layouts: dict[str, Any] = {}
+        self.forward: Any = None  # PartialForward, once the model is attached
+        self.aligner: Any = None  # RopeAligner, likewise
+        self.request_stats: dict[str, LoadStats] = {}
+        self.computed_requests = ComputedRequests()  # what deferred method work waits for
+        self.loads = make_loads(lambda spec: materialize_steps(self, spec, self._keep_hidden), self._finish_load,
+                                block_size, settings.max_load_tokens_per_step)
+        self._saved_this_step: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._saves_done_for: KVBenchMetadata | None = None
+        # save key -> (rows, their residual stream [rows, hidden], layer) captured at the load,
+        # attached to the cache when the request finishes (methods with recompute_layers only)
+        self._hidden_for_save: dict[str, Hidden] = {}
+
+    # ---------------------------------------------------------------- set-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvbench.methods.paged import layout_for
+
+        self.kv_caches = kv_caches
+        by_kind: dict[tuple, Any] = {}
+        for name, cache in kv_caches.items():
+            isa = getattr(self._forward_context[name], "isa", None)
+            kind = (cache.device.type, isa, tuple(cache.shape[1:]), cache.dtype)
+            if kind not in by_kind:
+                by_kind[kind] = layout_for(cache, isa)
+            self.layouts[name] = by_kind[kind]
+
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Called once per worker (kvbench's worker extension, over collective_rpc)."""
+        from kvbench.methods.forward import PartialForward
+        from kvbench.methods.rope import RopeAligner
+
+        inner = model.model
+        layers = list(inner.layers)[inner.start_layer:inner.end_layer]
+        names = [layer.self_attn.attn.layer_name for layer in layers]
+        self.forward = PartialForward(model, names, self.layouts, self.kv_caches)
+        self.aligner = RopeAligner(self.forward.rotary_emb)
+        self.method.bind(self)
+        self.check_method_fits(self.method)
+        logger.info("kvbench connector: model attached (%d layers)", len(layers))
+
+    def check_method_fits(self, method: SharingMethod) -> None:
+        """Selective recomputation narrows after its check layer, so that layer needs one after it;
+        a recomputed layer group must lie inside the model."""
+        layers, check = self.num_layers, method.check_layer()
+        if check is not None and not 0 <= check < layers - 1:
+            raise MethodConfigError(f"{method.name}: check_layer must be in [0, {layers - 2}] for this "
+                                    f"{layers}-layer model, got {check}")
+        group = method.recompute_layers()
+        if group is not None and not 0 <= group[0] < group[1] <= layers:
+            raise MethodConfigError(f"{method.name}: recomputed layers [{group[0]}, {group[1]}) must be a non-empty "
+                                    f"range inside this {layers}-layer model's [0, {layers})")
+        if group is not None and check is not None and not group[0] <= check < group[1] - 1:
+            raise MethodConfigError(f"{method.name}: the check layer ({check}) must lie in the recomputed layers "
+                                    f"[{group[0]}, {group[1]}) with a layer of them after it")
+
+    # ---------------------------------------------------------------- CoreServices for methods
+    @property
+    def num_layers(self) -> int:
+        if self.forward is None:
+            raise RuntimeError("model not attached")
+        return len(self.forward.layers)
+
+    def computed(self, req_id: str) -> bool:
+        return self.computed_requests.computed(req_id)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+
+    def tensor_parallel_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() if self.tensor_parallel_size > 1 else 0
+
+    def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel_size == 1:
+            return partial
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(partial.contiguous())
+
+    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
+        k, v = yield from self.forward.context_free_steps(tokens)
+        return SavedKV(tokens.clone(), k, v)
+
+    # ---------------------------------------------------------------- helpers of the loads
+    def rows_reader(self, block_ids: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """Reads K, V [layers, len(rows), Hkv, hd] of a request's rows from the paged cache."""
+        def read_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            n_read = int(rows.max()) + 1 if len(rows) else 0
+            ks, vs = [], []
+            for name in self.forward.layer_names:
+                k, v = self.layouts[name].read(self.kv_caches[name], block_ids, n_read)
+                ks.append(k.index_select(0, rows))
+                vs.append(v.index_select(0, rows))
+            return torch.stack(ks), torch.stack(vs)
+        return read_rows
+
+    def influence(self, layer: int, q: torch.Tensor, q_rows: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Attention mass each row of the request receives at `layer` from the query rows `q_rows`
+        (summed over them and the heads), over the K/V now in the paged cache."""
+        from kvbench.methods.influence import attention_mass
+
+        name = self.forward.layer_names[layer]
+        keys, _ = self.layouts[name].read(self.kv_caches[name], block_ids, int(q_rows.max()) + 1)
+        scale = self.forward.layers[layer].self_attn.attn.impl.scale
+        return self.sum_over_ranks(attention_mass(q, q_rows, keys, scale)).cpu()  # over all heads
+
+    def hidden_layer(self) -> int | None:
+        """The layer whose entering residual stream the method recomputes from (None: none kept)."""
+        group = self.method.recompute_layers()
+        return group[0] if group is not None and group[0] > 0 else None
+
+    def _keep_hidden(self, key: str, hidden: Hidden) -> None:
+        self._hidden_for_save[key] = hidden
+        while len(self._hidden_for_save) > MAX_PENDING_HIDDEN:  # requests aborted before their save
+            self._hidden_for_save.pop(next(iter(self._hidden_for_save)))
+
+    def _finish_load(self, job: LoadJob, stats: LoadStats) -> None:
+        self._record_stats(job.key, job.finished_stats(stats))
+
+    def _record_stats(self, key: str, stats: LoadStats) -> None:
+        self.request_stats[key] = stats
+        while len(self.request_stats) > MAX_KEPT_REQUEST_STATS:
+            self.request_stats.pop(next(iter(self.request_stats)))
+
+    # ---------------------------------------------------------------- the engine step
+    def start_load_kv(self, meta: KVBenchMetadata) -> None:
+        self._do_saves(meta)  # first: a load in this same step may read a source saved now
+        self.computed_requests.step(meta.scheduled_req_ids)
+        try:
+            self.method.run_deferred()
+        except Exception:  # method state updates must never take the engine down
+            logger.exception("kvbench: deferred work of %s failed", self.method.name)
+        layers = len(self.forward.layers) if self.forward is not None else 1
+        self.loads.step(meta.loads, meta.scheduled_req_ids, layers)
+
+    def wait_for_save(self, meta: KVBenchMetadata) -> None:
+        self._do_saves(meta)  # steps without loads (or without a forward) still save
+
+    def _do_saves(self, meta: KVBenchMetadata) -> None:
+        if self._saves_done_for is meta:
+            return
+        self._saves_done_for = meta
+        names = self.forward.layer_names if self.forward is not None else list(self.kv_caches)
+        for save in meta.saves:
+            started = time.perf_counter()
+            try:
+                entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None))
+                self.store.put(save.key, entry)
+                self.request_stats.setdefault(save.key, {})["save_s"] = time.perf_counter() - started
+            except Exception:  # a failed save only means later consumers compute
+                logger.exception("kvbench: saving %s failed", save.key)
+            self._saved_this_step.add(save.key)  # confirmed either way, so consumers never hang
+            self._finished_sending.add(save.req_id)
+
+    def _read_layer(self, name: str, block_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layouts[name].read(self.kv_caches[name], block_ids, rows)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(saves done: blocks vLLM may free, loads ended, loads failed)."""
+        self.computed_requests.finished(finished_req_ids)
+        done, self._finished_sending = self._finished_sending, set()
+        failed = self.loads.take_failed()
+        return done, self.loads.take_finished() | failed, failed  # a failure also ends the wait
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.loads.take_failed_blocks()
+
+    def build_worker_meta(self) -> KVBenchWorkerMetadata | None:
+        if not self._saved_this_step:
+            return None
+        meta, self._saved_this_step = KVBenchWorkerMetadata(self._saved_this_step), set()
+        return meta
+
+    # ---------------------------------------------------------------- worker RPCs
+    def info(self) -> ServerInfo:
+        return ServerInfo(method=self.method.name, params=dict(self.method.params),
+                          model_attached=self.forward is not None, kvbench_version=__version__)
+
+    def stats(self, clear: bool) -> WorkerStats:
+        out = WorkerStats(
+            method=self.method.name, params=dict(self.method.params), requests=dict(self.request_stats),
+            store_bytes=self.store.bytes, store_peak_bytes=self.store.peak_bytes,
+            store_entries=len(self.store.entries), store_evictions=self.store.evictions,
+            store_refused=self.store.refused, method_state_bytes=self.method.state_bytes(),
+            model_attached=self.forward is not None)
+        if clear:
+            self.request_stats.clear()
+        return out
+
+    def set_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Replace the method (same name, new parameters, empty state): e.g. to tune tau on one server."""
+        method = load_method(self.settings.method, {**self.method.params, **params})
+        if self.forward is not None:
+            method.bind(self)  # first: a method may size itself by the model (DroidSpeak's default group)
+            self.check_method_fits(method)
+        self.method = method
+        self.settings.params = dict(method.params)
+        return dict(method.params)
+
+    def reset_state(self, keep_method_state: bool = False) -> None:
+        """Drop saved caches and per-request stats; also the method's learned state unless kept
+        (warm-ups that prime anchor pools before a measured run)."""
+        self.store.clear()
+        self._hidden_for_save.clear()
+        if keep_method_state:
+            self.method.restart_peaks()
+        else:
+            self.method.reset()
+        self.request_stats.clear()

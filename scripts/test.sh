@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# kvbench's tests, fastest first: lint and types, the unit tier (no vLLM engine, no model
+# build; about a minute), then the engine tier (real vLLM servers on the embedded model).
+# Extra arguments go to both pytest runs (e.g. -x, -k NAME).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${KVBENCH_VENV:-.venv}
+"$venv/bin/ruff" check .
+"$venv/bin/mypy" --no-error-summary
+"$venv/bin/python" -m pytest tests -m "not engine" "$@"
+"$venv/bin/python" -m pytest tests -m engine "$@"
