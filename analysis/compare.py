@@ -96,7 +96,8 @@ def evaluate_gates(baseline: list[Run], candidate: list[Run], gates: list[Gate])
         if math.isnan(base) or math.isnan(cand):
             passed, change = False, math.nan  # a gated metric that is missing fails loudly
         else:
-            change = (cand - base) / abs(base) if base else math.inf
+            # from a zero baseline, any change is unbounded; none is none (e.g. 0 failures both times)
+            change = (cand - base) / abs(base) if base else (0.0 if cand == base else math.copysign(math.inf, cand))
             passed = change >= -gate.tolerance if higher_better else change <= gate.tolerance
         rows.append({"gate": gate.label, "baseline": base, "candidate": cand, "change": change,
                      "direction": "higher is better" if higher_better else "lower is better",

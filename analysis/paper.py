@@ -101,6 +101,8 @@ def _lines_vs_qps(frame: pd.DataFrame, metric: str, path: Path, title: str) -> N
 
 def render_single_stream(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
     single = frame[frame["qps"] == 0]
+    if single.empty:
+        return "No single-stream runs (QPS 0) in these results: this table needs them."
     lines = ["Single stream. TTFT averaged over reuse requests (turns with a reusable source), throughput = "
              "trajectory tokens / trajectory E2E; memory figures kept apart (vLLM pre-allocates its KV pool).", ""]
     for metric, label, digits in [("reuse_ttft_s", "reuse-request TTFT (s)", 3),

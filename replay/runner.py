@@ -343,6 +343,10 @@ class Replayer:
                     versions[url] = (await response.json()).get("version") if response.status == 200 else None
             except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as exc:
                 raise ServerError(f"cannot reach a vLLM server at {url}: {type(exc).__name__}: {exc}") from None
+        if self.method_info.uses_connector:  # a server of another method would answer other stats
+            for url in self.config.base_urls:
+                run_config.setdefault("server_info", {})[url] = (
+                    await asyncio.to_thread(WorkerClient(url).check_method, self.config.method)).to_dict()
         self.served_models = models
         run_config["served_models"] = models
         run_config["served_max_model_len"] = self.max_model_lens
@@ -358,7 +362,6 @@ class Replayer:
         for url in self.config.base_urls:
             if self.method_info.uses_connector:
                 client = WorkerClient(url)
-                await asyncio.to_thread(client.check_method, self.config.method)
                 await asyncio.to_thread(client.attach_model)  # idempotent; servers not started by kvbench
                 await asyncio.to_thread(client.reset, keep_method_state)
             try:

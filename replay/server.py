@@ -225,12 +225,15 @@ class VLLMServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after `grace_s` or at once when this is
-        interrupted again while waiting (a second Ctrl-C): no process of it outlives the call."""
+        """SIGTERM to the API server, which shuts its engine down in order; then SIGKILL to the
+        process group after `grace_s`, or at once when this is interrupted again while waiting (a
+        second Ctrl-C): no process of it outlives the call. (SIGTERM to the whole group killed the
+        engine under the API server, which then logged an EngineDeadError traceback on every
+        normal stop, so a traceback in server.log no longer meant a failure.)"""
         try:
             if self.process is not None and self.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGTERM)
+                    self.process.send_signal(signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(timeout=grace_s)
         finally:

@@ -33,9 +33,13 @@ class StubServer:
     metrics_text: str = "vllm:num_requests_running 0\n"
     rpc_calls: list[str] = field(default_factory=list)
     _stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _saved: int = 0  # requests "saved" since the last reset: the stand-in store holds 1 KiB each
     # request id -> (received, first chunk written) in time.perf_counter_ns(), for overhead checks
     timings: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompts: dict[str, list[int]] = field(default_factory=dict)
+    bodies: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> body, prompt left out
+    in_flight: int = 0
+    max_in_flight: int = 0  # the most requests it was serving at once
     _thread: threading.Thread | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
@@ -49,6 +53,16 @@ class StubServer:
         body: dict[str, Any] = await request.json()
         request_id = request.headers.get("x-request-id", "")
         self.prompts[request_id] = body.get("prompt", [])
+        self.bodies[request_id] = {k: v for k, v in body.items() if k != "prompt"}
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request, body, request_id, received)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request, body: dict[str, Any], request_id: str,
+                      received: int) -> web.StreamResponse:
         if self.mode == "http_500":
             return web.json_response({"error": {"message": "stub failure"}}, status=500)
         if self.mode == "hang":
@@ -85,6 +99,7 @@ class StubServer:
         if plan is None or not plan.save_as:
             return
         reused = reusable_rows(plan.segments, prompt_len)  # a perfect reuse
+        self._saved += 1
         self._stats[plan.save_as] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
                                      "recomputed_tokens": max(0, prompt_len - 1 - reused),
                                      "source_missing_tokens": 0}
@@ -101,11 +116,13 @@ class StubServer:
             requests = dict(self._stats)
             if str(kwargs.get("clear", "false")).lower() == "true":
                 self._stats.clear()
-            result = WorkerStats(method=self.connector_method, params={}, requests=requests, store_bytes=0,
-                                 store_peak_bytes=0, store_entries=0, store_evictions=0, store_refused=0,
+            result = WorkerStats(method=self.connector_method, params={}, requests=requests,
+                                 store_bytes=1024 * self._saved, store_peak_bytes=1024 * self._saved,
+                                 store_entries=self._saved, store_evictions=0, store_refused=0,
                                  method_state_bytes={}, model_attached=True).to_dict()
         elif method == WorkerRpc.RESET:
             self._stats.clear()
+            self._saved = 0
             result = True
         else:
             result = True

@@ -1,4 +1,5 @@
-"""Reports and comparisons on real replay results (NonShared and FullShared inside vLLM)."""
+"""Reports and comparisons: on golden results recorded against the stub server (the unit tier)
+and on fresh replays inside vLLM (NonShared and FullShared; the engine tier)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvbench.analysis.tables import method_table, ttft_by_agent
 from kvbench.cli import main
 from kvbench.replay.server import VLLMServer
 
-pytestmark = pytest.mark.engine
+GOLDEN = Path(__file__).parent / "data" / "golden-runs"  # kvbench replay against StubServer: tests/data/README.md
 
 
 def _invoke(*args: str):
@@ -26,8 +27,8 @@ def _invoke(*args: str):
 
 
 @pytest.fixture(scope="module")
-def sweep_dir(vllm_server: VLLMServer, fullshared_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory,
-              default_model: str) -> Path:
+def engine_sweep_dir(vllm_server: VLLMServer, fullshared_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory,
+                     default_model: str) -> Path:
     """One small trace replayed with both methods into one directory (like a sweep)."""
     root = Path(tmp_path_factory.mktemp("sweep"))
     trace = root / "trace.jsonl"
@@ -42,6 +43,16 @@ def sweep_dir(vllm_server: VLLMServer, fullshared_server: VLLMServer, tmp_path_f
     return root
 
 
+@pytest.fixture(params=["golden", pytest.param("engine", marks=pytest.mark.engine)])
+def sweep_dir(request: pytest.FixtureRequest) -> Path:
+    """A directory with a NonShared and a FullShared run of one trace."""
+    return GOLDEN if request.param == "golden" else request.getfixturevalue("engine_sweep_dir")
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def test_tables_agree_with_requests_recomputed(sweep_dir: Path) -> None:
     runs = find_runs([sweep_dir])
     assert {r.method for r in runs} == {"nonshared", "fullshared"}
@@ -49,7 +60,8 @@ def test_tables_agree_with_requests_recomputed(sweep_dir: Path) -> None:
     for method in ("nonshared", "fullshared"):
         requests = pd.read_parquet(sweep_dir / method / "requests.parquet")
         ok = requests[requests["success"]]
-        assert table.loc[method, "completed"] == len(ok) == 12 and table.loc[method, "failed"] == 0
+        turns = 4 * _summary(sweep_dir / method)["config"]["num_trajectories"]  # four agents, one round
+        assert table.loc[method, "completed"] == len(ok) == turns and table.loc[method, "failed"] == 0
         assert table.loc[method, "p50_ttft_ms"] == pytest.approx(np.percentile(ok["ttft_ms"], 50))
         assert table.loc[method, "p90_ttft_ms"] == pytest.approx(np.percentile(ok["ttft_ms"], 90))
         per_trajectory = ok.groupby("trajectory_id")["ttft_ms"].mean()
@@ -57,12 +69,20 @@ def test_tables_agree_with_requests_recomputed(sweep_dir: Path) -> None:
         e2e = (ok.groupby("trajectory_id")["end_ns"].max() - ok.groupby("trajectory_id")["scheduled_ns"].min()) / 1e9
         tokens = ok.groupby("trajectory_id")["prompt_tokens"].sum() + ok.groupby("trajectory_id")["output_tokens"].sum()
         assert table.loc[method, "trajectory_token_throughput"] == pytest.approx((tokens / e2e).mean())
-    assert table.loc["fullshared", "realized_rho"] > 0.9
+    assert table.loc["fullshared", "realized_rho"] == 1.0  # FullShared serves every reusable row
     assert np.isnan(table.loc["nonshared", "realized_rho"])
     assert table.loc["fullshared", "method_state_mib"] > 0 == table.loc["nonshared", "method_state_mib"]
     by_agent = ttft_by_agent(runs)
     assert list(by_agent.index) == ["A0", "A1", "A2", "A3"]
-    # Reuse turns are where FullShared saves prefill time.
+    for method in ("nonshared", "fullshared"):
+        requests = pd.read_parquet(sweep_dir / method / "requests.parquet")
+        a3 = requests[requests["success"] & (requests["agent"] == "A3")]
+        assert by_agent.loc["A3", method] == pytest.approx(a3["ttft_ms"].median())
+
+
+@pytest.mark.engine
+def test_fullshared_saves_prefill_on_reuse_turns(engine_sweep_dir: Path) -> None:
+    by_agent = ttft_by_agent(find_runs([engine_sweep_dir]))
     assert by_agent.loc["A3", "fullshared"] < by_agent.loc["A3", "nonshared"]
 
 
@@ -145,7 +165,9 @@ def test_paper_tables_render_from_runs(sweep_dir: Path, tmp_path: Path) -> None:
     result = _invoke("paper", "table7", "--results", str(sweep_dir), "-o", str(out))
     assert result.exit_code == 0, result.output
     text = (out / "table7.md").read_text()
-    assert "| fullshared" in text and "| nonshared" in text and "ctx=3072 qps=0" in text
+    summary = _summary(sweep_dir / "nonshared")
+    cell = f"ctx={summary['config']['trace_header']['generator']['shared_tokens']} qps={summary['request_rate']:g}"
+    assert "| fullshared" in text and "| nonshared" in text and cell in text
     assert "the paper" in text  # reference values beside ours (none at 1K: shown as dashes)
     table = pd.read_csv(out / "table7.csv")
     requests = pd.read_parquet(sweep_dir / "nonshared" / "requests.parquet")
@@ -186,3 +208,29 @@ def test_a_sweep_grows_by_methods_only() -> None:
     assert not SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("kvcmas", {"V": 10})],
                          qps=[0.0, 1.0]).extends(stored)  # another parameter is another configuration
     assert not SweepSpec(methods=grown.methods, qps=[0.0]).extends(stored)  # another grid
+
+
+def _runs(**summary: float) -> list:
+    from kvbench.analysis.runs import Run
+
+    return [Run(Path("x"), {"method": "kvcmas", **summary}, pd.DataFrame())]
+
+
+def test_gates_know_which_way_is_better_and_handle_a_zero_baseline() -> None:
+    from kvbench.analysis.compare import evaluate_gates
+
+    def status(gate: str, base: dict, cand: dict) -> str:
+        return evaluate_gates(_runs(**base), _runs(**cand), [Gate.parse(gate)]).iloc[0]["status"]
+
+    # throughput and rho: higher is better, so a fall beyond the tolerance fails and a rise passes
+    assert status("output_throughput=+10%", {"output_throughput": 100}, {"output_throughput": 85}) == "FAIL"
+    assert status("output_throughput=+10%", {"output_throughput": 100}, {"output_throughput": 95}) == "pass"
+    assert status("realized_rho=+5%", {"realized_rho": 0.8}, {"realized_rho": 1.0}) == "pass"
+    assert status("realized_rho=+5%", {"realized_rho": 0.8}, {"realized_rho": 0.7}) == "FAIL"
+    # latency: lower is better
+    assert status("p50_ttft_ms=+10%", {"p50_ttft_ms": 100}, {"p50_ttft_ms": 85}) == "pass"
+    assert status("p50_ttft_ms=+10%", {"p50_ttft_ms": 100}, {"p50_ttft_ms": 115}) == "FAIL"
+    # from zero: none stays none (passes), any failure is a regression
+    assert status("failed=+0%", {"failed": 0}, {"failed": 0}) == "pass"
+    assert status("failed=+0%", {"failed": 0}, {"failed": 3}) == "FAIL"
+    assert status("output_throughput=+10%", {"output_throughput": 0}, {"output_throughput": 5}) == "pass"

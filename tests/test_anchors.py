@@ -276,7 +276,7 @@ def test_a_missing_reference_is_prefilled_layer_by_layer_before_select(name: str
         assert steps == [] and core.prefills == 0
         return
     assert steps == [64] * (LAYERS - 1) and core.prefills == 1  # the 64-row segment q
-    assert ctx.stats["reference_tokens"] == 64 and ctx.stats["reference_prefill_s"] >= 0
+    assert ctx.stats["reference_tokens"] == 64 and ctx.stats["reference_prefill_s"] > 0
     method.select(ctx)
     assert core.prefills == 1  # select used the prepared reference
     again, _, _ = _context(name, "t0-again", seed=0)  # the same content: nothing left to prepare
@@ -474,3 +474,57 @@ def test_a_failed_prematch_leaves_the_matching_to_the_load(caplog: pytest.LogCap
     assert "prematch of" in caplog.text and ("run/t/A0.r0", 7, "q") not in method.memo.entries
     decisions, _, _ = _corrected(method, ctx)
     assert decisions[0]["decision"] == "accepted" and decisions[0]["memo_anchors"] == 0
+
+
+def _three_anchors(name: str, params: dict) -> tuple:
+    """A method whose slot-q pool holds the anchors of three contents (seeds 0-2), each built from
+    a dense fallback after its request was computed."""
+    method = method_class(name)({**params})
+    core = _FakeCore()
+    method.bind(core)
+    for index in range(3):
+        ctx, _, _ = _context(name, f"t{index}", seed=index)
+        assert method.select(ctx) == []
+        method.after_load(ctx)
+        method.run_deferred()
+    return method, core
+
+
+def test_an_ambiguous_match_goes_dense_and_becomes_an_anchor() -> None:
+    method, _ = _three_anchors("kvcmas", {"r_c": 64, "r_delta": 64, "tau": 0.0})  # accept only a certain match
+    before = len(method.pools["q"].anchors)
+    ctx, _, _ = _context("kvcmas", "t1-again", seed=1)  # seen content: entropy near 0, but not 0
+    assert method.select(ctx) == []  # rejected: the segment is computed
+    (decision,) = ctx.stats["decisions"]
+    assert decision["decision"] == "dense_gate" and 0 < decision["entropy"] < 0.3 and decision["anchors"] == 3
+    method.after_load(ctx)
+    method.run_deferred()
+    assert len(method.pools["q"].anchors) == before + 1  # the dense rows became an anchor
+
+
+def test_kvcomm_leaves_layer_zero_uncorrected() -> None:
+    method, core = _three_anchors("kvcomm", {})
+    assert core.prefills == 3  # context-free references, one per content
+    ctx, _, _ = _context("kvcomm", "t1-again", seed=1)
+    (chosen,) = method.select(ctx)
+    assert ctx.stats["decisions"][0]["decision"] == "accepted"
+    for layer, corrected in ((0, False), (1, True)):
+        k, v = chosen.source.k[layer, chosen.src].clone(), chosen.source.v[layer, chosen.src].clone()
+        new_k, new_v = method.correct(layer, chosen, k.clone(), v.clone())
+        assert (not torch.equal(new_v, v)) == corrected and (not torch.equal(new_k, k)) == corrected, layer
+
+
+def test_graphflow_calibrates_once_then_applies_without_matching() -> None:
+    method = method_class("graphflow")({})
+    method.bind(_FakeCore())
+    first, _, _ = _context("graphflow", "t0", seed=0)
+    assert method.select(first) == [] and first.stats["decisions"][0]["decision"] == "calibrate"
+    method.after_load(first)
+    method.run_deferred()
+    for index in (5, 6):  # contents never seen: applied anyway, from the one calibration
+        ctx, _, _ = _context("graphflow", f"t{index}", seed=index)
+        (chosen,) = method.select(ctx)
+        decision = ctx.stats["decisions"][0]
+        assert decision["decision"] == "accepted" and decision["anchors"] == 1 and "entropy" not in decision
+        method.after_load(ctx)
+    assert len(method.pools["q"].anchors) == 1

@@ -74,7 +74,7 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
     it gets a token between each two layers of the load, where a load in one step (budget 0) holds
     it for the whole load. Checked from the engine's own record of each step's batch, not from
     token arrival times, which a busy machine stretches (the ITL gain is measured in
-    reports/benchmarks-cpu.md)."""
+    reports/archive/benchmarks-cpu-2026-11.md)."""
 
     async def scenario() -> tuple:
         url = f"{server.base_url}/v1/completions"

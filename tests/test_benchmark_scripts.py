@@ -101,17 +101,17 @@ def test_delta_benchmark_pools_repeats_and_reports_each_repeats_ratio() -> None:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def run(ttfts: list[list[float]]) -> pd.DataFrame:  # one list of turn TTFTs per trajectory
+    def run(ttfts: list[list[float]], reused: float = 20.0) -> pd.DataFrame:  # turn TTFTs per trajectory
         rows = []
         for t, turns in enumerate(ttfts):
             for ttft in turns:
                 rows.append({"trajectory_id": f"t{t:06d}", "success": True, "ttft_ms": ttft, "tpot_ms": 10.0,
                              "e2el_ms": ttft + 100, "itl_ms": [10.0, 12.0], "scheduled_ns": 0,
                              "end_ns": int((ttft + 100) * 1e6), "prompt_tokens": 100, "output_tokens": 3,
-                             "shared_tokens": 50, "reusable_tokens": 40, "reused_tokens": 20.0, "cached_tokens": 0})
+                             "shared_tokens": 50, "reusable_tokens": 40, "reused_tokens": reused, "cached_tokens": 0})
         return pd.DataFrame(rows)
 
-    slow = [run([[400, 410], [420, 430]]), run([[800, 810], [820, 830]])]  # repeat 1 twice as slow
+    slow = [run([[400, 410], [420, 430]], 10.0), run([[800, 810], [820, 830]], 30.0)]  # repeat 1 twice as slow
     fast = [run([[100, 110], [120, 130]]), run([[100, 110], [120, 130]])]
     pooled_slow, pooled_fast = bench.pool_repeats(slow), bench.pool_repeats(fast)
     assert sorted(set(pooled_slow["trajectory_id"])) == ["r0/t000000", "r0/t000001", "r1/t000000", "r1/t000001"]
@@ -119,13 +119,14 @@ def test_delta_benchmark_pools_repeats_and_reports_each_repeats_ratio() -> None:
 
     rows = [bench.cell_row("slow", 8192, 0.5, {
         "p50_ttft_ms": float(np.median(r["ttft_ms"])), "p90_ttft_ms": 0.0, "p50_trajectory_ttft_ms": 0.0,
-        "p99_itl_ms": 12.0, "failed": 0, "realized_rho": 0.5, "duration": duration, "mean_trajectory_e2e_ms": 1e3,
-        "method_state_bytes": {"peak_anchor_pool": pool}}) for r, duration, pool in zip(slow, (10.0, 30.0), (2**20, 3 * 2**20))]
+        "p99_itl_ms": 12.0, "failed": 0, "realized_rho": rho, "duration": duration, "mean_trajectory_e2e_ms": 1e3,
+        "method_state_bytes": {"peak_anchor_pool": pool}})
+        for r, duration, pool, rho in zip(slow, (10.0, 30.0), (2**20, 3 * 2**20), (0.25, 0.75))]
     row = bench.pooled_row(rows, pooled_slow)
     assert row["p50_ttft_ms"] == float(np.median([400, 410, 420, 430, 800, 810, 820, 830]))
     assert row["p50_trajectory_ttft_ms"] == float(np.median([405, 425, 805, 825]))
     assert row["duration_s"] == 20.0 and row["pool_mib"] == 3.0 and row["repeats"] == 2
-    assert row["realized_rho"] == 0.5
+    assert row["realized_rho"] == (4 * 10 + 4 * 30) / (8 * 40)  # over the pooled requests, not the first row's
 
     runs = {("slow", 8192, 0.5): slow, ("fast", 8192, 0.5): fast}
     each = bench.repeat_ratios(runs, "slow", "fast", 8192, 0.5, "request")

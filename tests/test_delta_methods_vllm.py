@@ -80,9 +80,17 @@ def test_calibrate_finds_a_threshold(method_server: tuple[str, VLLMServer]) -> N
                                        "--output-len", "8", "--iterations", "3"], prog_name="kvbench")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
-    thresholds = [s["tau"] for s in report["steps"]]
+    steps = report["steps"]
+    thresholds = [s["tau"] for s in steps]
     assert thresholds[0] == 0.5 and len(thresholds) == 3
-    assert all(0 <= s["realized_rho"] <= 1 for s in report["steps"])
+    # Bisection: each step moves toward the target (up when rho fell short, down otherwise) by half
+    # the last move, and a looser gate never reuses less.
+    for before, after, move in zip(steps, steps[1:], (0.25, 0.125)):
+        assert after["tau"] == pytest.approx(before["tau"] + (move if before["realized_rho"] < 0.5 else -move))
+    by_tau = sorted(steps, key=lambda s: s["tau"])
+    assert all(a["realized_rho"] <= b["realized_rho"] for a, b in zip(by_tau, by_tau[1:])), steps
+    # The reported threshold is the step whose rho came closest to the target.
+    assert report["realized_rho"] == min((s["realized_rho"] for s in steps), key=lambda rho: abs(rho - 0.5))
     WorkerClient(server.base_url).set_params({"tau": 0.3})  # restore the default
 
 

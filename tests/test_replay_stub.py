@@ -6,6 +6,7 @@ import json
 import socket
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
@@ -44,7 +45,6 @@ def test_requests_chain_outputs_into_prompts(tiny_tokenizer_dir: Path, stub: Stu
             prompt = list(by_turn.loc[later, "prompt_token_ids"])
             assert _contains(prompt, a0_output)  # A0's real output is inside every later prompt
             assert stub.prompts[by_turn.loc[later, "request_id"]] == prompt  # what the server received
-        # The plan's spans point at the same tokens.
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["completed"] == 8 and summary["failed"] == 0 and summary["completed_trajectories"] == 2
 
@@ -94,6 +94,9 @@ def test_arrivals_follow_the_schedule(tiny_tokenizer_dir: Path, stub: StubServer
     # open loop: each is sent on time, not after the one before it ends. The median, because one
     # stall of a busy machine delays a single send; benchmarks/bench_replay_overhead.py measures the lag
     assert lag_ms.median() < 50
+    # ...and the server saw them arrive 100 ms apart (its own clock, not the schedule's record)
+    received_ms = np.array([stub.timings[r][0] for r in first["request_id"]]) / 1e6
+    assert np.median(np.diff(received_ms)) == pytest.approx(100, abs=20)
 
 
 def test_fan_out_turns_run_concurrently(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -181,3 +184,52 @@ def test_port_in_use_is_a_clear_error(tiny_tokenizer_dir: Path, tmp_path: Path) 
 def test_bad_metric_percentiles(tmp_path: Path) -> None:
     result = _replay("--metric-percentiles", "50,abc", "--result-dir", str(tmp_path / "r"))
     assert result.exit_code == 2 and "--metric-percentiles" in result.output
+
+
+def test_max_concurrency_caps_the_requests_in_flight(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    with StubServer(token_delay_s=0.02) as slow:
+        result = _replay("--base-url", slow.base_url, "--qps", "50", "--num-trajectories", "6", "--max-concurrency",
+                         "2", *SMALL, "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)
+        assert result.exit_code == 0, result.output
+        assert slow.max_in_flight == 2
+        requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+        assert (requests["client_queue_ms"] > 10).any()  # some waited for a slot
+    with StubServer(token_delay_s=0.02) as free:
+        assert _replay("--base-url", free.base_url, "--qps", "50", "--num-trajectories", "6", *SMALL,
+                       "--result-dir", str(tmp_path / "free"), model=tiny_tokenizer_dir).exit_code == 0
+        assert free.max_in_flight > 2  # without the cap the same arrivals overlap more
+
+
+def test_trace_timestamps_replace_the_qps_schedule(tiny_tokenizer_dir: Path, stub: StubServer, tmp_path: Path) -> None:
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.schema import write_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    header, trajectories = generate_trace(TraceSpec(shared_tokens=64, output_len=2, num_trajectories=3),
+                                          load_tokenizer(str(tiny_tokenizer_dir)))
+    trajectories = [t.model_copy(update={"arrival_s": 5.0 + 0.3 * i}) for i, t in enumerate(trajectories)]
+    write_trace(tmp_path / "t.jsonl", header, trajectories)
+    result = _replay("--trace", str(tmp_path / "t.jsonl"), "--base-url", stub.base_url, "--qps", "1000",
+                     "--use-trace-timestamps", "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(tmp_path / "r" / "requests.parquet")
+    first = requests[requests["turn_id"] == "A0.r0"].sort_values("scheduled_ns")
+    # 0.3 s apart from the first arrival, whatever --qps says
+    assert list((first["scheduled_ns"] / 1e6).round().astype(int)) == [0, 300, 600]
+    received_ms = np.array([stub.timings[r][0] for r in first["request_id"]]) / 1e6
+    assert np.diff(received_ms) == pytest.approx([300, 300], abs=40)
+
+
+def test_approximate_methods_salt_their_reuse_requests_only(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    with StubServer(connector=True, connector_method="fullshared") as stub:
+        assert _replay("--method", "fullshared", "--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "1",
+                       *SMALL, "--result-dir", str(tmp_path / "fs"), model=tiny_tokenizer_dir).exit_code == 0
+        salts = {rid.rsplit("/", 1)[-1]: body.get("cache_salt") for rid, body in stub.bodies.items()}
+    assert salts["A0.r0"] is None  # nothing reused: vLLM's prefix cache may serve it and from it
+    for turn in ("A1.r0", "A2.r0", "A3.r0"):
+        assert salts[turn] is not None and len(salts[turn]) == 32
+    assert len(set(salts.values()) - {None}) == 3  # one salt per request
+    with StubServer() as plain:
+        assert _replay("--base-url", plain.base_url, "--qps", "0", "--num-trajectories", "1", *SMALL,
+                       "--result-dir", str(tmp_path / "ns"), model=tiny_tokenizer_dir).exit_code == 0
+        assert all("cache_salt" not in body for body in plain.bodies.values())  # NonShared is exact

@@ -11,6 +11,7 @@ from kvbench.cli.quickstart import quickstart_command
 from kvbench.cli.replay import calibrate_command, methods_command, replay_command, serve_command
 from kvbench.cli.sweep import paper_command, sweep_command
 from kvbench.cli.trace import gen_trace_command, trace_group
+from kvbench.cli.vllm_cli import vllm_command
 
 
 class KVBenchGroup(click.Group):
@@ -50,3 +51,4 @@ main.add_command(report_command)
 main.add_command(compare_command)
 main.add_command(sweep_command)
 main.add_command(paper_command)
+main.add_command(vllm_command)

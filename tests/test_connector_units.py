@@ -1,0 +1,175 @@
+"""The connector's parts without a vLLM engine: settings, matching, the scheduler side's waits,
+the loads' fallbacks and the row accounting."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvbench.contracts import Plan, PlanSegment
+from kvbench.methods.base import MethodConfigError
+from kvbench.methods.connector.loads import AsyncLoads, LoadJob, SyncLoads
+from kvbench.methods.connector.materialize import count_rows, find_candidates
+from kvbench.methods.connector.settings import ConnectorSettings
+from kvbench.methods.connector.specs import LoadSpec
+from kvbench.methods.store import SavedKV, SegmentStore
+
+LAYERS, HEADS, HEAD_DIM = 2, 1, 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"method": "fullshared", "colour": 1}, "unknown kv_connector_extra_config key"),
+    ({"params": {}}, "needs 'method'"),
+    ({"method": "fullshared", "max_store_bytes": 0}, "max_store_bytes must be > 0"),
+    ({"method": "fullshared", "fault_injection": "sometimes"}, "fault_injection must be"),
+    ({"method": "fullshared", "fault_injection": "1.5"}, "fault_injection must be"),
+    ({"method": "fullshared", "max_load_tokens_per_step": -1}, "max_load_tokens_per_step must be"),
+    ({"method": "fullshared", "max_load_tokens_per_step": True}, "max_load_tokens_per_step must be"),
+])
+def test_connector_settings_reject_bad_config(extra: dict, message: str) -> None:
+    with pytest.raises(MethodConfigError, match=message):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_connector_settings_fault_modes_pick_their_loads() -> None:
+    flagged = ConnectorSettings.from_extra_config({"method": "fullshared", "fault_injection": "flagged"})
+    assert flagged.fails_load("k", flagged=True) and not flagged.fails_load("k", flagged=False)
+    every = ConnectorSettings.from_extra_config({"method": "fullshared", "fault_injection": "all"})
+    assert every.fails_load("k", flagged=False)
+    assert not ConnectorSettings.from_extra_config({"method": "fullshared"}).fails_load("k", flagged=True)
+
+
+def _saved(tokens: list[int]) -> SavedKV:
+    n = len(tokens)
+    return SavedKV(torch.tensor(tokens), torch.zeros(LAYERS, n, HEADS, HEAD_DIM), torch.zeros(LAYERS, n, HEADS, HEAD_DIM))
+
+
+def _spec(segments: tuple[PlanSegment, ...], tokens: list[int], num_local: int = 0) -> LoadSpec:
+    return LoadSpec("req", tokens + [0], [], num_local, len(tokens), Plan("t", "A1.r0", "A1", "run/t/A1.r0", segments))
+
+
+def test_candidates_never_reuse_rows_of_other_tokens() -> None:
+    store = SegmentStore(1 << 20)
+    store.put("src", _saved([9, 9, 1, 2, 3, 4, 5, 6]))  # the segment at rows 2..7 of the source
+    tokens = [7, 7, 7, 1, 2, 99, 4, 5, 6]  # the segment at rows 3..8, one token different
+    spec = _spec((PlanSegment("pf", "system", 0, 3), PlanSegment("ph", "q", 3, 6, source="src", source_start=2)), tokens)
+    found = find_candidates(store, spec, torch.tensor(tokens))
+    (reuse,) = found.reuses
+    assert reuse.dst.tolist() == [3, 4, 6, 7, 8] and reuse.src.tolist() == [2, 3, 5, 6, 7]
+    assert found.missing == 1 and found.evicted == 0
+
+
+def test_candidates_count_an_evicted_source_and_a_producers_last_token() -> None:
+    store = SegmentStore(1 << 20)
+    store.put("src", _saved([1, 2, 3]))  # a producer's cache lacks its last generated token
+    tokens = [5, 1, 2, 3, 4, 4]
+    spec = _spec((PlanSegment("pf", "system", 0, 1), PlanSegment("ph", "out:A0", 1, 4, source="src", source_start=0),
+                  PlanSegment("ph", "q", 5, 1, source="gone", source_start=0)), tokens)
+    found = find_candidates(store, spec, torch.tensor(tokens))
+    assert [r.dst.tolist() for r in found.reuses] == [[1, 2, 3]]
+    assert found.missing == 2 and found.evicted == 1  # the row past the producer's cache, the evicted q
+
+
+def test_store_evicts_the_least_recently_used_first() -> None:
+    one = _saved([1, 2, 3]).nbytes
+    store = SegmentStore(2 * one)
+    store.put("a", _saved([1, 2, 3]))
+    store.put("b", _saved([1, 2, 3]))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put("c", _saved([1, 2, 3]))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert store.evictions == 1
+
+
+def _request(req_id: str, plan: Plan, prompt: int = 10, status: object = None, computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=plan.to_params(), num_prompt_tokens=prompt,
+                           prompt_token_ids=list(range(prompt)), status=status, num_computed_tokens=computed,
+                           all_token_ids=list(range(prompt + 1)))
+
+
+def test_a_consumer_waits_for_its_unsaved_source_and_an_aborted_producer_releases_it() -> None:
+    from vllm.v1.request import RequestStatus
+
+    from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
+    from kvbench.methods.connector.scheduler import ConnectorScheduler
+
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}))
+    producer = _request("p", Plan("t", "A0.r0", "A0", "run/t/A0.r0"))
+    consumer = _request("c", Plan("t", "A1.r0", "A1", "run/t/A1.r0",
+                                  (PlanSegment("ph", "q", 0, 5, source="run/t/A0.r0", source_start=0),)))
+    scheduler.on_new_request(producer)
+    assert scheduler.get_num_new_matched_tokens(consumer, 0) == (None, False)  # waits
+    # The producer finishes; its save is pending until a worker confirms it.
+    finished = _request("p", Plan("t", "A0.r0", "A0", "run/t/A0.r0"), status=RequestStatus.FINISHED_STOPPED, computed=10)
+    saving, params = scheduler.request_finished(finished, [1])
+    assert saving and params == {"kvbench": {"save_as": "run/t/A0.r0", "num_tokens": 10}}
+    assert scheduler.get_num_new_matched_tokens(consumer, 0) == (None, False)
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVBenchWorkerMetadata({"run/t/A0.r0"}),
+                                                      failed_recving=None))
+    assert scheduler.get_num_new_matched_tokens(consumer, 0) == (9, False)  # every prompt token but the last
+
+    other = _request("p2", Plan("t2", "A0.r0", "A0", "run/t2/A0.r0"))
+    waiting = _request("c2", Plan("t2", "A1.r0", "A1", "run/t2/A1.r0",
+                                  (PlanSegment("ph", "q", 0, 5, source="run/t2/A0.r0", source_start=0),)))
+    scheduler.on_new_request(other)
+    assert scheduler.get_num_new_matched_tokens(waiting, 0) == (None, False)
+    assert scheduler.request_finished(_request("p2", Plan("t2", "A0.r0", "A0", "run/t2/A0.r0"),
+                                               status=RequestStatus.FINISHED_ABORTED), []) == (False, None)
+    assert scheduler.get_num_new_matched_tokens(waiting, 0) == (9, False)  # released, not hung
+
+
+def test_an_unreadable_plan_is_served_without_the_connector() -> None:
+    from kvbench.methods.connector.scheduler import ConnectorScheduler
+
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}))
+    request = _request("r", Plan("t", "A0.r0", "A0", "k"))
+    request.kv_transfer_params["kvbench"]["version"] = 999
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def _failing_work(spec: LoadSpec):
+    yield 5
+    raise RuntimeError("boom")
+
+
+def test_a_failed_synchronous_load_hands_its_blocks_back_to_vllm() -> None:
+    done: list = []
+    loads = SyncLoads(_failing_work, lambda job, stats: done.append(stats), block_size=4)
+    spec = LoadSpec("r", list(range(13)), [10, 11, 12], 4, 12, Plan("t", "A1", "A1", "k"))
+    loads.step([spec], frozenset({"r"}), layers=2)
+    assert done[0]["fallback"] == "dense" and "boom" in done[0]["error"] and done[0]["recomputed_tokens"] == 8
+    assert loads.take_failed_blocks() == {11, 12}  # the blocks past vLLM's own prefix-cache hit
+    assert loads.take_failed() == set() and loads.take_finished() == set()
+
+
+def test_a_failed_asynchronous_load_ends_the_wait_as_failed() -> None:
+    done: list = []
+    loads = AsyncLoads(_failing_work, lambda job, stats: done.append(stats), block_size=4, tokens_per_step=1)
+    spec = LoadSpec("r", list(range(13)), [10, 11, 12], 0, 12, Plan("t", "A1", "A1", "k"))
+    loads.step([spec], frozenset(), layers=2)  # one layer's worth of budget: the load pauses
+    assert not done and len(loads.queue) == 1
+    loads.step([], frozenset(), layers=2)
+    assert done[0]["fallback"] == "dense"
+    assert loads.take_failed() == {"r"} and loads.take_finished() == {"r"} and loads.take_failed_blocks() == set()
+
+
+def test_finished_stats_say_where_the_load_ran() -> None:
+    job = LoadJob(LoadSpec("r", [1, 2, 3], [0], 1, 2, Plan("t", "A1.r0", "A1", "k")), iter(()))
+    stats = job.finished_stats({"reused_tokens": 1, "recomputed_tokens": 0})
+    assert stats["turn"] == "A1.r0" and stats["agent"] == "A1" and stats["claimed_tokens"] == 1
+    assert stats["local_tokens"] == 1 and stats["load_s"] >= 0
+
+
+@pytest.mark.parametrize("check, group, picked, expected", [
+    (None, None, 0, (6, 4)),  # plain reuse: reused rows reused, the rest computed
+    (1, None, 2, (4, 6)),  # CacheBlend: 2 reused rows picked for recomputation past the check layer
+    (None, (2, 4), 0, (3, 7)),  # DroidSpeak: 6 reused rows computed in 2 of 4 layers
+])
+def test_row_accounting(check: int | None, group: tuple[int, int] | None, picked: int,
+                        expected: tuple[int, int]) -> None:
+    reused = torch.zeros(10, dtype=torch.bool)
+    reused[4:] = True
+    compute = torch.arange(10) if check is not None and group is None else torch.arange(4)
+    assert count_rows(reused, compute, picked, check, group, layers=4) == expected
