@@ -22,6 +22,9 @@ from typing import Any
 from kvbench.contracts import WorkerRpc
 
 
+SHUTDOWN_TIMEOUT_S = 10  # vLLM's own drain on SIGTERM; VLLMServer.stop waits longer before SIGKILL
+
+
 class ServerError(RuntimeError):
     """The server could not be started, died, or is unreachable; the message says why."""
 
@@ -145,6 +148,9 @@ class VLLMServer:
             "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log",
             "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens per request
+            # On SIGTERM, let the engine finish and exit in order (vLLM's default, 0, kills it at
+            # once, and the API server then logs an EngineDeadError traceback on every stop).
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         ]
         if cfg.max_model_len is not None:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
@@ -229,7 +235,7 @@ class VLLMServer:
         process group after `grace_s`, or at once when this is interrupted again while waiting (a
         second Ctrl-C): no process of it outlives the call. (SIGTERM to the whole group killed the
         engine under the API server, which then logged an EngineDeadError traceback on every
-        normal stop, so a traceback in server.log no longer meant a failure.)"""
+        normal stop, so a traceback in server.log did not mean a failure.)"""
         try:
             if self.process is not None and self.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -243,6 +249,7 @@ class VLLMServer:
                     os.killpg(self.process.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(timeout=10)
+                _wait_for_group_exit(self.process.pid, timeout_s=10)
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
@@ -252,6 +259,18 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_for_group_exit(pgid: int, timeout_s: float) -> None:
+    """Until no process of the group is left (killed workers linger as zombies until init reaps
+    them, a second or so)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
 
 
 def stop_with_parent() -> Callable[[], None] | None:

@@ -63,3 +63,21 @@ def test_vllm_and_transformers_agree_on_next_token_logprobs(vllm_server: VLLMSer
     # Both run in bf16 with different kernels; bf16 has 8 mantissa bits, so logits of size ~10
     # carry ~0.04 of rounding each, and a log-softmax difference of up to ~0.1 is bf16 noise.
     assert max(deltas) <= 0.1, f"max |dlogprob| = {max(deltas):.4f}"
+
+
+def test_a_normal_stop_leaves_no_traceback_in_the_log(default_model: str, tmp_path) -> None:
+    """A server stops through its API process, which shuts its engine down in order: a traceback
+    in server.log then always means a real failure."""
+    import os
+
+    from kvbench.replay.server import method_server_config
+
+    log = tmp_path / "server.log"
+    server = VLLMServer(method_server_config("fullshared", default_model, max_model_len=1024, log_path=log))
+    with server:
+        assert _complete(server, {"prompt": _prompt_ids(default_model), "max_tokens": 2})["choices"]
+        group = server.process.pid
+    text = log.read_text()
+    assert "Traceback" not in text and "EngineDeadError" not in text, text[-3000:]
+    with pytest.raises(ProcessLookupError):  # nothing of the server's process group is left
+        os.killpg(group, 0)
