@@ -21,7 +21,6 @@ from typing import Any
 
 from kvbench.contracts import WorkerRpc
 
-
 SHUTDOWN_TIMEOUT_S = 10  # vLLM's own drain on SIGTERM; VLLMServer.stop waits longer before SIGKILL
 
 
