@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_correction_timing.py"
 
 
@@ -45,6 +47,7 @@ def test_delta_transfer_script_reports_bounds(default_model: str) -> None:
     assert -1 <= values["delta_cosine_k"] <= 1 and -1 <= values["delta_cosine_v"] <= 1
 
 
+@pytest.mark.engine  # the slow tier: runs vLLM's CPU attention kernel in a subprocess (~13 s)
 def test_self_attention_script_prints_both_timings_and_their_ratio() -> None:
     script = SCRIPT.parent / "bench_self_attention.py"
     result = subprocess.run([sys.executable, str(script), "--tokens", "64,200", "--repeats", "1"],

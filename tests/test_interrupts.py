@@ -18,6 +18,9 @@ import pandas as pd
 import psutil
 import pytest
 
+# The slow tier: each test runs `kvbench replay` end to end in subprocesses (5-30 s each).
+pytestmark = pytest.mark.engine
+
 HELPER = Path(__file__).parent / "helpers" / "kvbench_stub_server.py"
 
 
