@@ -243,13 +243,15 @@ def test_preemption_and_resume_rematerialize(server: VLLMServer, prompts: dict) 
     def run(index: int) -> list[str]:
         prompt = variants[index]
         plan = _reuse_q({**prompts, "sys1": prompt[:len(prompts["sys1"])]}, "p1", source_key, _key())
-        choice = _complete(server, prompt, plan, salt=_key(), max_tokens=400)
+        # 640 generated tokens: 5 more blocks each, so even if the scheduler admits only three of
+        # the four at once, their growth outruns the free blocks (400 left it to timing)
+        choice = _complete(server, prompt, plan, salt=_key(), max_tokens=640)
         return [next(iter(step)) for step in choice["logprobs"]["top_logprobs"]]
 
     alone = [run(i) for i in range(4)]  # one at a time: no preemption
     before = _metric(server, "vllm:num_preemptions_total")
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(run, range(4)))  # 4 x ~2,000 tokens > FULLSHARED_BLOCKS x 128 slots
+        together = list(pool.map(run, range(4)))  # 4 x ~2,200 tokens > FULLSHARED_BLOCKS x 128 slots
     assert _metric(server, "vllm:num_preemptions_total") > before, "the test did not cause a preemption"
     assert together == alone
 
