@@ -25,8 +25,6 @@ from kvbench.methods.store import SegmentStore
 if TYPE_CHECKING:
     from kvbench.methods.connector.worker import ConnectorWorker
 
-MAX_PENDING_HIDDEN = 256
-
 
 @dataclass
 class Candidates:

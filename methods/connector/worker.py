@@ -16,7 +16,7 @@ from kvbench.contracts import LoadStats, ServerInfo, WorkerStats
 from kvbench.methods.base import MethodConfigError, SharingMethod
 from kvbench.methods.compute_tracker import ComputedRequests
 from kvbench.methods.connector.loads import LoadJob, make_loads
-from kvbench.methods.connector.materialize import MAX_PENDING_HIDDEN, materialize_steps
+from kvbench.methods.connector.materialize import materialize_steps
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
@@ -25,6 +25,7 @@ from kvbench.methods.store import SavedKV, SegmentStore
 logger = logging.getLogger("kvbench.connector")
 
 MAX_KEPT_REQUEST_STATS = 100_000
+MAX_PENDING_HIDDEN = 256  # residual streams kept for saves; more means requests aborted before theirs
 
 
 class ConnectorWorker:
