@@ -30,6 +30,7 @@ run); --cold starts every measured run with empty pools, as a fresh server would
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 from contextlib import nullcontext
@@ -38,16 +39,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvbench import run_files
 from kvbench.analysis.intervals import Per, RatioInterval, p50_ratio_interval, p50_ttft_ms
 from kvbench.analysis.metrics import summarize
-from kvbench.model.store import resolve_model
+from kvbench.experiment.sweep import MethodConfig, SweepCell, SweepPoint, SweepSpec, run_sweep
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
-from kvbench.replay.runner import ReplayConfig, run_replay
-from kvbench.replay.server import VLLMServer, method_server_config
-from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.schema import Trace
-from kvbench.tracegen.tokenizer import load_tokenizer
+from kvbench.replay.server import VLLMServer
 
+KV_ERROR_FILE = "kv_error.json"  # a QPS-0 cell's KV error, written while its server is up
 METHODS = [("nonshared", {}), ("fullshared", {}), ("kvcmas", {}), ("kvcmas-nonchained", {}), ("kvcomm", {"V": 10})]
 
 
@@ -126,7 +125,7 @@ def main() -> None:
                              "by more than the targets' margins between identical runs; more trajectories narrow the "
                              "ratios' bootstrap intervals")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="replay each loaded cell N times, each with its own arrival schedule (seeds 0..N-1) "
+                        help="replay each loaded cell N times, each with its own arrival schedule (arrival seeds 11..10+N) "
                              "and freshly primed method state: the ratios are then computed over the pooled "
                              "trajectories of all repeats, and each repeat's own ratio is printed beside them "
                              "(a loaded cell's median moves between identical runs)")
@@ -153,8 +152,9 @@ def main() -> None:
                         help="also KVCMAS with prematch on (row `kvcmas(prematch)`): matching of a saved turn's "
                              "segments moves from the next edge's TTFT to after the saved turn's first token")
     parser.add_argument("--result-dir", type=Path, default=None,
-                        help="keep every cell's replay results (requests.parquet, summary.json, server log) under "
-                             "DIR/<method>-<context>-<qps>, for `kvbench report` (default: a temporary folder)")
+                        help="the sweep directory: every cell's results (requests.parquet, summary.json, "
+                             "kv_error.json) under DIR/runs/<method>/, for `kvbench report`; rerunning the same "
+                             "command resumes it (default: a temporary folder)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats: expected an integer >= 1")
@@ -176,52 +176,42 @@ def main() -> None:
     methods = compared + variants + [(m, m, {}) for m in args.extra_methods.split(",") if m]
     contexts = [int(c) for c in args.contexts.split(",")]
     loaded = dict(zip(contexts, (float(q) for q in args.loaded_qps.split(","))))
-    tokenizer = load_tokenizer(None)
-    model = resolve_model(None)
-    longest = max(args.trajectories, args.loaded_trajectories) + args.warmups
-    generated = {c: generate_trace(TraceSpec(shared_tokens=c, num_trajectories=longest, seed=11), tokenizer)
-                 for c in contexts}
+    spec = SweepSpec(
+        methods=[MethodConfig(method, params, label) for label, method, params in methods],
+        # every cell of a context replays the first trajectories of one seed-11 trace (a loaded
+        # cell more of them); each repeat draws its own Poisson arrivals and primes anew
+        points=[point for context in contexts for point in (
+            SweepPoint(context, 0.0, args.trajectories, 1),
+            SweepPoint(context, loaded[context], args.loaded_trajectories, args.repeats))],
+        num_warmups=args.warmups, prime_method_state=not args.cold, seed=11, save_prompt_ids=True,
+        server_options={"max_load_tokens_per_step": args.max_load_tokens_per_step})
 
-    def trace_for(context: int, qps: float) -> Trace:
-        """The first warm-ups + measured trajectories of one seed-11 trace: every cell of a context
-        replays the same trajectories (the loaded cells a longer run of them)."""
-        header, trajectories = generated[context]
-        count = args.warmups + (args.loaded_trajectories if qps else args.trajectories)
-        return Trace(header=header, trajectories=trajectories[:count])
+    def add_kv_errors(cell: SweepCell, server: VLLMServer, summary: dict) -> None:
+        """Against the cell's own server, still up: a dense prefill of each measured prompt."""
+        if cell.qps == 0 and cell.method.method != "nonshared":
+            requests = pd.read_parquet(cell.path / run_files.REQUESTS)
+            (cell.path / KV_ERROR_FILE).write_text(json.dumps(kv_errors(server, requests, args.error_trajectories)))
 
     rows = []
     frames: dict[tuple[str, int, float], pd.DataFrame] = {}  # each cell's requests, for the intervals
     runs: dict[tuple[str, int, float], list[pd.DataFrame]] = {}  # a loaded cell's repeats, one frame each
-    if args.result_dir is not None:
-        args.result_dir.mkdir(parents=True, exist_ok=True)
-    with (nullcontext(str(args.result_dir)) if args.result_dir is not None else tempfile.TemporaryDirectory()) as tmp:
-        for label, method, params in methods:
-            config = method_server_config(method, model, params, log_path=Path(tmp) / f"{label}.log",
-                                          max_load_tokens_per_step=args.max_load_tokens_per_step)
-            with VLLMServer(config) as server:
-                for context in contexts:
-                    for qps in (0.0, loaded[context]):
-                        repeats = args.repeats if qps else 1
-                        cell_rows, cell_runs = [], []
-                        for repeat in range(repeats):
-                            name = f"{label}-{context}-{qps:g}" + (f"-r{repeat}" if repeats > 1 else "")
-                            # seed: each repeat draws its own Poisson arrival schedule (seed 0 alone
-                            # is the schedule of every run before --repeats)
-                            summary = run_replay(ReplayConfig(
-                                trace=trace_for(context, qps), tokenizer=tokenizer, method=method,
-                                base_urls=[server.base_url], result_dir=Path(tmp) / name, qps=qps,
-                                num_warmups=args.warmups, prime_method_state=not args.cold, seed=repeat,
-                                save_prompt_ids=True, show_progress=False, method_params=params,
-                                server_pids={server.base_url: server.process.pid}))
-                            requests = pd.read_parquet(Path(tmp) / name / "requests.parquet")
-                            cell_runs.append(requests)
-                            cell_rows.append(cell_row(label, context, qps, summary))
-                            if qps == 0 and method != "nonshared":
-                                cell_rows[-1] |= kv_errors(server, requests, args.error_trajectories)
-                            print(json.dumps(cell_rows[-1] | ({"repeat": repeat} if repeats > 1 else {})), flush=True)
-                        runs[(label, context, qps)] = cell_runs
-                        frames[(label, context, qps)] = pool_repeats(cell_runs)
-                        rows.append(cell_rows[0] if repeats == 1 else pooled_row(cell_rows, frames[(label, context, qps)]))
+    with (nullcontext(str(args.result_dir)) if args.result_dir is not None else tempfile.TemporaryDirectory()) as root:
+        cells = run_sweep(spec, Path(root), on_cell=lambda name: print(f"done: {name}", flush=True),
+                          after_cell=add_kv_errors)
+        for (label, context, qps), group in itertools.groupby(
+                cells, key=lambda cell: (cell.method.name, cell.shared_tokens, cell.qps)):
+            cell_rows, cell_runs = [], []
+            for cell in group:
+                summary = json.loads((cell.path / run_files.SUMMARY).read_text())
+                cell_runs.append(pd.read_parquet(cell.path / run_files.REQUESTS))
+                cell_rows.append(cell_row(label, context, qps, summary))
+                if (cell.path / KV_ERROR_FILE).exists():
+                    cell_rows[-1] |= json.loads((cell.path / KV_ERROR_FILE).read_text())
+                print(json.dumps(cell_rows[-1] | ({"repeat": cell.repeat} if qps and args.repeats > 1 else {})),
+                      flush=True)
+            runs[(label, context, qps)] = cell_runs
+            frames[(label, context, qps)] = pool_repeats(cell_runs)
+            rows.append(cell_rows[0] if len(cell_rows) == 1 else pooled_row(cell_rows, frames[(label, context, qps)]))
     table = pd.DataFrame(rows)
     print()
     print(table.to_markdown(index=False, floatfmt=".3f"))

@@ -5,9 +5,10 @@ references) over time, with failures and evictions, and whether RSS stopped grow
     .venv/bin/python benchmarks/soak.py [--method kvcmas] [--minutes 30] [--qps 0.5]
         [--shared-tokens 2048] [--output-len 32] [--max-store-bytes 33554432] [--out DIR]
 
-The run is `kvbench replay` with --prime-method-state after two warm-ups; its result folder
-(requests.parquet, summary.json, server_metrics.jsonl with RSS at ~3 Hz, method_stats.jsonl with
-the store and state bytes every 2 s) is kept in DIR/run, and the printed table in DIR/soak.md.
+The run is a one-cell `kvbench sweep` with --prime-method-state after two warm-ups; its result
+folder (requests.parquet, summary.json, server_metrics.jsonl with RSS at ~3 Hz, method_stats.jsonl
+with the store and state bytes every 2 s) is kept in DIR/runs/<method>/, the printed table in
+DIR/soak.md.
 """
 
 from __future__ import annotations
@@ -17,19 +18,13 @@ import json
 import math
 import platform
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from kvbench.model.store import resolve_model
-from kvbench.replay.method_stats import METHOD_STATS_NAME
-from kvbench.replay.runner import SERVER_METRICS_NAME, ReplayConfig, run_replay
-from kvbench.replay.server import VLLMServer, method_server_config
-from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.schema import Trace
-from kvbench.tracegen.tokenizer import load_tokenizer
+from kvbench import run_files
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
 
 WARMUPS = 2
 PLATEAU_GROWTH = 0.05  # RSS may grow at most this share over the run's second half
@@ -38,13 +33,13 @@ PLATEAU_GROWTH = 0.05  # RSS may grow at most this share over the run's second h
 def _timeline(run: Path, slices: int) -> pd.DataFrame:
     """Per time slice of the measured run: peak RSS, store and method-state bytes, requests
     finished and failed by then, store evictions by then."""
-    metrics = pd.DataFrame([json.loads(line) for line in (run / SERVER_METRICS_NAME).read_text().splitlines()])
+    metrics = pd.DataFrame([json.loads(line) for line in (run / run_files.SERVER_METRICS).read_text().splitlines()])
     rss = metrics.dropna(subset=["process_tree_rss_bytes"])[["t_s", "process_tree_rss_bytes"]]
-    states = [json.loads(line) for line in (run / METHOD_STATS_NAME).read_text().splitlines()]
+    states = [json.loads(line) for line in (run / run_files.METHOD_STATS).read_text().splitlines()]
     state = pd.DataFrame([s for s in states if s["kind"] == "state"])
     state["method_state"] = state["method_state_bytes"].map(
         lambda d: sum(v for k, v in (d or {}).items() if not k.startswith("peak_")))
-    requests = pd.read_parquet(run / "requests.parquet")
+    requests = pd.read_parquet(run / run_files.REQUESTS)
     requests["end_s"] = requests["end_ns"] / 1e9
     # method_stats.jsonl's clock starts when the collector is made, a moment before the sampler's
     end = max(rss["t_s"].max(), state["t_s"].max())
@@ -91,22 +86,14 @@ def main() -> None:
     args = parser.parse_args()
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    model = resolve_model(args.model)
-    tokenizer = load_tokenizer(args.model)
     count = math.ceil(args.minutes * 60 * args.qps) + 1
-    started = time.time()
-    header, trajectories = generate_trace(TraceSpec(shared_tokens=args.shared_tokens, output_len=args.output_len,
-                                                    num_trajectories=count + WARMUPS, seed=11), tokenizer)
-    print(f"trace: {count} trajectories (+{WARMUPS} warm-ups) in {time.time() - started:.0f} s", flush=True)
-    run = args.out / "run"
-    config = method_server_config(args.method, model, max_store_bytes=args.max_store_bytes, max_model_len=8192,
-                                  log_path=args.out / "server.log")
-    with VLLMServer(config) as server:
-        summary = run_replay(ReplayConfig(
-            trace=Trace(header=header, trajectories=trajectories), tokenizer=tokenizer, method=args.method,
-            base_urls=[server.base_url], server_pids={server.base_url: server.process.pid}, result_dir=run,
-            qps=args.qps, num_warmups=WARMUPS, prime_method_state=True, seed=0,
-            extra_config={"model": model, "max_store_bytes": args.max_store_bytes, "benchmark": "soak"}))
+    spec = SweepSpec(methods=[MethodConfig(args.method)], points=[SweepPoint(args.shared_tokens, args.qps, count)],
+                     output_len=args.output_len, num_warmups=WARMUPS, prime_method_state=True, seed=11,
+                     model=args.model, server_options={"max_store_bytes": args.max_store_bytes, "max_model_len": 8192})
+    print(f"soak: {count} trajectories (+{WARMUPS} warm-ups) into {args.out}", flush=True)
+    [cell] = run_sweep(spec, args.out)
+    run = cell.path
+    summary = json.loads((run / run_files.SUMMARY).read_text())
     timeline = _timeline(run, args.slices)
     verdict = plateau(timeline)
     lines = [

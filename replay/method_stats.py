@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbench import run_files
 from kvbench.contracts import WorkerStats
 from kvbench.replay.records import write_text_atomic
 
 logger = logging.getLogger(__name__)
-
-METHOD_STATS_NAME = "method_stats.jsonl"
 
 # Per-request stats every tensor-parallel rank must agree on: what was reused or computed, and
 # each segment's decision. Timings and bytes differ between ranks by nature.
@@ -51,7 +50,8 @@ def rank_mismatch(per_rank: list[dict[str, Any]]) -> list[str]:
 
 @dataclass
 class ServerState:
-    """One server's method-state figures since the run's reset (the latest answer's)."""
+    """One server's store and method-state figures since the run's reset, as journaled (a "state"
+    line; `kvbench.analysis.summary` takes the run's figures from these lines)."""
 
     store_bytes: int = 0
     store_peak_bytes: int = 0
@@ -68,13 +68,10 @@ class MethodStatsCollector:
     base_urls: list[str]
     fetch: FetchStats
     by_request: dict[str, dict[str, Any]] = field(default_factory=dict)
-    servers: dict[str, ServerState] = field(default_factory=dict)
-    method_state_peak: dict[str, int] = field(default_factory=dict)
-    rank_mismatched_requests: int = 0
 
     @property
     def path(self) -> Path:
-        return self.result_dir / METHOD_STATS_NAME
+        return self.result_dir / run_files.METHOD_STATS
 
     def load(self, request_ids: set[str]) -> None:
         """Stats an earlier segment of this run journaled, for the requests kept from it."""
@@ -116,7 +113,6 @@ class MethodStatsCollector:
                 stats["tp_ranks"] = len(workers)
                 if mismatch := rank_mismatch([dict(w.requests.get(key, {})) for w in workers]):
                     stats["rank_mismatch"] = mismatch
-                    self.rank_mismatched_requests += 1
                     logger.warning("request %s: tensor-parallel ranks decided differently: %s", key, mismatch)
             lines.append({"kind": "request", "request_id": key, "stats": stats})
         state = ServerState(
@@ -132,9 +128,6 @@ class MethodStatsCollector:
             journal.write("".join(json.dumps(line) + "\n" for line in lines))
         for line in lines[:-1]:
             self._merge(line["request_id"], line["stats"])
-        self.servers[url] = state
-        for name, value in state.method_state_bytes.items():
-            self.method_state_peak[name] = max(self.method_state_peak.get(name, 0), value)
 
     def apply(self, records: list[dict[str, Any]]) -> list[str]:
         """Copy the stats into the records; returns the ids of the successful requests that have
@@ -152,23 +145,3 @@ class MethodStatsCollector:
             record["source_missing_tokens"] = stats.get("source_missing_tokens")
             record["method_stats"] = json.dumps(stats)
         return missing
-
-    def summary(self) -> dict[str, Any]:
-        """The run's store and method-state figures over its servers (a server's peak is its own;
-        the run's is the largest)."""
-        states = list(self.servers.values())
-        if not states:
-            return empty_summary()
-        return {
-            "method_store_peak_bytes": max((s.store_peak_bytes for s in states), default=None),
-            "store_evictions": sum(s.store_evictions for s in states),
-            "store_refused": sum(s.store_refused for s in states),
-            "method_state_bytes": dict(self.method_state_peak),
-            "rank_mismatched_requests": self.rank_mismatched_requests,
-        }
-
-
-def empty_summary() -> dict[str, Any]:
-    """The summary keys of a run without method state (plain vLLM, or no server answered)."""
-    return {"method_store_peak_bytes": None, "store_evictions": None, "store_refused": None,
-            "method_state_bytes": None, "rank_mismatched_requests": 0}

@@ -17,8 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-JOURNAL_NAME = "requests.jsonl"
-PARQUET_NAME = "requests.parquet"
+from kvbench import run_files
 
 
 @dataclass
@@ -77,7 +76,7 @@ SCHEMA = pa.schema([
 
 def read_journal(result_dir: Path) -> list[dict[str, Any]]:
     """Records of an earlier (possibly interrupted) run; a torn last line is ignored."""
-    path = result_dir / JOURNAL_NAME
+    path = result_dir / run_files.REQUESTS_JOURNAL
     if not path.exists():
         return []
     records = []
@@ -114,7 +113,7 @@ class ResultsWriter:
         self._last_snapshot = time.monotonic()
         result_dir.mkdir(parents=True, exist_ok=True)
         # Rewrite the journal so that records dropped for a resume are gone from it too.
-        journal = result_dir / JOURNAL_NAME
+        journal = result_dir / run_files.REQUESTS_JOURNAL
         journal.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         self._journal = open(journal, "a", encoding="utf-8")
         self.snapshot()
@@ -130,13 +129,13 @@ class ResultsWriter:
     def rewrite(self) -> None:
         """Rewrite journal and Parquet after records were updated in place (method stats)."""
         self._journal.close()
-        journal = self.result_dir / JOURNAL_NAME
+        journal = self.result_dir / run_files.REQUESTS_JOURNAL
         write_text_atomic(journal, "".join(json.dumps(r) + "\n" for r in self.records))
         self._journal = open(journal, "a", encoding="utf-8")
         self.snapshot()
 
     def snapshot(self) -> None:
-        write_parquet(self.records, self.result_dir / PARQUET_NAME)
+        write_parquet(self.records, self.result_dir / run_files.REQUESTS)
         self._last_snapshot = time.monotonic()
 
     def close(self) -> None:

@@ -21,34 +21,25 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
-import pandas as pd
 
-from kvbench import __version__
-from kvbench.analysis.metrics import summarize
-from kvbench.contracts import WorkerStats
+from kvbench import __version__, run_files
 from kvbench.replay.client import stream_completion
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
-from kvbench.replay.method_stats import MethodStatsCollector, empty_summary
+from kvbench.replay.method_stats import MethodStatsCollector
+from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter, read_journal, write_text_atomic
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
-from kvbench.replay.worker_rpc import WorkerClient
+from kvbench.replay.servers import ReplayServers
 from kvbench.tracegen.arrivals import arrival_times
 from kvbench.tracegen.schema import Trace, Trajectory, Turn
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-SUMMARY_NAME = "summary.json"
-SERVER_METRICS_NAME = "server_metrics.jsonl"
-
-
 HEARTBEAT_S = 2.0  # how often the serving time and the method's stats reach the disk
 FINAL_POLL_TIMEOUT_S = 60.0
-MAX_LISTED_MISSING = 50
 
 # Trajectory tasks start this early and then wait precisely: asyncio timers are only ms-accurate.
 EARLY_START_S = 0.005
@@ -65,6 +56,15 @@ async def _sleep_until(target_ns: int) -> None:
 
 class ReplayError(RuntimeError):
     """A replay could not run or finish; finished requests are on disk regardless."""
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """A finished run: its files are in `result_dir` (`kvbench.analysis.summary` summarizes them)."""
+
+    result_dir: Path
+    completed: int
+    failed: int
 
 
 @dataclass
@@ -117,17 +117,12 @@ class Replayer:
         self.interrupted: int | None = None  # the stop signal that ended the run
         self.writer: ResultsWriter | None = None  # set once the run reached its servers
         self.stats: MethodStatsCollector | None = None
-        self.stats_missing: list[str] = []
         self.segment: dict[str, Any] = {}
-        self.max_model_lens: dict[str, int | None] = {}
         self.semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         self.t0_ns = 0
         self._consecutive_unreachable = 0
-        self._ttfts: list[float] = []
-        self._completed = 0
-        self._failed = 0
-        self._progress: Any = None
-        self._task_id: Any = None
+        self.servers = ReplayServers(config.base_urls, config.method, self.method_info.uses_connector)
+        self.progress = ReplayProgress(config.method, 0, enabled=False)
 
     # -- set-up ------------------------------------------------------------------------------
     def prepare(self) -> tuple[list[Trajectory], list[Trajectory], list[dict[str, Any]], dict[str, Any]]:
@@ -135,10 +130,10 @@ class Replayer:
         cfg = self.config
         result_dir = cfg.result_dir
         existing = read_journal(result_dir)
-        config_path = result_dir / CONFIG_NAME
+        config_path = result_dir / run_files.CONFIG
         if cfg.resume:
             if not config_path.exists():
-                raise ReplayError(f"--resume: no earlier run in {result_dir} (no {CONFIG_NAME})")
+                raise ReplayError(f"--resume: no earlier run in {result_dir} (no {run_files.CONFIG})")
             run_config = json.loads(config_path.read_text())
             if run_config["method"] != cfg.method:
                 raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method!r}")
@@ -195,9 +190,9 @@ class Replayer:
         }
 
     # -- the run -----------------------------------------------------------------------------
-    async def run(self) -> dict[str, Any]:
+    async def run(self) -> ReplayOutcome:
         """The run, or the rest of an interrupted one. SIGINT/SIGTERM stop it cleanly: requests in
-        flight are recorded as interrupted, the summary is written, then `Interrupted` is raised."""
+        flight are recorded as interrupted, the run's files are closed, then `Interrupted` is raised."""
         cfg = self.config
         warmups, todo, kept, run_config = self.prepare()
         segment = len(run_config["segments"])
@@ -205,7 +200,7 @@ class Replayer:
                                 run_id=f"{run_config['run_id']}/s{segment}")
         sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
         if self.method_info.uses_connector:
-            self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self._fetch_stats)
+            self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self.servers.fetch_stats)
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False)) as session:
             body = asyncio.create_task(self._run_body(session, warmups, todo, kept, run_config, builder, sampler))
@@ -225,23 +220,28 @@ class Replayer:
                 finally:
                     if self.writer is not None:  # the run reached its servers: it exists on disk
                         await self._finish_segment(session, run_config, sampler, segment)
-        if self.writer is None:  # stopped before the run reached its servers: nothing to summarize
+        if self.writer is None:  # stopped before the run reached its servers: nothing on disk
             assert self.interrupted is not None
             raise Interrupted(self.interrupted)
-        summary = self.write_summary(self.writer.records, run_config, sampler)
+        completed = sum(bool(r["success"]) for r in self.writer.records)
+        outcome = ReplayOutcome(cfg.result_dir, completed, len(self.writer.records) - completed)
         if self.interrupted is not None:
             raise Interrupted(self.interrupted)
         if self.abort_reason:
-            raise ReplayError(f"run aborted: {self.abort_reason}. {summary['completed']} requests completed and "
-                              f"{summary['failed']} failed are saved in {cfg.result_dir}; finish it with --resume")
-        return summary
+            raise ReplayError(f"run aborted: {self.abort_reason}. {outcome.completed} requests completed and "
+                              f"{outcome.failed} failed are saved in {cfg.result_dir}; finish it with --resume")
+        return outcome
 
     async def _run_body(self, session: aiohttp.ClientSession, warmups: list[Trajectory], todo: list[Trajectory],
                         kept: list[dict[str, Any]], run_config: dict[str, Any], builder: PromptBuilder,
                         sampler: MetricsSampler) -> None:
         cfg = self.config
-        await self._check_servers(session, run_config)
-        self._check_lengths()
+        run_config.update(await self.servers.check(session), server_pids=cfg.server_pids)
+        limit, problems = self.servers.length_problems(cfg.trace)
+        if problems:  # refused before anything is sent
+            shown = "\n  ".join(problems[:5]) + (f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise ReplayError(f"{len(problems)} turns need more tokens than the server's max_model_len {limit}; "
+                              f"serve a longer context (--max-model-len) or use a shorter trace:\n  {shown}")
         # Only now does the run exist on disk: one that never reached a server leaves nothing
         # that would make the same command refuse to run again.
         self.writer = ResultsWriter(cfg.result_dir, kept)
@@ -254,15 +254,16 @@ class Replayer:
         self._write_config(run_config)
         prime = bool(warmups) and cfg.prime_method_state
         if prime:  # what the warm-ups teach the method, and nothing from earlier runs
-            await self._reset_caches(session)
+            await self.servers.reset(session)
         if warmups:
             await self._warm_up(session, warmups, builder)
         # Every run starts cold (design: caches are reset between runs), after the warm-ups:
         # they warm kernels and leave no prefix-cache blocks; method state only when asked.
-        await self._reset_caches(session, keep_method_state=prime)
+        await self.servers.reset(session, keep_method_state=prime)
         offsets = self._schedule(todo)
         await sampler.start(session)
-        self._start_progress(sum(len(t.turns) for t in todo), len(kept))
+        self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.show_progress)
+        self.progress.start()
         self.t0_ns = time.perf_counter_ns()
         self.segment["status"] = "running"
         stop_heartbeat = asyncio.Event()
@@ -296,7 +297,7 @@ class Replayer:
                               sampler: MetricsSampler, segment: int) -> None:
         """Close the segment however it ended: its time, the last stats, the files."""
         assert self.writer is not None
-        self._stop_progress()
+        self.progress.stop()
         if self.t0_ns:
             self.segment["duration_s"] = (time.perf_counter_ns() - self.t0_ns) / 1e9
             await sampler.stop(session)
@@ -309,66 +310,16 @@ class Replayer:
                     await asyncio.wait_for(self.stats.poll(segment, self.segment["duration_s"]), FINAL_POLL_TIMEOUT_S)
                 except (TimeoutError, ServerError) as exc:
                     logger.warning("the last method-stats poll failed: %s", exc)
-            self.stats_missing = self.stats.apply(self.writer.records)
+            # successful requests whose stats never came (their server died before reporting)
+            self.segment["method_stats_missing"] = self.stats.apply(self.writer.records)
             self.writer.rewrite()
         self.writer.close()
         self._write_config(run_config)
-        with open(self.config.result_dir / SERVER_METRICS_NAME, "a") as handle:
+        with open(self.config.result_dir / run_files.SERVER_METRICS, "a") as handle:
             handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
 
     def _write_config(self, run_config: dict[str, Any]) -> None:
-        write_text_atomic(self.config.result_dir / CONFIG_NAME, json.dumps(run_config, indent=2) + "\n")
-
-    def _check_lengths(self) -> None:
-        """Refuse, before sending anything, a trace whose turns cannot fit the served context."""
-        from kvbench.tracegen.validate import length_problems
-
-        limits = [n for n in self.max_model_lens.values() if n]
-        if limits and (problems := length_problems(self.config.trace, min(limits))):
-            shown = "\n  ".join(problems[:5]) + (f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else "")
-            raise ReplayError(f"{len(problems)} turns need more tokens than the server's max_model_len {min(limits)}; "
-                              f"serve a longer context (--max-model-len) or use a shorter trace:\n  {shown}")
-
-    async def _check_servers(self, session: aiohttp.ClientSession, run_config: dict[str, Any]) -> None:
-        models, versions = {}, {}
-        for url in self.config.base_urls:
-            try:
-                async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
-                    response.raise_for_status()
-                    served = (await response.json())["data"][0]
-                    models[url] = served["id"]
-                    limit = served.get("max_model_len")
-                    self.max_model_lens[url] = limit if isinstance(limit, int) and limit > 0 else None
-                async with session.get(f"{url}/version", timeout=aiohttp.ClientTimeout(total=10)) as response:
-                    versions[url] = (await response.json()).get("version") if response.status == 200 else None
-            except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as exc:
-                raise ServerError(f"cannot reach a vLLM server at {url}: {type(exc).__name__}: {exc}") from None
-        if self.method_info.uses_connector:  # a server of another method would answer other stats
-            for url in self.config.base_urls:
-                run_config.setdefault("server_info", {})[url] = (
-                    await asyncio.to_thread(WorkerClient(url).check_method, self.config.method)).to_dict()
-        self.served_models = models
-        run_config["served_models"] = models
-        run_config["served_max_model_len"] = self.max_model_lens
-        run_config["server_pids"] = self.config.server_pids
-        run_config["vllm_version"] = next(iter(versions.values()), None)
-
-    @staticmethod
-    async def _fetch_stats(url: str) -> list[WorkerStats]:
-        return await asyncio.to_thread(WorkerClient(url).stats, True)
-
-    async def _reset_caches(self, session: aiohttp.ClientSession, keep_method_state: bool = False) -> None:
-        """Start every run from cold caches (needs VLLM_SERVER_DEV_MODE=1 on the server)."""
-        for url in self.config.base_urls:
-            if self.method_info.uses_connector:
-                client = WorkerClient(url)
-                await asyncio.to_thread(client.attach_model)  # idempotent; servers not started by kvbench
-                await asyncio.to_thread(client.reset, keep_method_state)
-            try:
-                async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)):
-                    pass
-            except (TimeoutError, aiohttp.ClientError):
-                pass  # servers without dev mode keep their cache; recorded cached_tokens show it
+        write_text_atomic(self.config.result_dir / run_files.CONFIG, json.dumps(run_config, indent=2) + "\n")
 
     async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
                        builder: PromptBuilder) -> None:
@@ -460,7 +411,7 @@ class Replayer:
     async def _send(self, session: aiohttp.ClientSession, url: str, turn: Turn, prompt: TurnPrompt,
                     record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
         body = {
-            "model": self.served_models[url], "prompt": prompt.token_ids, "max_tokens": turn.max_tokens,
+            "model": self.servers.served_models[url], "prompt": prompt.token_ids, "max_tokens": turn.max_tokens,
             "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, "kv_transfer_params": prompt.plan.to_params(),
         }
@@ -511,71 +462,11 @@ class Replayer:
         if writer is None:
             return
         writer.add(record)
-        if record.success:
-            self._completed += 1
-            self._ttfts.append(record.ttft_ms or 0.0)
-        else:
-            self._failed += 1
-        if self._progress is not None:
-            self._progress.update(self._task_id, advance=1, completed_n=self._completed, failed_n=self._failed,
-                                  p50=float(np.median(self._ttfts)) if self._ttfts else float("nan"))
-
-    def _start_progress(self, total: int, already: int) -> None:
-        if not self.config.show_progress:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._progress = Progress(
-            TextColumn(f"replay {self.config.method}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("ok {task.fields[completed_n]}  failed {task.fields[failed_n]}  p50 TTFT {task.fields[p50]:.0f} ms"),
-            TimeElapsedColumn(), console=Console(stderr=True), transient=False,
-        )
-        self._progress.start()
-        self._task_id = self._progress.add_task("replay", total=total, completed_n=0, failed_n=0, p50=float("nan"))
-
-    def _stop_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-
-    def write_summary(self, records: list[dict[str, Any]], run_config: dict[str, Any],
-                      sampler: MetricsSampler) -> dict[str, Any]:
-        cfg = self.config
-        requests = pd.DataFrame(records) if records else pd.DataFrame(
-            columns=list(RequestRecord.__dataclass_fields__))
-        if len(requests):
-            requests["success"] = requests["success"].astype(bool)
-        duration = sum(s["duration_s"] for s in run_config["segments"])
-        summary = {
-            "date": run_config["date"], "run_id": run_config["run_id"], "backend": "vllm", "method": cfg.method,
-            "label": cfg.label, "model_id": run_config.get("model"), "tokenizer_id": cfg.tokenizer.name,
-            "num_prompts": int(len(requests)), "request_rate": cfg.qps, "burstiness": cfg.burstiness,
-            "max_concurrency": cfg.max_concurrency, **cfg.metadata,
-            **summarize(requests, duration, cfg.metric_percentiles),
-            **sampler.summary(),
-            # store and method state of this run (since its reset), and the requests whose
-            # tensor-parallel ranks decided differently (should always be 0)
-            **(self.stats.summary() if self.stats is not None else empty_summary()),
-            # successful requests whose method stats never reached the client (their server died
-            # before it reported them): realized rho and the reuse columns leave them out
-            "method_stats_missing": len(self.stats_missing),
-            "method_stats_missing_requests": self.stats_missing[:MAX_LISTED_MISSING],
-            "aborted": self.abort_reason,
-            "interrupted": signal.Signals(self.interrupted).name if self.interrupted else None,
-            "segments": len(run_config["segments"]),
-            "config": run_config,
-        }
-        (cfg.result_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
-        return summary
+        self.progress.add(record.success, record.ttft_ms)
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
-
-def run_replay(config: ReplayConfig) -> dict[str, Any]:
+def run_replay(config: ReplayConfig) -> ReplayOutcome:
+    """Replay `config.trace` and record it in `config.result_dir`; raises ReplayError (aborted),
+    Interrupted (a stop signal) or ServerError after closing whatever the run had written."""
     return asyncio.run(Replayer(config).run())

@@ -229,6 +229,13 @@ class VLLMServer:
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def failure(self) -> str | None:
+        """Why the server is gone (a replay then starts no new work), or None while it runs."""
+        if self.is_running():
+            return None
+        code = self.process.returncode if self.process is not None else None
+        return f"the vLLM server exited with code {code} (log: {self.log_path})"
+
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to the API server, which shuts its engine down in order; then SIGKILL to the
         process group after `grace_s`, or at once when this is interrupted again while waiting (a

@@ -70,7 +70,6 @@ class MetricsSampler:
     pids: dict[str, int]  # server URL -> process id, for servers kvbench started
     interval_s: float = 1 / 3
     samples: list[dict[str, Any]] = field(default_factory=list)
-    peak_rss: dict[str, int] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     _started: float = 0.0
 
@@ -85,7 +84,6 @@ class MetricsSampler:
             if url in self.pids:
                 rss = process_tree_rss(self.pids[url])
                 values["process_tree_rss_bytes"] = rss
-                self.peak_rss[url] = max(self.peak_rss.get(url, 0), rss)
             if values:
                 self.samples.append({"server_url": url, "phase": phase, "t_s": round(now, 3), **values})
 
@@ -108,24 +106,6 @@ class MetricsSampler:
             except asyncio.CancelledError:
                 pass
         await self.sample(session, "after")
-
-    def summary(self) -> dict[str, Any]:
-        """Peaks and run deltas of the kept series, over all servers."""
-        out: dict[str, Any] = {"peak_server_rss_bytes": max(self.peak_rss.values()) if self.peak_rss else None}
-        usage = [s["vllm:kv_cache_usage_perc"] for s in self.samples if "vllm:kv_cache_usage_perc" in s]
-        out["peak_kv_cache_usage_perc"] = max(usage) if usage else None
-        for name, key in (("vllm:prefix_cache_hits_total", "prefix_cache_hits"),
-                          ("vllm:prefix_cache_queries_total", "prefix_cache_queries"),
-                          ("vllm:num_preemptions_total", "num_preemptions")):
-            delta = 0.0
-            seen = False
-            for url in self.servers:
-                series = [s[name] for s in self.samples if s["server_url"] == url and name in s]
-                if series:
-                    seen = True
-                    delta += series[-1] - series[0]
-            out[key] = delta if seen else None
-        return out
 
     def write(self, path: Path) -> None:
         path.write_text("".join(json.dumps(s) + "\n" for s in self.samples))

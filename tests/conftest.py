@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,3 +71,37 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-tokenizer")
     save_hf_tokenizer(train_tokenizer(documents, vocab_size=400), out, model_max_length=1 << 20)
     return out
+
+
+@pytest.fixture(scope="session")
+def prompts(default_model: str) -> dict[str, list[int]]:
+    """A0's prompt (system + q), and A1's prompt (another system prompt, q at other positions)."""
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    _, (trajectory,) = generate_trace(TraceSpec(shared_tokens=1500, num_trajectories=1, seed=42), tokenizer)
+    q = tokenizer.encode(trajectory.shared["q"].text)
+    sys0 = tokenizer.encode(trajectory.agents["A0"].system)
+    sys1 = tokenizer.encode(trajectory.agents["A1"].system)
+    tail = tokenizer.encode("\n\nA: ")
+    return {"sys0": sys0, "sys1": sys1, "q": q, "tail": tail, "p0": sys0 + q + tail, "p1": sys1 + q + tail}
+
+
+@pytest.fixture(scope="session")
+def bf16_noise(default_model: str, prompts: dict) -> dict[str, float]:
+    """Log-prob tolerance per prompt: 0.02, or one bf16 step of the largest next-token logit if
+    that is coarser. vLLM computes logits in bf16, so a single logit rounding the other way moves
+    log-probs by one step: 1/32 for logits in [4, 8). (0.02 came from a random-weight model whose
+    logits are small; the trained embedded model's are not.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32)
+    tolerance = {}
+    for name in ("p0", "p1"):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompts[name]])).logits[0, -1]
+        step = 2.0 ** (math.floor(math.log2(float(logits.abs().max()))) - 7)
+        tolerance[name] = max(0.02, step + 0.002)
+    return tolerance

@@ -199,7 +199,7 @@ def test_sweep_runs_a_grid_with_repeats_and_resumes(default_model: str, tmp_path
 
 
 def test_a_sweep_grows_by_methods_only() -> None:
-    from kvbench.replay.sweep import MethodConfig, SweepSpec
+    from kvbench.experiment.sweep import MethodConfig, SweepSpec
 
     stored = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("kvcmas", {"V": 5})], qps=[0.0, 1.0])
     grown = SweepSpec(methods=[*stored.methods, MethodConfig("droidspeak")], qps=[0.0, 1.0])

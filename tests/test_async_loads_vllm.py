@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from test_methods_vllm import _complete, _dense, _key, _kv_error, _max_dlogprob, _request_stats, bf16_noise, prompts  # noqa: F401
+from vllm_helpers import complete, dense_prefill, kv_error, max_dlogprob, new_key, request_stats
 
 from kvbench.contracts import CONTRACT_VERSION, Plan
 from kvbench.replay.client import stream_completion
@@ -43,33 +43,33 @@ def _compute_all(prompt: list[int], key: str) -> dict:
     return {"save_as": key, "segments": [{"kind": "pf", "id": "all", "start": 0, "length": len(prompt)}]}
 
 
-def test_a_load_over_engine_steps_matches_dense(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:  # noqa: F811
-    dense_key, key = _key(), _key()
-    dense = _dense(server, prompts["p0"], dense_key)
-    computed = _complete(server, prompts["p0"], _compute_all(prompts["p0"], key), salt=key)
-    assert _max_dlogprob(dense, computed) <= bf16_noise["p0"]
+def test_a_load_over_engine_steps_matches_dense(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:
+    dense_key, key = new_key(), new_key()
+    dense = dense_prefill(server, prompts["p0"], dense_key)
+    computed = complete(server, prompts["p0"], _compute_all(prompts["p0"], key), salt=key)
+    assert max_dlogprob(dense, computed) <= bf16_noise["p0"]
     n = len(prompts["p0"]) - 1
-    error = _kv_error(server, key, dense_key, 0, n)
+    error = kv_error(server, key, dense_key, 0, n)
     assert all(layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01 for layer in error["layers"]), error
-    stats = _request_stats(server, key)
+    stats = request_stats(server, key)
     assert stats["recomputed_tokens"] == n and stats["reused_tokens"] == 0
     assert stats["load_steps"] == LAYERS  # n >= 512 rows: one layer per engine step
 
 
-def test_a_failed_load_is_computed_by_vllm(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:  # noqa: F811
+def test_a_failed_load_is_computed_by_vllm(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:
     """A load that fails ends the request's wait as failed: vLLM computes the prompt itself
     (once: the connector does not claim it again), and the answer is the dense one."""
-    key = _key()
-    dense = _dense(server, prompts["p1"], _key(), max_tokens=16)
-    faulty = _complete(server, prompts["p1"], {**_compute_all(prompts["p1"], key), "inject_fault": True},
+    key = new_key()
+    dense = dense_prefill(server, prompts["p1"], new_key(), max_tokens=16)
+    faulty = complete(server, prompts["p1"], {**_compute_all(prompts["p1"], key), "inject_fault": True},
                        salt=key, max_tokens=16)
     assert faulty["text"] == dense["text"]
-    assert _max_dlogprob(dense, faulty) <= bf16_noise["p1"]
-    stats = _request_stats(server, key)
+    assert max_dlogprob(dense, faulty) <= bf16_noise["p1"]
+    stats = request_stats(server, key)
     assert stats["fallback"] == "dense" and "injected fault" in stats["error"]
 
 
-def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer, prompts: dict) -> None:
     """A request decoding while a long load runs is computed in every engine step the load runs in:
     it gets a token between each two layers of the load, where a load in one step (budget 0) holds
     it for the whole load. Checked from the engine's own record of each step's batch, not from
@@ -83,7 +83,7 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
             decoding = asyncio.create_task(stream_completion(
                 session, url, {**common, "prompt": prompts["q"][:64], "max_tokens": 1500}, 300, "decoding"))
             await asyncio.sleep(1.0)  # the first request is past its prefill and decoding
-            key = _key()
+            key = new_key()
             load = await stream_completion(session, url, {
                 **common, "prompt": prompts["p1"], "max_tokens": 1, "cache_salt": key,
                 "kv_transfer_params": _params(_compute_all(prompts["p1"], key))}, 300, "load")
@@ -92,7 +92,7 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
     decoding, load, key = asyncio.run(scenario())
     assert decoding.success and load.success, (decoding.error_message, load.error_message)
     assert load.sent_ns > decoding.first_token_ns and decoding.end_ns > load.first_token_ns  # overlapped
-    stats = _request_stats(server, key)
+    stats = request_stats(server, key)
     assert stats["load_steps"] == LAYERS
     # The decoding request is the only other one: it was computed in each of the load's steps.
     assert stats["load_step_batches"] == [1] * LAYERS, stats["load_step_batches"]
@@ -125,7 +125,7 @@ def test_the_load_budget_reaches_the_connector() -> None:
         assert result.exit_code == 0 and "--max-load-tokens-per-step" in result.output, (command, result.output)
 
 
-def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
+def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServer, prompts: dict) -> None:
     """Loads waiting together run least work first: a load of a few rows sent right after a long
     one ends in one engine step, and its request gets its first token while the long load still
     runs its layers. In arrival order it would wait for every layer of the long one."""
@@ -133,7 +133,7 @@ def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServ
     async def scenario() -> tuple:
         url = f"{server.base_url}/v1/completions"
         common = {"model": server.config.model, "temperature": 0, "ignore_eos": True, "stream": True, "max_tokens": 1}
-        long_key, short_key = _key(), _key()
+        long_key, short_key = new_key(), new_key()
         short_prompt = prompts["q"][:32]
         async with aiohttp.ClientSession() as session:
             long = asyncio.create_task(stream_completion(session, url, {
@@ -147,6 +147,6 @@ def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServ
 
     long, short, long_key, short_key = asyncio.run(scenario())
     assert long.success and short.success, (long.error_message, short.error_message)
-    long_stats, short_stats = _request_stats(server, long_key), _request_stats(server, short_key)
+    long_stats, short_stats = request_stats(server, long_key), request_stats(server, short_key)
     assert long_stats["load_steps"] == LAYERS and short_stats["load_steps"] == 1, (long_stats, short_stats)
     assert short.sent_ns > long.sent_ns and short.first_token_ns < long.first_token_ns

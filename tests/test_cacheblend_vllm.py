@@ -10,17 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import method_server
-from test_methods_vllm import (  # noqa: F401
-    _complete,
-    _dense,
-    _key,
-    _kv_error,
-    _request_stats,
-    _reuse_q,
-    _set_params,
-    _small_replay,
-    prompts,
-)
+from vllm_helpers import complete, dense_prefill, kv_error, new_key, request_stats, reuse_q, set_params, small_replay
 
 from kvbench.replay.server import ServerError, VLLMServer
 
@@ -34,18 +24,18 @@ def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     yield from method_server("cacheblend", default_model, tmp_path_factory)
 
 
-def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
-    source, dense = _key(), _key()
-    _dense(server, prompts["p0"], source)  # A0: q after A0's system prompt
-    _dense(server, prompts["p1"], dense)  # what A1's cache should be
+def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:
+    source, dense = new_key(), new_key()
+    dense_prefill(server, prompts["p0"], source)  # A0: q after A0's system prompt
+    dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
     n, q = len(prompts["p1"]) - 1, len(prompts["q"])
     errors = {}
     for ratio in (0.0, 0.3, 1.0):
-        assert _set_params(server, recompute_ratio=ratio)["recompute_ratio"] == ratio
-        key = _key()
-        _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key), salt=key)
-        errors[ratio] = _kv_error(server, key, dense, 0, n)["layers"]
-        stats = _request_stats(server, key)
+        assert set_params(server, recompute_ratio=ratio)["recompute_ratio"] == ratio
+        key = new_key()
+        complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
+        errors[ratio] = kv_error(server, key, dense, 0, n)["layers"]
+        stats = request_stats(server, key)
         picked = math.ceil(ratio * q)
         assert stats["blend"]["check_layer"] == CHECK_LAYER
         assert stats["blend"]["picked_tokens"] == picked and stats["blend"]["candidate_tokens"] == q
@@ -60,17 +50,17 @@ def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: 
             # most deviating tokens removes part of it.
             assert errors[0.0][layer][kv] > 5 * errors[1.0][layer][kv], errors
             assert errors[0.3][layer][kv] < errors[0.0][layer][kv], errors
-    _set_params(server, recompute_ratio=0.15)
+    set_params(server, recompute_ratio=0.15)
 
 
 def test_check_layer_must_leave_a_layer_after_it(server: VLLMServer) -> None:
     with pytest.raises(ServerError, match="check_layer must be in"):
-        _set_params(server, check_layer=3)
-    assert _set_params(server, check_layer=CHECK_LAYER)["check_layer"] == CHECK_LAYER
+        set_params(server, check_layer=3)
+    assert set_params(server, check_layer=CHECK_LAYER)["check_layer"] == CHECK_LAYER
 
 
 def test_replay_reports_the_reuse_ratio(server: VLLMServer, tmp_path: Path) -> None:
-    requests, summary, stats = _small_replay(server, "cacheblend", tmp_path)
+    requests, summary, stats = small_replay(server, "cacheblend", tmp_path)
     blended = [s["blend"] for s in stats if "blend" in s]
     assert blended and all(b["picked_tokens"] == math.ceil(0.15 * b["candidate_tokens"]) for b in blended)
     # rho counts the reused tokens not recomputed past the check layer: about 1 - 0.15.

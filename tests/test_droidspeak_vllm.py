@@ -11,17 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import method_server
-from test_methods_vllm import (  # noqa: F401
-    _complete,
-    _dense,
-    _key,
-    _kv_error,
-    _request_stats,
-    _reuse_q,
-    _set_params,
-    _small_replay,
-    prompts,
-)
+from vllm_helpers import complete, dense_prefill, kv_error, new_key, request_stats, reuse_q, set_params, small_replay
 
 from kvbench.cli import main
 from kvbench.replay.server import ServerError, VLLMServer
@@ -38,25 +28,25 @@ def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def _source(server: VLLMServer, prompt: list[int]) -> str:
     """A0's cache computed by the connector's partial forward (so it saves its residual stream)."""
-    key = _key()
-    _complete(server, prompt, {"save_as": key, "segments": [{"kind": "pf", "id": "all", "start": 0,
+    key = new_key()
+    complete(server, prompt, {"save_as": key, "segments": [{"kind": "pf", "id": "all", "start": 0,
                                                               "length": len(prompt)}]}, salt=key)
     return key
 
 
-def _reused_errors(server: VLLMServer, prompts: dict, source: str, dense: str) -> tuple[list[dict], dict]:  # noqa: F811
-    key = _key()
-    _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key), salt=key)
-    return _kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"], _request_stats(server, key)
+def _reused_errors(server: VLLMServer, prompts: dict, source: str, dense: str) -> tuple[list[dict], dict]:
+    key = new_key()
+    complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
+    return kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"], request_stats(server, key)
 
 
-def test_layer_groups_against_dense(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
-    dense = _key()
-    _dense(server, prompts["p1"], dense)  # what A1's cache should be
+def test_layer_groups_against_dense(server: VLLMServer, prompts: dict) -> None:
+    dense = new_key()
+    dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
     n, q = len(prompts["p1"]) - 1, len(prompts["q"])
     errors, stats = {}, {}
     for layers in ([0, LAYERS], [1, LAYERS], [LAYERS - 1, LAYERS]):
-        assert _set_params(server, layers=layers)["layers"] == layers
+        assert set_params(server, layers=layers)["layers"] == layers
         errors[tuple(layers)], stats[tuple(layers)] = _reused_errors(server, prompts, _source(server, prompts["p0"]),
                                                                      dense)
     close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
@@ -79,14 +69,14 @@ def test_layer_groups_against_dense(server: VLLMServer, prompts: dict) -> None: 
     assert stats[(1, LAYERS)]["reused_tokens"] == round(q * 1 / LAYERS)
     assert stats[(1, LAYERS)]["recomputed_tokens"] == n - round(q * 1 / LAYERS)
     assert stats[(1, LAYERS)]["dense_without_stream_tokens"] == 0
-    _set_params(server, layers=None)
+    set_params(server, layers=None)
 
 
-def test_rows_without_a_saved_stream_are_computed(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
-    assert _set_params(server, layers=None)["layers"] is None  # default: the deepest 2 of 4 layers
-    source, dense = _key(), _key()
-    _dense(server, prompts["p0"], source)  # prefilled by vLLM itself: no residual stream saved
-    _dense(server, prompts["p1"], dense)
+def test_rows_without_a_saved_stream_are_computed(server: VLLMServer, prompts: dict) -> None:
+    assert set_params(server, layers=None)["layers"] is None  # default: the deepest 2 of 4 layers
+    source, dense = new_key(), new_key()
+    dense_prefill(server, prompts["p0"], source)  # prefilled by vLLM itself: no residual stream saved
+    dense_prefill(server, prompts["p1"], dense)
     errors, stats = _reused_errors(server, prompts, source, dense)
     assert stats["reused_tokens"] == 0 and stats["dense_without_stream_tokens"] == len(prompts["q"])
     assert all(layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01 for layer in errors), errors
@@ -94,12 +84,12 @@ def test_rows_without_a_saved_stream_are_computed(server: VLLMServer, prompts: d
 
 def test_layer_group_must_fit_the_model(server: VLLMServer) -> None:
     with pytest.raises(ServerError, match=r"recomputed layers \[2, 6\) must be"):
-        _set_params(server, layers=[2, 6])
-    assert _set_params(server, layers=None)["layers"] is None
+        set_params(server, layers=[2, 6])
+    assert set_params(server, layers=None)["layers"] is None
 
 
 def test_replay_reports_layer_weighted_reuse(server: VLLMServer, tmp_path: Path) -> None:
-    requests, summary, stats = _small_replay(server, "droidspeak", tmp_path)
+    requests, summary, stats = small_replay(server, "droidspeak", tmp_path)
     later = [s for s, agent in zip(stats, requests["agent"]) if agent != "A0"]
     # The query is reused in the 2 of 4 layers outside the default group; the agents' outputs
     # (generated by vLLM, no saved stream) are computed.
@@ -121,5 +111,5 @@ def test_calibrate_profiles_the_layer_group(server: VLLMServer) -> None:
     assert deviation[0] < 0.01 < max(deviation[1:])
     start, stop = report["layers"]
     assert stop - start == 2  # round((1 - 0.5) * 4)
-    assert _set_params(server, reuse_ratio=0.8)["layers"] == [start, stop]  # the profile's group is in force
-    _set_params(server, layers=None)
+    assert set_params(server, reuse_ratio=0.8)["layers"] == [start, stop]  # the profile's group is in force
+    set_params(server, layers=None)

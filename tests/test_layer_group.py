@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.replay.calibrate import layer_group
+from kvbench.experiment.calibrate import layer_group
 
 
 def test_group_width_follows_the_reuse_ratio() -> None:

@@ -10,17 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import method_server
-from test_methods_vllm import (  # noqa: F401
-    _complete,
-    _dense,
-    _key,
-    _kv_error,
-    _request_stats,
-    _reuse_q,
-    _set_params,
-    _small_replay,
-    prompts,
-)
+from vllm_helpers import complete, dense_prefill, kv_error, new_key, request_stats, reuse_q, set_params, small_replay
 
 from kvbench.replay.server import ServerError, VLLMServer
 
@@ -35,19 +25,19 @@ def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     yield from method_server("relaycaching", default_model, tmp_path_factory)
 
 
-def test_detection_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:  # noqa: F811
-    source, dense = _key(), _key()
-    _dense(server, prompts["p0"], source)  # A0: decoded by vLLM itself; RelayCaching needs no saved stream
-    _dense(server, prompts["p1"], dense)  # what A1's cache should be
+def test_detection_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:
+    source, dense = new_key(), new_key()
+    dense_prefill(server, prompts["p0"], source)  # A0: decoded by vLLM itself; RelayCaching needs no saved stream
+    dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
     q = len(prompts["q"])
     errors, stats = {}, {}
     for name, taus in (("all", {"tau_dev": 0, "tau_inf": NEVER}), ("none", {"tau_dev": NEVER, "tau_inf": NEVER}),
                        ("default", {"tau_dev": 1.5, "tau_inf": 1.45}), ("influence", {"tau_dev": NEVER, "tau_inf": 1.45})):
-        _set_params(server, **taus)
-        key = _key()
-        _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key), salt=key)
-        errors[name] = _kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"]
-        stats[name] = _request_stats(server, key)
+        set_params(server, **taus)
+        key = new_key()
+        complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
+        errors[name] = kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"]
+        stats[name] = request_stats(server, key)
     close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
     relay = {name: s["relay"] for name, s in stats.items()}
     assert all(r["det_layer"] == DET_LAYER and r["candidate_tokens"] == q for r in relay.values())
@@ -71,17 +61,17 @@ def test_detection_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) 
             assert errors["default"][layer][kv] < errors["none"][layer][kv], (layer, kv, errors)
     picked = default["picked_tokens"]  # reused (token, layer) entries: 2 of 4 layers, picked rows none
     assert stats["default"]["reused_tokens"] == round((q - picked) * (LAYERS - DET_LAYER - 1) / LAYERS)
-    _set_params(server, tau_dev=1.5, tau_inf=1.45)
+    set_params(server, tau_dev=1.5, tau_inf=1.45)
 
 
 def test_detection_layer_must_lie_inside_the_band(server: VLLMServer) -> None:
     with pytest.raises(ServerError, match=r"the check layer \(1\) must lie in the recomputed layers \[0, 2\)"):
-        _set_params(server, end_layer=1)
-    assert _set_params(server, end_layer=-1)["end_layer"] == -1
+        set_params(server, end_layer=1)
+    assert set_params(server, end_layer=-1)["end_layer"] == -1
 
 
 def test_replay_reports_entry_reuse(server: VLLMServer, tmp_path: Path) -> None:
-    requests, summary, stats = _small_replay(server, "relaycaching", tmp_path)
+    requests, summary, stats = small_replay(server, "relaycaching", tmp_path)
     relayed = [s["relay"] for s in stats if "relay" in s]
     assert len(relayed) == 6  # A1-A3 of both trajectories; decoded outputs are reused too (no stream needed)
     assert all(0 <= r["picked_tokens"] <= r["candidate_tokens"] for r in relayed)

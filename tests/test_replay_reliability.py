@@ -190,7 +190,7 @@ def test_a_chain_of_hundreds_of_turns_replays(tiny_tokenizer_dir: Path, tmp_path
 
 
 def test_a_sweep_resumes_cells_that_were_stopped(tmp_path: Path) -> None:
-    from kvbench.replay.sweep import cell_done
+    from kvbench.experiment.sweep import cell_done
 
     for ending, done in (({"aborted": None, "interrupted": None}, True), ({"aborted": None, "interrupted": "SIGTERM"}, False),
                          ({"aborted": "server died", "interrupted": None}, False)):

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
+from kvbench import run_files
 from kvbench.cli import main
 from kvbench.contracts import Plan
-from kvbench.replay.records import JOURNAL_NAME
 from kvbench.replay.stub import StubServer
 
 SMALL = ["--shared-tokens", "64", "--output-len", "4"]
@@ -134,7 +134,7 @@ def test_resume_finishes_an_interrupted_run(tiny_tokenizer_dir: Path, stub: Stub
     out = tmp_path / "r"
     assert _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,
                    "--result-dir", str(out), model=tiny_tokenizer_dir).exit_code == 0
-    journal = out / JOURNAL_NAME
+    journal = out / run_files.REQUESTS_JOURNAL
     lines = journal.read_text().splitlines()
     journal.write_text("\n".join(lines[:6]) + "\n{\"torn")  # killed mid-way through trajectory 2
     refused = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "3", *SMALL,

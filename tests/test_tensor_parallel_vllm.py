@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_methods_vllm import _complete, _dense, _key, _reuse_q, prompts  # noqa: F401
+from vllm_helpers import complete, dense_prefill, new_key, reuse_q
 
+from kvbench.experiment.run import replay_and_summarize
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.method_stats import rank_mismatch
-from kvbench.replay.runner import ReplayConfig, run_replay
+from kvbench.replay.runner import ReplayConfig
 from kvbench.replay.server import (
     ServerError,
     VLLMServer,
@@ -92,9 +93,10 @@ def _replay(method: str, model: str, ranks: int, trace: tuple[Trace, object], tm
     full_trace, tokenizer = trace
     out = tmp / f"{method}-tp{ranks}"
     with VLLMServer(config) as server:
-        summary = run_replay(ReplayConfig(trace=full_trace, tokenizer=tokenizer, method=method,  # type: ignore[arg-type]
-                                          base_urls=[server.base_url], result_dir=out, qps=0, num_warmups=3,
-                                          prime_method_state=True, save_prompt_ids=True, show_progress=False))
+        summary = replay_and_summarize(ReplayConfig(trace=full_trace, tokenizer=tokenizer, method=method,  # type: ignore[arg-type]
+                                                    base_urls=[server.base_url], result_dir=out, qps=0, num_warmups=3,
+                                                    prime_method_state=True, save_prompt_ids=True,
+                                                    show_progress=False))
         requests = pd.read_parquet(out / "requests.parquet")
         assert requests["success"].all() and len(requests) == 16
         errors = []
@@ -152,7 +154,7 @@ def test_selective_recomputation_ranks_pick_the_same_rows(default_model: str, tr
 
 
 @needs_two_cores
-def test_a_load_failing_on_one_rank_falls_back_on_every_rank(default_model: str, prompts: dict,  # noqa: F811
+def test_a_load_failing_on_one_rank_falls_back_on_every_rank(default_model: str, prompts: dict,
                                                               tmp_path: Path) -> None:
     """Rank 0 alone places a non-finite value: both ranks must give up the load together (the
     check is summed over ranks), else rank 1 would run the partial forward's collectives alone and
@@ -161,10 +163,10 @@ def test_a_load_failing_on_one_rank_falls_back_on_every_rank(default_model: str,
                                   max_model_len=4096, extra_args=["--tensor-parallel-size", "2"])
     config.kv_transfer_config["kv_connector_extra_config"]["fault_injection"] = "flagged_nonfinite_rank0"
     with VLLMServer(config) as server:
-        source, key = _key(), _key()
-        _dense(server, prompts["p0"], source)
-        dense = _dense(server, prompts["p1"], _key(), max_tokens=8)
-        faulty = _complete(server, prompts["p1"], _reuse_q(prompts, "p1", source, key, inject_fault=True),
+        source, key = new_key(), new_key()
+        dense_prefill(server, prompts["p0"], source)
+        dense = dense_prefill(server, prompts["p1"], new_key(), max_tokens=8)
+        faulty = complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key, inject_fault=True),
                            salt=key, max_tokens=8)
         ranks = [worker.requests[key] for worker in WorkerClient(server.base_url).stats()]
     assert faulty["text"] == dense["text"]

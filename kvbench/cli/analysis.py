@@ -1,4 +1,5 @@
-"""`kvbench report` and `kvbench compare`: every figure one command away from saved results."""
+"""`kvbench report`, `kvbench compare` and `kvbench summarize`: every figure one command away from
+saved results."""
 
 from __future__ import annotations
 
@@ -27,6 +28,28 @@ def report_command(result_dirs: tuple[Path, ...], out: Path, title: str) -> None
     path = write_report(runs, out, title)
     click.echo(path.read_text())
     click.echo(f"report: {path}", err=True)
+
+
+@click.command("summarize")
+@click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+def summarize_command(result_dirs: tuple[Path, ...]) -> None:
+    """Recompute summary.json of runs from their recorded files (each RESULT_DIR is a run, or a
+    sweep holding runs): after a metric definition changed, or for a run whose client was killed."""
+    from kvbench import run_files
+    from kvbench.analysis.summary import write_summary
+
+    runs = []
+    for path in result_dirs:
+        runs += [path] if (path / run_files.CONFIG).exists() else sorted(p.parent for p in path.rglob(run_files.CONFIG))
+    if not runs:
+        raise click.ClickException(f"no kvbench runs (no {run_files.CONFIG}) in {', '.join(map(str, result_dirs))}")
+    for run in runs:
+        try:
+            summary = write_summary(run)
+        except (OSError, ValueError, KeyError) as exc:
+            raise click.ClickException(f"cannot summarize {run}: {type(exc).__name__}: {exc}") from None
+        click.echo(f"{run}: {summary['completed']} completed, {summary['failed']} failed, "
+                   f"p50 TTFT {summary.get('p50_ttft_ms', float('nan')):.1f} ms")
 
 
 @click.command("compare")

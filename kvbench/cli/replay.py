@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from kvbench import run_files
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.replay.interrupts import Interrupted
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
@@ -103,7 +104,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
-    from kvbench.replay.runner import ReplayConfig, ReplayError, run_replay
+    from kvbench.experiment.run import replay_and_summarize
+    from kvbench.replay.runner import ReplayConfig, ReplayError
     from kvbench.replay.server import ServerError
 
     try:
@@ -131,11 +133,11 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     )
     try:
         with _servers(config, method, params, model, port, server):
-            summary = run_replay(config)
+            summary = replay_and_summarize(config)
     except (ServerError, ReplayError) as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted:
-        if (result_dir / "summary.json").exists():
+        if (result_dir / run_files.SUMMARY).exists():
             click.echo(f"stopped: the requests in flight are recorded as interrupted and the summary is written in "
                        f"{result_dir}; finish the run with --resume --result-dir {result_dir}", err=True)
         raise
@@ -150,7 +152,7 @@ def _report_failures(result_dir: Path, summary: dict[str, Any]) -> None:
         return
     import pandas as pd
 
-    requests = pd.read_parquet(result_dir / "requests.parquet")
+    requests = pd.read_parquet(result_dir / run_files.REQUESTS)
     failed = requests[~requests["success"]]
     click.echo(f"{summary['failed']} requests failed; by type: {failed['error_type'].value_counts().to_dict()}", err=True)
     for _, row in failed[failed["error_type"] != "dependency_failed"].head(10).iterrows():
@@ -205,13 +207,7 @@ def _servers(config: Any, method: str, params: dict[str, Any], model: str, port:
     with VLLMServer(server_config) as server:
         config.base_urls = [server.base_url]
         config.server_pids = {server.base_url: server.process.pid}
-
-        def failure() -> str | None:
-            if server.is_running():
-                return None
-            return f"the vLLM server exited with code {server.process.returncode} (log: {server.log_path})"
-
-        config.server_failure = failure
+        config.server_failure = server.failure
         config.extra_config["server_command"] = server.command()
         yield
 
@@ -305,8 +301,8 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
                       server: ServerOptions) -> None:
     """Find the gate threshold (tau; gamma for kvcomm) that reaches a target reuse ratio, or
     DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
+    from kvbench.experiment.calibrate import calibrate_threshold, summary_dict
     from kvbench.methods.registry import method_class
-    from kvbench.replay.calibrate import calibrate_threshold, summary_dict
     from kvbench.replay.server import ServerError, VLLMServer
 
     params = _check_method(method, server.method_params)
@@ -341,7 +337,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
 def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tokenizer: Any, served: str,
                             target_rho: float, base_url: str | None, server: ServerOptions) -> None:
     """DroidSpeak's profiling: the layer group to recompute for a target reuse ratio."""
-    from kvbench.replay.calibrate import profile_layers
+    from kvbench.experiment.calibrate import profile_layers
     from kvbench.replay.server import ServerError, VLLMServer
 
     try:

@@ -23,8 +23,8 @@ def _csv(kind: type):
 
 def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[Any]:
     """`kvcmas:V=5,10` (repeatable) -> one configuration per value combination of that method."""
+    from kvbench.experiment.sweep import MethodConfig
     from kvbench.methods.registry import method_class, validate_params
-    from kvbench.replay.sweep import MethodConfig
 
     grids: dict[str, dict[str, list[Any]]] = {m: {} for m in methods}
     for spec in param_specs:
@@ -81,9 +81,9 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from kvbench.experiment.sweep import SweepSpec, run_sweep
     from kvbench.replay.runner import ReplayError
     from kvbench.replay.server import ServerError
-    from kvbench.replay.sweep import SweepSpec, run_sweep
 
     methods = options.pop("methods") or defaults.get("methods", ["nonshared", "fullshared"])
     param_specs = tuple(options.pop("method_params"))
@@ -96,7 +96,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
         **{key: options[key] for key in ("workflow", "output_len", "num_trajectories", "num_warmups",
                                          "prime_method_state", "repeats", "seed", "model")})
-    cells = spec.cells()
+    cells = spec.cells(out)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
     try:

@@ -23,14 +23,15 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
                         threshold_name: str, iterations: int = 6,
                         on_step: Callable[[CalibrationStep], None] | None = None) -> list[CalibrationStep]:
     """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1]."""
-    from kvbench.replay.runner import ReplayConfig, run_replay
+    from kvbench.experiment.run import replay_and_summarize
+    from kvbench.replay.runner import ReplayConfig
     from kvbench.replay.worker_rpc import WorkerClient
 
     def rho_at(threshold: float) -> float:
         WorkerClient(base_url).set_params({threshold_name: threshold})
         with tempfile.TemporaryDirectory() as tmp:
-            summary = run_replay(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
-                                              result_dir=Path(tmp) / "run", qps=0, show_progress=False))
+            summary = replay_and_summarize(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
+                                                         result_dir=Path(tmp) / "run", qps=0, show_progress=False))
         rho = summary.get("realized_rho")
         return float(rho) if rho is not None else 0.0
 
@@ -90,6 +91,7 @@ def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: str, base_ur
     the same K/V as reusing them), then compare every reuse turn with a dense prefill of its prompt."""
     import pandas as pd
 
+    from kvbench import run_files
     from kvbench.replay.kv_error import reused_segments, turn_layer_errors
     from kvbench.replay.runner import ReplayConfig, run_replay
     from kvbench.replay.worker_rpc import WorkerClient
@@ -99,7 +101,7 @@ def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: str, base_ur
     with tempfile.TemporaryDirectory() as tmp:
         run_replay(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
                                 result_dir=Path(tmp) / "run", qps=0, save_prompt_ids=True, show_progress=False))
-        requests = pd.read_parquet(Path(tmp) / "run" / "requests.parquet")
+        requests = pd.read_parquet(Path(tmp) / "run" / run_files.REQUESTS)
         for _, turn in requests[requests["success"]].iterrows():
             if reused_segments(turn):
                 per_turn.append([(e["k_rel"] + e["v_rel"]) / 2 for e in turn_layer_errors(base_url, model, turn)])

@@ -1,0 +1,138 @@
+"""A run's `summary.json`, computed from the files the replayer wrote.
+
+The replayer records (requests, the connector's stats journal, server samples, the config with
+one entry per serving segment); every aggregate comes from here, so a summary can be recomputed
+from a run directory at any time (`kvbench summarize RUN_DIR`) and the replayer does not depend
+on analysis.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvbench import run_files
+from kvbench.analysis.metrics import summarize
+
+MAX_LISTED_MISSING = 50
+
+
+def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """The readable lines of a journal (a torn last line is skipped)."""
+    if not path.exists():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict):
+            yield entry
+
+
+def store_figures(result_dir: Path, segment: int) -> dict[str, Any]:
+    """The store and method-state figures of one segment, over its servers: a server's store peak
+    is its own and the run's the largest; evictions and refusals add up; each kind of method
+    state has its largest value over the segment's polls. None where no server reported."""
+    states = [e for e in _jsonl(result_dir / run_files.METHOD_STATS)
+              if e.get("kind") == "state" and e.get("segment") == segment]
+    if not states:
+        return {"method_store_peak_bytes": None, "store_evictions": None, "store_refused": None,
+                "method_state_bytes": None}
+    latest = {state["server_url"]: state for state in states}  # the journal is in time order
+    peaks: dict[str, int] = {}
+    for state in states:
+        for name, value in (state.get("method_state_bytes") or {}).items():
+            peaks[name] = max(peaks.get(name, 0), value)
+    return {
+        "method_store_peak_bytes": max(s["store_peak_bytes"] for s in latest.values()),
+        "store_evictions": sum(s["store_evictions"] for s in latest.values()),
+        "store_refused": sum(s["store_refused"] for s in latest.values()),
+        "method_state_bytes": peaks,
+    }
+
+
+def server_figures(result_dir: Path, segment: int) -> dict[str, Any]:
+    """Peaks and run deltas of one segment's server samples, over all servers."""
+    samples = [s for s in _jsonl(result_dir / run_files.SERVER_METRICS) if s.get("segment") == segment]
+    rss = [s["process_tree_rss_bytes"] for s in samples if "process_tree_rss_bytes" in s]
+    usage = [s["vllm:kv_cache_usage_perc"] for s in samples if "vllm:kv_cache_usage_perc" in s]
+    out: dict[str, Any] = {"peak_server_rss_bytes": max(rss) if rss else None,
+                           "peak_kv_cache_usage_perc": max(usage) if usage else None}
+    servers = list(dict.fromkeys(s["server_url"] for s in samples))
+    for name, key in (("vllm:prefix_cache_hits_total", "prefix_cache_hits"),
+                      ("vllm:prefix_cache_queries_total", "prefix_cache_queries"),
+                      ("vllm:num_preemptions_total", "num_preemptions")):
+        deltas = [series[-1] - series[0] for url in servers
+                  if (series := [s[name] for s in samples if s["server_url"] == url and name in s])]
+        out[key] = sum(deltas) if deltas else None
+    return out
+
+
+def _rank_mismatched(requests: pd.DataFrame) -> int:
+    """Requests whose tensor-parallel ranks decided differently (should always be 0)."""
+    if "method_stats" not in requests or not len(requests):
+        return 0
+    return int(sum("rank_mismatch" in json.loads(s) for s in requests["method_stats"].dropna()))
+
+
+def _read_requests(result_dir: Path) -> pd.DataFrame:
+    path = result_dir / run_files.REQUESTS
+    if not path.exists():
+        raise FileNotFoundError(f"{result_dir} holds no {run_files.REQUESTS}: not a run the replayer reached its servers in")
+    requests = pd.read_parquet(path)
+    if len(requests):
+        requests["success"] = requests["success"].astype(bool)
+    return requests
+
+
+def summarize_run(result_dir: Path) -> dict[str, Any]:
+    """The summary of the run in `result_dir` (vLLM's `bench serve` keys plus kvbench's)."""
+    config = json.loads((result_dir / run_files.CONFIG).read_text())
+    requests = _read_requests(result_dir)
+    segments = config.get("segments") or [{}]
+    last_index = len(segments) - 1
+    last = segments[-1]
+    missing = last.get("method_stats_missing") or []
+    status = str(last.get("status") or "")
+    return {
+        "date": config["date"], "run_id": config["run_id"], "backend": "vllm", "method": config["method"],
+        "label": config.get("label"), "model_id": config.get("model"), "tokenizer_id": config.get("tokenizer"),
+        "num_prompts": int(len(requests)), "request_rate": config.get("request_rate"),
+        "burstiness": config.get("burstiness"), "max_concurrency": config.get("max_concurrency"),
+        **(config.get("metadata") or {}),
+        **summarize(requests, sum(s.get("duration_s", 0.0) for s in segments),
+                    config.get("metric_percentiles") or [50.0, 90.0, 99.0]),
+        **server_figures(result_dir, last_index),
+        # store and method state of the last segment (since its reset)
+        **store_figures(result_dir, last_index),
+        "rank_mismatched_requests": _rank_mismatched(requests),
+        # successful requests whose method stats never reached the client (their server died
+        # before it reported them): realized rho and the reuse columns leave them out
+        "method_stats_missing": len(missing),
+        "method_stats_missing_requests": missing[:MAX_LISTED_MISSING],
+        "aborted": last.get("aborted"),
+        "interrupted": status.removeprefix("interrupted by ") if status.startswith("interrupted by ") else None,
+        "segments": len(config.get("segments") or []),
+        "config": config,
+    }
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def write_summary(result_dir: Path) -> dict[str, Any]:
+    """Compute the run's summary and write it to `summary.json`; returns it."""
+    summary = summarize_run(result_dir)
+    (result_dir / run_files.SUMMARY).write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+    return summary

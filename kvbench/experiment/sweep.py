@@ -1,0 +1,221 @@
+"""`kvbench sweep`: a grid of replays (methods x contexts x QPS x agents x rounds x repeats) in one
+directory, one server start per method configuration, resumable cell by cell.
+
+Every experiment that runs servers and replays goes through `run_sweep`: `kvbench sweep`,
+`kvbench paper --run` and the benchmark scripts (which add their own figures per cell with
+`after_cell`, while the cell's server is still up).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvbench import run_files
+from kvbench.tracegen.generate import TraceSpec
+
+SWEEP_FILE = "sweep.json"
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    method: str
+    params: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None  # the row's name in tables; derived from method and params by default
+
+    @property
+    def name(self) -> str:
+        """Directory-safe name, e.g. `kvcmas` or `kvcmas-V10-tau0.3` (or the label)."""
+        return self.label or self.method + "".join(f"-{k}{v}" for k, v in sorted(self.params.items()))
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One (context, QPS) of a grid given point by point, with its own trajectory count and
+    repeats (e.g. few trajectories single-stream, many under load)."""
+
+    shared_tokens: int
+    qps: float
+    num_trajectories: int | None = None  # default: the sweep's
+    repeats: int | None = None  # default: the sweep's
+
+
+@dataclass(frozen=True)
+class SweepCell:
+    """One replay of the grid and where its results are."""
+
+    method: MethodConfig
+    trace_id: str
+    shared_tokens: int
+    qps: float
+    num_trajectories: int
+    repeat: int
+    path: Path
+
+
+@dataclass
+class SweepSpec:
+    methods: list[MethodConfig]
+    shared_tokens: list[int] = field(default_factory=lambda: [2048])
+    qps: list[float] = field(default_factory=lambda: [0.0])
+    # Instead of shared_tokens x qps: explicit points (the two lists are then ignored).
+    points: list[SweepPoint] | None = None
+    agents: list[int] = field(default_factory=lambda: [4])
+    rounds: list[int] = field(default_factory=lambda: [1])
+    workflow: str = "sequential"
+    output_len: int = 128
+    num_trajectories: int = 8
+    num_warmups: int = 1
+    prime_method_state: bool = False
+    repeats: int = 1
+    seed: int = 0  # the traces'; repeat k draws its arrivals with seed + k
+    model: str | None = None
+    cpu_kv_cache_gib: float = 2.0
+    request_timeout_s: float = 1800.0
+    save_prompt_ids: bool = False
+    # More arguments of `method_server_config` (JSON values): max_load_tokens_per_step,
+    # max_store_bytes, max_model_len, extra_args...
+    server_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SweepSpec:
+        data = dict(data)
+        data["methods"] = [MethodConfig(**m) for m in data["methods"]]
+        if data.get("points") is not None:
+            data["points"] = [SweepPoint(**p) for p in data["points"]]
+        return cls(**data)
+
+    def extends(self, stored: SweepSpec) -> bool:
+        """This grid is `stored` (a sweep already on disk) with possibly more method
+        configurations and nothing else changed: its finished cells stay valid."""
+        return (replace(self, methods=stored.methods) == stored
+                and all(method in self.methods for method in stored.methods))
+
+    def grid_points(self) -> list[SweepPoint]:
+        """The (context, QPS) points with their trajectory counts and repeats resolved."""
+        points = self.points if self.points is not None else [
+            SweepPoint(c, q) for c, q in itertools.product(self.shared_tokens, self.qps)]
+        return [SweepPoint(p.shared_tokens, p.qps, p.num_trajectories or self.num_trajectories,
+                           p.repeats or self.repeats) for p in points]
+
+    def trace_specs(self) -> dict[str, TraceSpec]:
+        """One trace per (context, agents, rounds), long enough for its longest cell: every cell of
+        a context replays the same trajectories (a longer cell more of them)."""
+        longest: dict[int, int] = {}
+        for point in self.grid_points():
+            longest[point.shared_tokens] = max(longest.get(point.shared_tokens, 0), point.num_trajectories or 0)
+        specs = {}
+        for context, agents, rounds in itertools.product(longest, self.agents, self.rounds):
+            specs[trace_id(context, agents, rounds)] = TraceSpec(
+                num_agents=agents, rounds=rounds, workflow=self.workflow, shared_tokens=context,
+                output_len=self.output_len, num_trajectories=longest[context] + self.num_warmups, seed=self.seed)
+        return specs
+
+    def cells(self, root: Path) -> list[SweepCell]:
+        """Every replay of the grid, grouped by method configuration."""
+        cells = []
+        for method, point, agents, rounds in itertools.product(self.methods, self.grid_points(), self.agents,
+                                                               self.rounds):
+            trace = trace_id(point.shared_tokens, agents, rounds)
+            for repeat in range(point.repeats or 1):
+                cells.append(SweepCell(method, trace, point.shared_tokens, point.qps, point.num_trajectories or 0,
+                                       repeat, cell_dir(root, method, trace, point.qps, repeat)))
+        return cells
+
+
+def trace_id(context: int, agents: int, rounds: int) -> str:
+    return f"ctx{context}-a{agents}-r{rounds}"
+
+
+def cell_dir(root: Path, method: MethodConfig, trace: str, qps: float, repeat: int) -> Path:
+    return root / "runs" / method.name / f"{trace}-qps{qps:g}-rep{repeat}"
+
+
+def cell_done(path: Path) -> bool:
+    """A cell whose run ended normally (not aborted, not stopped by a signal): others resume."""
+    summary = path / run_files.SUMMARY
+    if not summary.exists():
+        return False
+    written = json.loads(summary.read_text())
+    return written.get("aborted") is None and written.get("interrupted") is None
+
+
+AfterCell = Callable[[SweepCell, Any, dict[str, Any]], None]  # (cell, its running VLLMServer, summary)
+
+
+def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None = None,
+              after_cell: AfterCell | None = None) -> list[SweepCell]:
+    """Run every cell not already complete; returns all cells. `after_cell` runs after each cell
+    replayed now (not those done earlier), with the cell's server still up."""
+    from kvbench.experiment.run import replay_and_summarize
+    from kvbench.model.store import resolve_model
+    from kvbench.replay.runner import ReplayConfig, ReplayError
+    from kvbench.replay.server import VLLMServer, method_server_config
+    from kvbench.tracegen.generate import generate_trace
+    from kvbench.tracegen.schema import Trace, read_trace, write_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    spec_path = root / SWEEP_FILE
+    if spec_path.exists() and not spec.extends(SweepSpec.from_json(json.loads(spec_path.read_text()))):
+        raise ValueError(f"{root} holds a different sweep ({spec_path}); use another directory "
+                         "(a sweep may only grow by methods)")
+    spec_path.write_text(json.dumps(spec.to_json(), indent=2) + "\n")
+    tokenizer = load_tokenizer(spec.model)
+    model = resolve_model(spec.model)
+    traces: dict[str, Trace] = {}
+    for name, trace_spec in spec.trace_specs().items():
+        path = root / "traces" / f"{name}.jsonl"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_trace(path, *generate_trace(trace_spec, tokenizer))
+        traces[name] = read_trace(path)
+    cells = spec.cells(root)
+    for method, group in itertools.groupby(cells, key=lambda cell: cell.method):
+        todo = []
+        for cell in group:
+            if cell_done(cell.path):
+                if on_cell:
+                    on_cell(f"{method.name} {cell.path.name} (done earlier)")
+            else:
+                todo.append(cell)
+        if not todo:
+            continue
+        server_config = method_server_config(method.method, model, method.params, **spec.server_options,
+                                             cpu_kv_cache_gib=spec.cpu_kv_cache_gib,
+                                             log_path=root / "runs" / method.name / "server.log")
+        with VLLMServer(server_config) as server:  # one start per method configuration
+            for cell in todo:
+                trace = traces[cell.trace_id]
+                config = ReplayConfig(
+                    trace=Trace(header=trace.header,
+                                trajectories=trace.trajectories[: spec.num_warmups + cell.num_trajectories]),
+                    tokenizer=tokenizer, method=method.method, base_urls=[server.base_url], result_dir=cell.path,
+                    qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
+                    prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
+                    label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
+                    request_timeout_s=spec.request_timeout_s, show_progress=False,
+                    server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]
+                    server_failure=server.failure,
+                    metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
+                    extra_config={"model": model, "method_params": method.params, "method_config": method.name,
+                                  "server_options": spec.server_options, "server_command": server.command()})
+                try:
+                    summary = replay_and_summarize(config)
+                except ReplayError as exc:
+                    if not server.is_running():
+                        raise
+                    (cell.path / "error.txt").write_text(str(exc) + "\n")
+                else:
+                    if after_cell is not None:
+                        after_cell(cell, server, summary)
+                if on_cell:
+                    on_cell(f"{method.name} {cell.path.name}")
+    return cells

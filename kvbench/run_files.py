@@ -1,0 +1,14 @@
+"""The files of a run directory: what `kvbench replay` writes and `kvbench.analysis` reads.
+
+Data flows one way (trace -> replay -> results -> analysis); these names are the only thing the
+two sides share. Documented column by column in docs/results.md.
+"""
+
+from __future__ import annotations
+
+CONFIG = "config.json"  # how the run was made; one entry per segment (a resumed run has several)
+REQUESTS_JOURNAL = "requests.jsonl"  # one record per finished request, appended as it finishes
+REQUESTS = "requests.parquet"  # the same records, snapshotted atomically
+METHOD_STATS = "method_stats.jsonl"  # the connector's answers: per-request stats and store state
+SERVER_METRICS = "server_metrics.jsonl"  # /metrics and process memory samples
+SUMMARY = "summary.json"  # written by analysis from the files above

@@ -1,0 +1,74 @@
+"""The servers a run replays against: checked once before anything is sent (reachable, serving a
+model, running the run's method, long enough for the trace), and reset to cold caches."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvbench.contracts import WorkerStats
+from kvbench.replay.server import ServerError
+from kvbench.replay.worker_rpc import WorkerClient
+from kvbench.tracegen.schema import Trace
+
+
+@dataclass
+class ReplayServers:
+    base_urls: list[str]
+    method: str
+    uses_connector: bool
+    served_models: dict[str, str] = field(default_factory=dict)
+    max_model_lens: dict[str, int | None] = field(default_factory=dict)
+
+    async def check(self, session: aiohttp.ClientSession) -> dict[str, Any]:
+        """Ask every server what it serves; raises ServerError naming one that does not answer,
+        ContractError for one running another method. Returns the entries for config.json."""
+        versions: dict[str, str | None] = {}
+        for url in self.base_urls:
+            try:
+                async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    response.raise_for_status()
+                    served = (await response.json())["data"][0]
+                    self.served_models[url] = served["id"]
+                    limit = served.get("max_model_len")
+                    self.max_model_lens[url] = limit if isinstance(limit, int) and limit > 0 else None
+                async with session.get(f"{url}/version", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                    versions[url] = (await response.json()).get("version") if response.status == 200 else None
+            except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as exc:
+                raise ServerError(f"cannot reach a vLLM server at {url}: {type(exc).__name__}: {exc}") from None
+        entries: dict[str, Any] = {}
+        if self.uses_connector:  # a server of another method would answer other stats
+            entries["server_info"] = {
+                url: (await asyncio.to_thread(WorkerClient(url).check_method, self.method)).to_dict()
+                for url in self.base_urls}
+        return {**entries, "served_models": dict(self.served_models),
+                "served_max_model_len": dict(self.max_model_lens),
+                "vllm_version": next(iter(versions.values()), None)}
+
+    def length_problems(self, trace: Trace) -> tuple[int | None, list[str]]:
+        """The smallest served context and the turns of `trace` that do not fit it."""
+        from kvbench.tracegen.validate import length_problems
+
+        limits = [n for n in self.max_model_lens.values() if n]
+        return (min(limits), length_problems(trace, min(limits))) if limits else (None, [])
+
+    async def reset(self, session: aiohttp.ClientSession, keep_method_state: bool = False) -> None:
+        """Cold caches (vLLM's prefix cache needs VLLM_SERVER_DEV_MODE=1 on the server)."""
+        for url in self.base_urls:
+            if self.uses_connector:
+                client = WorkerClient(url)
+                await asyncio.to_thread(client.attach_model)  # idempotent; servers not started by kvbench
+                await asyncio.to_thread(client.reset, keep_method_state)
+            try:
+                async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)):
+                    pass
+            except (TimeoutError, aiohttp.ClientError):
+                pass  # servers without dev mode keep their cache; recorded cached_tokens show it
+
+    @staticmethod
+    async def fetch_stats(url: str) -> list[WorkerStats]:
+        """The connector's stats since the last poll, cleared (one answer per worker)."""
+        return await asyncio.to_thread(WorkerClient(url).stats, True)

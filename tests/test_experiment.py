@@ -1,0 +1,49 @@
+"""The experiment driver's planning: which replays a sweep makes, on which traces, where."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+
+
+def test_a_product_grid_replays_every_context_at_every_qps() -> None:
+    spec = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("kvcmas", {"V": 5})],
+                     shared_tokens=[256, 512], qps=[0.0, 2.0], num_trajectories=3, repeats=2, num_warmups=1)
+    cells = spec.cells(Path("root"))
+    assert len(cells) == 2 * 2 * 2 * 2
+    assert {c.num_trajectories for c in cells} == {3}
+    assert [c.method.name for c in cells[:8]] == ["nonshared"] * 8  # grouped: one server per configuration
+    assert cells[-1].path == Path("root/runs/kvcmas-V5/ctx512-a4-r1-qps2-rep1")
+    traces = spec.trace_specs()
+    assert sorted(traces) == ["ctx256-a4-r1", "ctx512-a4-r1"]
+    assert all(t.num_trajectories == 3 + 1 for t in traces.values())
+
+
+def test_points_give_each_cell_its_own_trajectories_and_repeats() -> None:
+    spec = SweepSpec(methods=[MethodConfig("kvcmas", {"tau": 0.4}, label="kvcmas(tau=0.4)")], num_warmups=3,
+                     points=[SweepPoint(2048, 0.0, 6, 1), SweepPoint(2048, 1.0, 24, 3), SweepPoint(8192, 0.5)],
+                     num_trajectories=5, repeats=2)
+    cells = spec.cells(Path("r"))
+    assert [(c.shared_tokens, c.qps, c.num_trajectories, c.repeat) for c in cells] == [
+        (2048, 0.0, 6, 0), (2048, 1.0, 24, 0), (2048, 1.0, 24, 1), (2048, 1.0, 24, 2),
+        (8192, 0.5, 5, 0), (8192, 0.5, 5, 1)]  # the last point takes the sweep's defaults
+    assert cells[0].path == Path("r/runs/kvcmas(tau=0.4)/ctx2048-a4-r1-qps0-rep0")
+    # one trace per context, as long as its longest cell: the short cells replay its first trajectories
+    traces = spec.trace_specs()
+    assert {k: t.num_trajectories for k, t in traces.items()} == {"ctx2048-a4-r1": 3 + 24, "ctx8192-a4-r1": 3 + 5}
+
+
+def test_a_stored_sweep_reads_back_and_older_files_still_match() -> None:
+    spec = SweepSpec(methods=[MethodConfig("fullshared")], points=[SweepPoint(512, 0.0, 2)],
+                     server_options={"max_model_len": 8192})
+    stored = SweepSpec.from_json(json.loads(json.dumps(spec.to_json())))
+    assert stored == spec and spec.extends(stored)
+    assert not SweepSpec(methods=spec.methods, points=[SweepPoint(512, 0.0, 3)]).extends(stored)
+    # a sweep.json written before points, labels and server options existed resumes as it was
+    old = {"methods": [{"method": "nonshared", "params": {}}], "shared_tokens": [2048], "qps": [0.0], "agents": [4],
+           "rounds": [1], "workflow": "sequential", "output_len": 128, "num_trajectories": 8, "num_warmups": 1,
+           "prime_method_state": False, "repeats": 1, "seed": 0, "model": None, "cpu_kv_cache_gib": 2.0,
+           "request_timeout_s": 1800.0}
+    assert SweepSpec(methods=[MethodConfig("nonshared")]).extends(SweepSpec.from_json(old))

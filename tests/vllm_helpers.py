@@ -1,0 +1,86 @@
+"""Helpers of the tests that talk to a vLLM server running the kvbench connector: requests with
+a plan, dense references, the connector's RPCs and a small replay."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pandas as pd
+from click.testing import CliRunner
+
+from kvbench.cli import main
+from kvbench.contracts import CONTRACT_VERSION, Plan
+from kvbench.replay.server import VLLMServer
+from kvbench.replay.worker_rpc import WorkerClient
+
+
+def new_key() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def complete(server: VLLMServer, prompt: list[int], plan: dict | None = None, salt: str | None = None,
+              max_tokens: int = 1) -> dict:
+    body: dict = {"model": server.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                  "ignore_eos": True, "logprobs": 20, "return_tokens_as_token_ids": True}
+    if plan is not None:
+        body["kv_transfer_params"] = Plan.from_dict({**plan, "version": CONTRACT_VERSION}).to_params()
+    if salt is not None:
+        body["cache_salt"] = salt
+    request = urllib.request.Request(f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.load(response)["choices"][0]
+
+
+def top_logprobs(choice: dict) -> dict[int, float]:
+    return {int(k.split(":")[1]): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
+
+
+def max_dlogprob(a: dict, b: dict) -> float:
+    la, lb = top_logprobs(a), top_logprobs(b)
+    return max(abs(la[t] - lb[t]) for t in set(la) & set(lb))
+
+
+def dense_prefill(server: VLLMServer, prompt: list[int], key: str, max_tokens: int = 1) -> dict:
+    """vLLM's own prefill (nothing claimed), saved under `key` as the reference cache."""
+    return complete(server, prompt, {"save_as": key, "claim": False, "segments": []}, salt=key,
+                     max_tokens=max_tokens)
+
+
+def reuse_q(prompts: dict, target: str, source_key: str, save_as: str, **extra) -> dict:
+    """Plan for `target` ("p0"/"p1") whose q segment is reused from A0's saved cache."""
+    sys_len = len(prompts["sys0"] if target == "p0" else prompts["sys1"])
+    return {"save_as": save_as, "segments": [
+        {"kind": "pf", "id": "system", "start": 0, "length": sys_len},
+        {"kind": "ph", "id": "q", "start": sys_len, "length": len(prompts["q"]), "source": source_key,
+         "source_start": len(prompts["sys0"])},
+        {"kind": "pf", "id": "text", "start": sys_len + len(prompts["q"]), "length": len(prompts["tail"])}], **extra}
+
+
+def kv_error(server: VLLMServer, key: str, reference: str, start: int = 0, stop: int | None = None) -> dict:
+    return WorkerClient(server.base_url).kv_error(key, reference, start, stop)[0]
+
+
+def request_stats(server: VLLMServer, key: str) -> dict:
+    return dict(WorkerClient(server.base_url).stats()[0].requests[key])
+
+
+def small_replay(server: VLLMServer, method: str, result_dir: Path) -> tuple[pd.DataFrame, dict, list[dict]]:
+    """`kvbench replay` of 2 four-agent trajectories (512 shared tokens, 16-token outputs) at QPS 0,
+    all successful: the requests, the summary and each request's method stats."""
+    result = CliRunner().invoke(main, ["replay", "--method", method, "--base-url", server.base_url, "--qps", "0",
+                                       "--num-trajectories", "2", "--shared-tokens", "512", "--output-len", "16",
+                                       "--result-dir", str(result_dir)], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(result_dir / "requests.parquet")
+    assert requests["success"].all() and len(requests) == 8
+    return (requests, json.loads((result_dir / "summary.json").read_text()),
+            requests["method_stats"].map(json.loads).tolist())
+
+
+def set_params(server: VLLMServer, **params: object) -> dict:
+    """Swap the server's method parameters (its learned state is dropped); returns them all."""
+    return WorkerClient(server.base_url).set_params(params)
