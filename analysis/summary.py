@@ -18,6 +18,7 @@ import pandas as pd
 
 from kvbench import run_files
 from kvbench.analysis.metrics import summarize
+from kvbench.analysis.task_score import read_task_figures
 
 MAX_LISTED_MISSING = 50
 
@@ -112,6 +113,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         # store and method state of the last segment (since its reset)
         **store_figures(result_dir, last_index),
         "rank_mismatched_requests": _rank_mismatched(requests),
+        **read_task_figures(result_dir),  # a task trace's accuracy, once scored
         # successful requests whose method stats never reached the client (their server died
         # before it reported them): realized rho and the reuse columns leave them out
         "method_stats_missing": len(missing),

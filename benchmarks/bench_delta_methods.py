@@ -43,31 +43,11 @@ from kvbench import run_files
 from kvbench.analysis.intervals import Per, RatioInterval, p50_ratio_interval, p50_ttft_ms
 from kvbench.analysis.metrics import summarize
 from kvbench.experiment.sweep import MethodConfig, SweepCell, SweepPoint, SweepSpec, run_sweep
-from kvbench.replay.kv_error import reused_segments, turn_layer_errors
+from kvbench.replay.kv_error import mean_kv_errors
 from kvbench.replay.server import VLLMServer
 
 KV_ERROR_FILE = "kv_error.json"  # a QPS-0 cell's KV error, written while its server is up
 METHODS = [("nonshared", {}), ("fullshared", {}), ("kvcmas", {}), ("kvcmas-nonchained", {}), ("kvcomm", {"V": 10})]
-
-
-def kv_errors(server: VLLMServer, requests: pd.DataFrame, trajectories: int) -> dict[str, float]:
-    """Normalized K/V error of each turn's whole prompt against a dense prefill of the same prompt,
-    mean over layers of (||K - K_dense|| / ||K_dense|| + same for V) / 2, over every turn of the
-    last `trajectories` measured trajectories (first agents included: non-chained methods correct
-    them too). Returns the mean over all those turns (the method at its realized rho) and over the
-    turns whose shared query was served from a reused cache (the quality of the reuse itself)."""
-    turns = requests[requests["success"]]
-    turns = turns[turns["trajectory_id"].isin(sorted(set(turns["trajectory_id"]))[-trajectories:])]
-    all_turns, reused_q = [], []
-    for _, row in turns.iterrows():
-        layers = turn_layer_errors(server.base_url, server.config.model, row)
-        error = float(np.mean([(layer["k_rel"] + layer["v_rel"]) / 2 for layer in layers]))
-        all_turns.append(error)
-        if "q" in reused_segments(row):
-            reused_q.append(error)
-    return {"kv_error": float(np.mean(all_turns)) if all_turns else float("nan"),
-            "kv_error_q_reused": float(np.mean(reused_q)) if reused_q else float("nan"),
-            "q_reused_turns": len(reused_q), "error_turns": len(all_turns)}
 
 
 def cell_row(label: str, context: int, qps: float, summary: dict) -> dict:
@@ -190,7 +170,8 @@ def main() -> None:
         """Against the cell's own server, still up: a dense prefill of each measured prompt."""
         if cell.qps == 0 and cell.method.method != "nonshared":
             requests = pd.read_parquet(cell.path / run_files.REQUESTS)
-            (cell.path / KV_ERROR_FILE).write_text(json.dumps(kv_errors(server, requests, args.error_trajectories)))
+            errors = mean_kv_errors(server.base_url, server.config.model, requests, args.error_trajectories)
+            (cell.path / KV_ERROR_FILE).write_text(json.dumps(errors))
 
     rows = []
     frames: dict[tuple[str, int, float], pd.DataFrame] = {}  # each cell's requests, for the intervals

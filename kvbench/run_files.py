@@ -11,4 +11,5 @@ REQUESTS_JOURNAL = "requests.jsonl"  # one record per finished request, appended
 REQUESTS = "requests.parquet"  # the same records, snapshotted atomically
 METHOD_STATS = "method_stats.jsonl"  # the connector's answers: per-request stats and store state
 SERVER_METRICS = "server_metrics.jsonl"  # /metrics and process memory samples
+TASK_SCORES = "task_scores.parquet"  # a task trace's turns against their gold answers (analysis)
 SUMMARY = "summary.json"  # written by analysis from the files above

@@ -52,3 +52,23 @@ def reused_segments(turn: pd.Series) -> set[str]:
     """Ids of the shared segments the method served from a reused cache in this turn."""
     stats: Any = json.loads(turn["method_stats"]) if isinstance(turn["method_stats"], str) else {}
     return {s["id"] for s in stats.get("segments", []) if s.get("reused")}
+
+
+def mean_kv_errors(base_url: str, model: str, requests: pd.DataFrame, trajectories: int) -> dict[str, Any]:
+    """Normalized K/V error of each turn's whole prompt against a dense prefill of the same prompt,
+    mean over layers of (||K - K_dense|| / ||K_dense|| + same for V) / 2, over every turn of the
+    last `trajectories` measured trajectories (first agents included: non-chained methods correct
+    them too). The mean over all those turns (the method at its realized rho) and over the turns
+    whose shared query was served from a reused cache (the quality of the reuse itself)."""
+    turns = requests[requests["success"]]
+    turns = turns[turns["trajectory_id"].isin(sorted(set(turns["trajectory_id"]))[-trajectories:])]
+    all_turns, reused_q = [], []
+    for _, row in turns.iterrows():
+        layers = turn_layer_errors(base_url, model, row)
+        error = sum((layer["k_rel"] + layer["v_rel"]) / 2 for layer in layers) / len(layers)
+        all_turns.append(error)
+        if "q" in reused_segments(row):
+            reused_q.append(error)
+    return {"kv_error": sum(all_turns) / len(all_turns) if all_turns else float("nan"),
+            "kv_error_q_reused": sum(reused_q) / len(reused_q) if reused_q else float("nan"),
+            "q_reused_turns": len(reused_q), "error_turns": len(all_turns)}

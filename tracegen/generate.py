@@ -20,11 +20,13 @@ from kvbench.tracegen.schema import (
     Trajectory,
     Turn,
 )
+from kvbench.tracegen.tasks import hops_needed, recall_context, recall_task
 from kvbench.tracegen.text import document_words, question
 from kvbench.tracegen.tokenizer import TraceTokenizer
 from kvbench.tracegen.workflows import workflow_turns
 
 MAX_ROUNDS = 8
+TASKS = ("none", "recall")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class TraceSpec:
     qps: float = 1.0
     arrival: str = "poisson"
     burstiness: float = 1.0
+    task: str = "none"  # "recall": answers in the shared context, scored (tracegen/tasks.py)
 
     def validate(self) -> None:
         if not 2 <= self.num_agents <= MAX_AGENTS:
@@ -57,6 +60,8 @@ class TraceSpec:
         roles_for(self.roles, self.num_agents)  # raises on an unknown preset
         arrival_times(0, self.qps, self.arrival, self.burstiness)  # raises on bad arrival settings
         workflow_turns(self.workflow, self.num_agents, self.rounds)  # raises on an unknown workflow
+        if self.task not in TASKS:
+            raise ValueError(f"unknown --task {self.task!r}; choose from {', '.join(TASKS)}")
 
 
 class TokenCounter:
@@ -156,8 +161,15 @@ def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: 
         turns.append(Turn(turn_id=node.turn_id, agent=f"A{node.agent_index}", after=list(node.after),
                           max_tokens=spec.output_len,
                           segments=_turn_segments(roles[node.agent_index], visible, counter)))
+    trajectory_id = f"t{index:06d}"
+    if spec.task == "recall":
+        draft = Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, turns=turns)
+        text, chain, positions = recall_context(rng, spec.shared_tokens, max(hops_needed(draft).values()), counter,
+                                                _single_token_filler(counter, rng))
+        q = SharedText(text=text, num_tokens=spec.shared_tokens)
+        return draft.model_copy(update={"shared": {"q": q}, "task": recall_task(draft, chain, positions)})
     q = SharedText(text=shared_context(counter, rng, spec.shared_tokens), num_tokens=spec.shared_tokens)
-    return Trajectory(trajectory_id=f"t{index:06d}", arrival_s=arrival_s, agents=agents, shared={"q": q},
+    return Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, shared={"q": q},
                       turns=turns)
 
 

@@ -1,4 +1,4 @@
-"""Role presets: prompt-specialized agents in the spirit of KVComm's agent sets.
+"""Role presets: prompt-specialized agents, as in the agent sets of multi-agent benchmarks.
 
 Each role has its own system prompt and its own glue text (the agent-specific PF segments of
 the paper's Eq. 1); the user query and other agents' outputs are the shared PH segments.
@@ -20,84 +20,107 @@ class Role:
 
 
 _MATH_GLUE = dict(
-    task_intro="\n\nQ: ",
-    peer_intro="\n\nAt the same time, there are the following responses to the same question for your reference:",
-    peer_glue="\n\nAgent {agent} as a {role} his answer to this question is:\n\n",
-    answer_prefix="\n\nA: ",
+    task_intro="\n\nProblem: ",
+    peer_intro="\n\nOther members of the team have already worked on this problem; their notes follow:",
+    peer_glue="\n\nNotes from {agent}, working as the {role}, on this problem:\n\n",
+    answer_prefix="\n\nSolution: ",
 )
 _ANALYZE_GLUE = dict(
-    task_intro="\n\nThe task is: ",
-    peer_intro="\n\nAt the same time, the outputs of other agents are as follows:",
-    peer_glue="\n\nAgent {agent}, role is {role}, output is:\n\n",
-    answer_prefix="\n\nYour answer: ",
+    task_intro="\n\nHere is what to work on: ",
+    peer_intro="\n\nThe team's earlier contributions are listed below:",
+    peer_glue="\n\nContribution of {agent} (the {role}):\n\n",
+    answer_prefix="\n\nYour contribution: ",
 )
 _CODE_GLUE = dict(
-    task_intro="\n\nThe task is:\n\n",
-    peer_intro="\n\nAt the same time, the outputs and feedbacks of other agents are as follows:",
-    peer_glue="\n\nAgent {agent} as a {role} provides the following info:\n\n",
-    answer_prefix="\n\nWrite your response:\n",
+    task_intro="\n\nHere is the assignment:\n\n",
+    peer_intro="\n\nWhat the rest of the team produced so far, including their review comments:",
+    peer_glue="\n\nFrom {agent}, who acts as the {role}:\n\n",
+    answer_prefix="\n\nYour reply:\n",
 )
 
+_RECALL_GLUE = dict(
+    task_intro="\n\nThe tool returned:\n\n",
+    peer_intro="\n\nNotes the team wrote so far, in order:",
+    peer_glue="\n\n{agent} ({role}) noted:\n",
+    answer_prefix="\n\nNext name:\n",
+)
+_RECALL_RULE = ("Take the name in the last note (or, if there are no notes yet, the name the tool output "
+                "starts from), find the line of the table that begins with that name, and write the name "
+                "after its arrow on a line of its own. Copy names exactly.")
+
+# kvbench's own wording; each role's system prompt keeps about the token length of the agent
+# prompts of published multi-agent benchmarks (60-120 tokens), which the PF segments' sizes follow.
 ROLE_POOL: dict[str, Role] = {r.name: r for r in [
     Role("Math Solver",
-         "You are a math expert. You will be given a math problem and hints from other agents. "
-         "Give your own solving process step by step based on hints. The last line of your output "
-         "contains only the final result without any units, for example: The answer is 140.",
+         "Your job on this team is solving arithmetic and algebra problems. Read the problem and any "
+         "notes your teammates left, work through it one step at a time, and finish with a single "
+         "line that holds only the number, such as: Result: 140.",
          **_MATH_GLUE),
     Role("Mathematical Analyst",
-         "You are a mathematical analyst. You will be given a math problem, analysis and code from "
-         "other agents. You need to first analyze the problem-solving process step by step, where "
-         "the variables are represented by letters. Then you substitute the values into the analysis "
-         "process to perform calculations and get the results. The last line of your output contains "
-         "only the final result without any units.",
+         "Your job on this team is analysis. Before touching any numbers, restate the problem with "
+         "named quantities (x for the first unknown, y for the next, and so on) and write down how "
+         "they relate. Only then put in the values from the problem, carry out the arithmetic, and "
+         "check each intermediate value against the notes of your teammates. Close with one line "
+         "holding only the final number, with no units.",
          **_MATH_GLUE),
     Role("Programming Expert",
-         "You are a programming expert. You will be given a math problem, analysis and code from other "
-         "agents. Integrate step-by-step reasoning and Python code to solve math problems. Analyze the "
-         "question and write functions to solve the problem. The function should not take any "
-         "arguments and use the final result as the return value. The last line of code calls the "
-         "function you wrote and assigns the return value to the answer variable.",
+         "Your job on this team is to turn the problem into a short Python program. Explain in a "
+         "sentence or two how you will compute the answer, then write one function with no "
+         "parameters that returns the final value, using clear variable names for every quantity "
+         "in the problem. After the function, write a line that calls it and stores what it "
+         "returns in a variable named answer, so the program can be run as it stands.",
          **_MATH_GLUE),
     Role("Inspector",
-         "You are an Inspector. You will be given a math problem, analysis and code from other agents. "
-         "Check whether the logic and calculation of the problem solving process in the reference "
-         "answers are correct, point out every error you find, and give a corrected result when the "
-         "references disagree. Keep your report short and end with the final value.",
+         "Your job on this team is review. Go through the reasoning and the code your teammates "
+         "wrote, redo every calculation yourself, and list each mistake you find with the place it "
+         "occurs. When two teammates reached different results, decide which one holds up and "
+         "say why. Be brief and put the corrected final value on the last line.",
          **_MATH_GLUE),
     Role("Knowledgeable Expert",
-         "You are a knowledgeable expert in question answering. Please give several key entities that "
-         "need to be searched in wikipedia to solve the problem, and explain briefly why each of them "
-         "matters. Wrap every entity in @ symbols so that a search tool can find it.",
+         "Your job on this team is finding what needs looking up. Name the people, places, events "
+         "or terms that an encyclopedia search would have to cover to settle the question, and say "
+         "in one sentence what each lookup is for. Put every name between @ signs so that the "
+         "search tool can pick it out, for example @Danube@.",
          **_ANALYZE_GLUE),
     Role("Critic",
-         "You are an excellent critic. Please point out potential issues in other agents' analysis "
-         "point by point, rank them by how much they change the final conclusion, and say which of "
-         "the proposed answers you trust most and why.",
+         "Your job on this team is criticism. Go through your teammates' contributions and list "
+         "the weak points one by one, starting with the ones that would change the conclusion most. "
+         "Finish by naming the answer you find most convincing and the reason for it.",
          **_ANALYZE_GLUE),
     Role("Historian",
-         "You research and analyze cultural, economic, political, and social events in the past, "
-         "collect data from primary sources and use it to develop theories about what happened. "
-         "Answer with the historical context first, then the conclusion.",
+         "Your job on this team is history. You look at what happened in politics, trade, culture "
+         "and daily life, base your account on records from the time, and build an explanation of "
+         "causes and effects from them. Give the background first and your conclusion after it.",
          **_ANALYZE_GLUE),
     Role("Economist",
-         "You are an economist. You study how society uses scarce resources, reason with supply, "
-         "demand, incentives and trade-offs, and quantify effects whenever the data allow it. "
-         "State your assumptions before you give numbers.",
+         "Your job on this team is economics. Think in terms of costs, prices, incentives and what "
+         "people give up when they choose, and put numbers on the effects wherever the figures "
+         "allow it. Say which assumptions you rely on before you present any estimate.",
          **_ANALYZE_GLUE),
     Role("Project Manager",
-         "You are a project manager. You will be given a function signature and its docstring by "
-         "the user. Break the task into a plan that other engineers can follow, name the edge cases "
-         "that must be tested, and keep the plan to a few numbered steps.",
+         "Your job on this team is planning. You receive the signature of a function and its "
+         "documentation. Split the work into a handful of numbered steps another developer could "
+         "follow, and list the unusual inputs that the tests will have to cover.",
          **_CODE_GLUE),
+    *[Role(name, f"{duty} {_RECALL_RULE}", **_RECALL_GLUE) for name, duty in (
+        ("Table Reader", "Your job on this team is reading tool output: you are the first to look up the start name."),
+        ("Link Follower", "Your job on this team is to continue the lookups a teammate started."),
+        ("Cross-Checker", "Your job on this team is to take the lookup chain one step further and keep it exact."),
+        ("Router", "Your job on this team is routing: each ticket moves to the queue the table names."),
+        ("Dispatcher", "Your job on this team is dispatch: you pass work on to whoever the table says."),
+        ("Tracer", "Your job on this team is tracing where a request ends up, one hop at a time."),
+        ("Auditor", "Your job on this team is auditing the chain: you add the next verified hop."),
+        ("Responder", "Your job on this team is giving the answer: the next name in the chain."),
+    )],
     Role("Test Analyst",
-         "You are a test analyst. You will be given a function signature, its docstring and code "
-         "from other agents. Write test cases that cover normal inputs, boundaries and failure modes, "
-         "run them mentally against the code, and report which ones fail and why.",
+         "Your job on this team is testing. Given a function signature, its documentation and your "
+         "teammates' code, write test cases for ordinary inputs, edge values and invalid calls, "
+         "trace each one through the code by hand, and report the ones that fail and why.",
          **_CODE_GLUE),
 ]}
 
 # Presets list eight roles so that up to eight agents get distinct system prompts; the first
-# four are the default four-agent workflow (KVComm's GSM8K role cycle for `math`).
+# four are the default four-agent workflow (for `math`: solver, analyst, programmer, reviewer).
 ROLE_PRESETS: dict[str, tuple[str, ...]] = {
     "math": ("Math Solver", "Mathematical Analyst", "Programming Expert", "Inspector",
              "Knowledgeable Expert", "Critic", "Economist", "Test Analyst"),
@@ -105,6 +128,9 @@ ROLE_PRESETS: dict[str, tuple[str, ...]] = {
                 "Mathematical Analyst", "Inspector", "Math Solver", "Project Manager"),
     "code": ("Project Manager", "Programming Expert", "Test Analyst", "Inspector",
              "Critic", "Mathematical Analyst", "Knowledgeable Expert", "Math Solver"),
+    # for `--task recall`: the four-agent default ends with the Responder
+    "recall": ("Table Reader", "Link Follower", "Cross-Checker", "Responder",
+               "Router", "Dispatcher", "Tracer", "Auditor"),
 }
 MAX_AGENTS = 8
 

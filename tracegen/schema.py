@@ -127,12 +127,31 @@ class Turn(_Strict):
     segments: list[Segment] = Field(min_length=1)
 
 
+class TurnAnswer(_Strict):
+    """The gold answer of one turn of a task trajectory."""
+
+    turn_id: Identifier
+    answer: str = Field(min_length=1)
+    # where the record holding the answer starts in its shared segment, as a share of its tokens
+    position: float = Field(ge=0, le=1)
+
+
+class Task(_Strict):
+    """A scorable task (`gen-trace --task recall`): every turn's gold answer, and which turn's
+    answer is the trajectory's final one."""
+
+    name: Literal["recall"]
+    answers: list[TurnAnswer] = Field(min_length=1)
+    final_turn: Identifier
+
+
 class Trajectory(_Strict):
     trajectory_id: Identifier
     arrival_s: float = Field(ge=0, le=MAX_ARRIVAL_S)
     agents: dict[Identifier, Agent] = Field(min_length=1)
     shared: dict[Identifier, SharedText] = Field(default_factory=dict)
     turns: list[Turn] = Field(min_length=1)
+    task: Task | None = None
 
     @cached_property
     def turn_by_id(self) -> dict[str, Turn]:
@@ -255,6 +274,16 @@ def reference_problems(obj: Any) -> list[str]:
                                     "('after', transitively), so its output is not known yet")
             elif ph not in shared:
                 problems.append(f"{where}: unknown shared segment {ph!r}")
+    task = obj.get("task")
+    if isinstance(task, dict):
+        answers = task.get("answers") if isinstance(task.get("answers"), list) else []
+        for k, answer in enumerate(answers):
+            turn_id = answer.get("turn_id") if isinstance(answer, dict) else None
+            if isinstance(turn_id, str) and turn_id not in seen:
+                problems.append(f"task.answers[{k}].turn_id: unknown turn {turn_id!r}")
+        final = task.get("final_turn")
+        if isinstance(final, str) and final not in {a.get("turn_id") for a in answers if isinstance(a, dict)}:
+            problems.append(f"task.final_turn: {final!r} has no answer in task.answers")
     return problems
 
 

@@ -30,19 +30,26 @@ def report_command(result_dirs: tuple[Path, ...], out: Path, title: str) -> None
     click.echo(f"report: {path}", err=True)
 
 
+def _run_dirs(result_dirs: tuple[Path, ...]) -> list[Path]:
+    """The runs in the given directories: each is a run, or holds runs further down (sweeps)."""
+    from kvbench import run_files
+
+    runs: list[Path] = []
+    for path in result_dirs:
+        runs += [path] if (path / run_files.CONFIG).exists() else sorted(p.parent for p in path.rglob(run_files.CONFIG))
+    if not runs:
+        raise click.ClickException(f"no kvbench runs (no {run_files.CONFIG}) in {', '.join(map(str, result_dirs))}")
+    return runs
+
+
 @click.command("summarize")
 @click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 def summarize_command(result_dirs: tuple[Path, ...]) -> None:
     """Recompute summary.json of runs from their recorded files (each RESULT_DIR is a run, or a
     sweep holding runs): after a metric definition changed, or for a run whose client was killed."""
-    from kvbench import run_files
     from kvbench.analysis.summary import write_summary
 
-    runs = []
-    for path in result_dirs:
-        runs += [path] if (path / run_files.CONFIG).exists() else sorted(p.parent for p in path.rglob(run_files.CONFIG))
-    if not runs:
-        raise click.ClickException(f"no kvbench runs (no {run_files.CONFIG}) in {', '.join(map(str, result_dirs))}")
+    runs = _run_dirs(result_dirs)
     for run in runs:
         try:
             summary = write_summary(run)
@@ -50,6 +57,30 @@ def summarize_command(result_dirs: tuple[Path, ...]) -> None:
             raise click.ClickException(f"cannot summarize {run}: {type(exc).__name__}: {exc}") from None
         click.echo(f"{run}: {summary['completed']} completed, {summary['failed']} failed, "
                    f"p50 TTFT {summary.get('p50_ttft_ms', float('nan')):.1f} ms")
+
+
+@click.command("score")
+@click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The task trace the runs replayed [default: the one their config names, or regenerated "
+                   "from its gen-trace settings].")
+def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> None:
+    """Score runs of a task trace (gen-trace --task recall): each turn's output against its gold
+    answer; writes task_scores.parquet and task_accuracy into summary.json. Replays of a task trace
+    are scored as they finish; this scores them again (or with another trace file)."""
+    from kvbench.experiment.run import rescore
+    from kvbench.tracegen.schema import TraceError
+
+    runs = _run_dirs(result_dirs)
+    for run in runs:
+        try:
+            summary = rescore(run, trace_path)
+        except (OSError, ValueError, KeyError, TraceError) as exc:
+            raise click.ClickException(f"cannot score {run}: {exc}") from None
+        agents = "  ".join(f"{k.removeprefix('task_accuracy_')} {v:.0%}" for k, v in summary.items()
+                           if k.startswith("task_accuracy_") and k != "task_accuracy_turns")
+        click.echo(f"{run}: task_accuracy {summary['task_accuracy']:.1%} over {summary['task_scored_trajectories']} "
+                   f"trajectories (all turns {summary['task_accuracy_turns']:.1%}; {agents})")
 
 
 @click.command("compare")

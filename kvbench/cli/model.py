@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -52,3 +53,55 @@ def path_command(seed: int, build: bool) -> None:
         click.echo(f"building the embedded model into {path} ...", err=True)
         build_model(spec, seed, path)
     click.echo(str(path))
+
+
+@model_group.command("check")
+@click.option("--model", default=None, help="Model to check [default: the embedded one].")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("results/model-check"),
+              show_default=True, help="Where the check's sweeps and check.json go (rerun to resume them).")
+@click.option("--device", default="cpu", show_default=True, help="Device of the offline (transformers) figures.")
+@click.option("--serving/--no-serving", default=True, show_default=True,
+              help="Also the figures that need vLLM (task accuracy, outputs, KV error, prefill time).")
+@click.option("--loss-window", type=click.IntRange(min=512), default=8192, show_default=True,
+              help="Tokens per held-out window of the loss by position (32768 reaches the last bucket).")
+@click.option("--recall-trajectories", type=click.IntRange(min=1), default=16, show_default=True)
+def check_command(model: str | None, as_json: bool, out: Path, device: str, serving: bool, loss_window: int,
+                  recall_trajectories: int) -> None:
+    """The realism figures of a model: does it read its context as real LLMs do?"""
+    from kvbench.experiment.model_check import CheckSettings, run_check
+    from kvbench.replay.server import ServerError
+
+    settings = CheckSettings(model=model, device=device, loss_window=loss_window,
+                             recall_trajectories=recall_trajectories)
+    try:
+        figures = run_check(settings, out, serving=serving, on_step=lambda step: click.echo(f"  {step}", err=True))
+    except (ServerError, ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(figures, indent=2) if as_json else format_check(figures))
+    click.echo(f"written: {out / 'check.json'}", err=True)
+
+
+def format_check(figures: dict) -> str:
+    """The figures beside what real LLMs show."""
+    losses = figures["heldout_loss_by_position"]
+    lines = [f"model check: {figures['model']}",
+             "  held-out loss by position: " + ", ".join(f"{k} {v:.3f}" for k, v in losses.items())
+             + "  (real models: no later bucket above the first)",
+             f"  attention on the first token, later layers: {figures['attention_sink_share_later_layers']:.3f}"
+             "  (real models: a large share, attention sinks)",
+             f"  cross-agent value deltas: effective rank (90% energy) {figures['value_delta_effective_rank_90']:.1f} of "
+             f"{figures['value_delta_dims']}, relative norm {figures['value_delta_relative_norm']:.3f}"]
+    if "recall_accuracy" in figures:
+        accuracy = figures["recall_accuracy"]
+        lines += ["  recall accuracy: " + "; ".join(f"{m} " + ", ".join(f"{c} {a:.0%}" for c, a in cells.items())
+                                                   for m, cells in accuracy.items())
+                  + "  (target: NonShared >= 90% at 2K, >= 70% at 8K; FullShared below at 8K)",
+                  f"  outputs: {figures['distinct_output_share']:.0%} distinct, "
+                  f"{figures['single_token_output_share']:.0%} a single repeated token, "
+                  f"repeated 4-grams {figures['repeated_4gram_share']:.0%}",
+                  "  KV error over FullShared's: " + ", ".join(f"{m} {r:.2f}x" for m, r in
+                                                             figures["kv_error_over_fullshared"].items())
+                  + "  (target <= 0.7x)",
+                  f"  prefill of {figures['prefill_tokens']} tokens: {figures['prefill_ms']:.0f} ms (p50 TTFT of first turns)"]
+    return "\n".join(lines)

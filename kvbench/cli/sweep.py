@@ -62,6 +62,8 @@ def _sweep_options(func):
         click.option("--agents", callback=_csv(int), default=None, help="Comma-separated agent counts."),
         click.option("--rounds", callback=_csv(int), default=None, help="Comma-separated round counts."),
         click.option("--workflow", default="sequential", show_default=True),
+        click.option("--task", type=click.Choice(["none", "recall"]), default="none", show_default=True,
+                     help="recall: scored task traces (gen-trace --task recall); runs get task_accuracy."),
         click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True),
         click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True,
                      help="Measured trajectories per cell."),
@@ -94,7 +96,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
         methods=_method_configs(methods, param_specs),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
-        **{key: options[key] for key in ("workflow", "output_len", "num_trajectories", "num_warmups",
+        **{key: options[key] for key in ("workflow", "task", "output_len", "num_trajectories", "num_warmups",
                                          "prime_method_state", "repeats", "seed", "model")})
     cells = spec.cells(out)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
+from kvbench.tracegen.generate import TASKS
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
 from kvbench.tracegen.workflows import WORKFLOWS
 
@@ -28,13 +29,18 @@ def _trace_error(exc: Exception) -> click.ClickException:
                    "fan-out: A0->{A1..}; fan-in: {A0..}->An-1.")
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Tokens of the non-generated shared context q (user query + observation), exact.")
-@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Tokens each agent generates (replayed with ignore_eos) and passes on.")
+@click.option("--output-len", type=click.IntRange(min=1), default=None,
+              help="Tokens each agent generates (replayed with ignore_eos) and passes on [default: 128; 8 with "
+                   "--task recall].")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=10, show_default=True,
               help="Workflow instances, each with its own shared context.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
-@click.option("--roles", type=click.Choice(sorted(ROLE_PRESETS)), default="math", show_default=True,
-              help="Role preset: system prompts and glue text of the agents.")
+@click.option("--roles", type=click.Choice(sorted(ROLE_PRESETS)), default=None,
+              help="Role preset: system prompts and glue text of the agents [default: math; recall with "
+                   "--task recall].")
+@click.option("--task", type=click.Choice(TASKS), default="none", show_default=True,
+              help="recall: the shared context is a forwarding table, each agent follows one line of it from the "
+                   "previous agent's answer, and every turn's gold answer is in the trace (`kvbench score`).")
 @click.option("--qps", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Trajectory (workflow) arrivals per second recorded in the trace; 0 = single stream.")
 @click.option("--arrival", type=click.Choice(ARRIVAL_PROCESSES), default="poisson", show_default=True,
@@ -51,6 +57,9 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     from kvbench.tracegen.schema import write_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
 
+    recall = params["task"] == "recall"
+    params["roles"] = params["roles"] or ("recall" if recall else "math")
+    params["output_len"] = params["output_len"] or (8 if recall else 128)
     spec = TraceSpec(**params)  # type: ignore[arg-type]
     try:
         spec.validate()

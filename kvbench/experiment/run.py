@@ -1,28 +1,72 @@
-"""One replay and its summary."""
+"""One replay and its summary (and, for a task trace, its score)."""
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from kvbench import run_files
 from kvbench.analysis.summary import write_summary
+from kvbench.analysis.task_score import write_scores
 from kvbench.replay.runner import ReplayConfig, run_replay
+from kvbench.tracegen.schema import Trace, TraceHeader
+from kvbench.tracegen.tokenizer import TraceTokenizer
 
 logger = logging.getLogger(__name__)
 
 
+def _score_and_summarize(config: ReplayConfig) -> dict[str, Any]:
+    if any(t.task is not None for t in config.trace.trajectories):
+        write_scores(config.result_dir, config.trace.trajectories, config.tokenizer.decode)
+    return write_summary(config.result_dir)
+
+
 def replay_and_summarize(config: ReplayConfig) -> dict[str, Any]:
-    """Replay `config`, then write `summary.json` from what it recorded and return it. A run that
-    was aborted or stopped by a signal is summarized too (the summary says which) before the
-    error propagates; one that never reached its servers left nothing to summarize."""
+    """Replay `config`, then write `summary.json` from what it recorded (scoring a task trace's
+    outputs first) and return it. A run that was aborted or stopped by a signal is summarized
+    too (the summary says which) before the error propagates; one that never reached its
+    servers left nothing to summarize."""
     try:
         run_replay(config)
     except BaseException:
         if (config.result_dir / run_files.REQUESTS).exists():
             try:
-                write_summary(config.result_dir)
+                _score_and_summarize(config)
             except Exception:  # the replay's own error is the one to report
                 logger.exception("summarizing the stopped run in %s failed", config.result_dir)
         raise
-    return write_summary(config.result_dir)
+    return _score_and_summarize(config)
+
+
+def trace_of_run(config: dict[str, Any], trace_path: Path | None = None) -> tuple[Trace, TraceTokenizer]:
+    """The trace a run replayed: `trace_path`, else the file its config names, else the trace
+    regenerated from the generator settings in its header (gen-trace is deterministic)."""
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.schema import read_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    path = trace_path or (Path(config["trace_path"]) if config.get("trace_path") else None)
+    if path is not None:
+        trace = read_trace(path)
+        return trace, load_tokenizer(trace.header.tokenizer)
+    header = config["trace_header"]
+    tokenizer = load_tokenizer(header["tokenizer"])
+    generator = dict(header.get("generator") or {})
+    if generator.pop("name", None) != "kvbench gen-trace":
+        raise ValueError("the run's trace was not made by kvbench gen-trace and no trace file is recorded: pass --trace")
+    generator.pop("kvbench_version", None)
+    fields = set(TraceSpec.__dataclass_fields__)
+    spec = TraceSpec(**{k: v for k, v in generator.items() if k in fields})
+    return Trace(header=TraceHeader(**header), trajectories=generate_trace(spec, tokenizer)[1]), tokenizer
+
+
+def rescore(result_dir: Path, trace_path: Path | None = None) -> dict[str, Any]:
+    """Score a recorded run of a task trace again and rewrite its summary; returns the summary."""
+    config = json.loads((result_dir / run_files.CONFIG).read_text())
+    trace, tokenizer = trace_of_run(config, trace_path)
+    if not any(t.task is not None for t in trace.trajectories):
+        raise ValueError(f"{result_dir}: its trace has no task to score (make one with gen-trace --task recall)")
+    write_scores(result_dir, trace.trajectories, tokenizer.decode)
+    return write_summary(result_dir)

@@ -67,6 +67,7 @@ class SweepSpec:
     agents: list[int] = field(default_factory=lambda: [4])
     rounds: list[int] = field(default_factory=lambda: [1])
     workflow: str = "sequential"
+    task: str = "none"  # "recall": a scored task trace (its roles preset too)
     output_len: int = 128
     num_trajectories: int = 8
     num_warmups: int = 1
@@ -114,7 +115,8 @@ class SweepSpec:
         specs = {}
         for context, agents, rounds in itertools.product(longest, self.agents, self.rounds):
             specs[trace_id(context, agents, rounds)] = TraceSpec(
-                num_agents=agents, rounds=rounds, workflow=self.workflow, shared_tokens=context,
+                num_agents=agents, rounds=rounds, workflow=self.workflow, shared_tokens=context, task=self.task,
+                roles="recall" if self.task == "recall" else "math",
                 output_len=self.output_len, num_trajectories=longest[context] + self.num_warmups, seed=self.seed)
         return specs
 
@@ -206,6 +208,7 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
                     server_failure=server.failure,
                     metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
                     extra_config={"model": model, "method_params": method.params, "method_config": method.name,
+                                  "trace_path": str(root / "traces" / f"{cell.trace_id}.jsonl"),
                                   "server_options": spec.server_options, "server_command": server.command()})
                 try:
                     summary = replay_and_summarize(config)
