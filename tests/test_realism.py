@@ -64,3 +64,25 @@ def test_repeated_ngrams() -> None:
     assert repeated_ngram_share([5] * 12, n=4) == pytest.approx(8 / 9)  # a loop
     assert repeated_ngram_share(list(range(12)), n=4) == 0.0
     assert math.isnan(repeated_ngram_share([1, 2], n=4))
+
+
+def test_model_check_offline_figures_of_the_embedded_model(default_model: str, tmp_path) -> None:
+    """`kvbench model check --no-serving` end to end (transformers only; the vLLM figures come from
+    sweeps, tested on their own)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    result = CliRunner().invoke(main, ["model", "check", "--no-serving", "--json", "--loss-window", "1024",
+                                       "-o", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads((tmp_path / "check.json").read_text())
+    assert figures["model"].startswith("tiny-llama-") and len(figures["weights_sha256"]) == 64
+    assert set(figures["heldout_loss_by_position"]) == {"0-256", "256-2048"}  # a 1K window reaches two buckets
+    assert all(2.0 < v < 9.0 for v in figures["heldout_loss_by_position"].values())  # between memorized and uniform
+    assert len(figures["attention_sink_share_by_layer"]) == 4
+    assert 0 <= figures["attention_sink_share_later_layers"] <= 1
+    assert 1 <= figures["value_delta_effective_rank_90"] <= figures["value_delta_dims"] == 128
+    assert "recall_accuracy" not in figures
