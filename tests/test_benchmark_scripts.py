@@ -139,3 +139,37 @@ def test_delta_benchmark_pools_repeats_and_reports_each_repeats_ratio() -> None:
     interval = p50_ratio_interval(pooled_slow, pooled_fast, per="request")
     assert interval.ratio == row["p50_ttft_ms"] / 115
     assert interval.low <= interval.ratio <= interval.high
+
+
+def test_recall_probe_supervises_each_hops_answer(tiny_tokenizer_dir: Path) -> None:
+    """The probe's sequences: every supervised span decodes to the name one table line on from the
+    previous answer (or from the latest start name), and nothing else is supervised."""
+    import importlib.util
+    import random
+
+    from kvbench.tracegen.tasks import ARROW
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    spec = importlib.util.spec_from_file_location("recall_probe", SCRIPT.parent / "recall_probe.py")
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    tokenizer = load_tokenizer(str(tiny_tokenizer_dir))
+    ids, hop_of = probe.example(random.Random(4), tokenizer.encode, records=6, hops=10)
+    text = tokenizer.decode(ids)
+    table = dict(line.split(ARROW) for line in text.splitlines() if ARROW in line)
+    assert len(table) == 6
+    answers = [tokenizer.decode([t for t, h in zip(ids, hop_of) if h == hop]) for hop in range(10)]
+    assert all(a.endswith("\n") for a in answers) and sum(h >= 0 for h in hop_of) == sum(
+        len(tokenizer.encode(a)) for a in answers)
+    # replay the rule on the text: each answer follows the last name seen (a start or an answer)
+    current, checked, lines = None, 0, text.split("\n")
+    for previous, line in zip(lines, lines[1:]):
+        if line.startswith("Start from "):
+            current = line.removeprefix("Start from ").rstrip(".")
+        elif previous == "Next name:":
+            assert line == table[current] == answers[checked].strip()
+            current, checked = line, checked + 1
+    assert checked == 10
+    starts = text.count("Start from ")
+    assert 1 < starts <= 10  # restarts happen
