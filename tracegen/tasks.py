@@ -99,8 +99,9 @@ def recall_context(rng: random.Random, num_tokens: int, hops: int, counter: Coun
     table = "".join(line for line, _, _ in kept)
     preamble_tokens = num_tokens - counter.count(table + question)
     for _ in range(8):  # the pieces' counts may not add up exactly at their boundaries: re-verify
-        preamble = counter.fit(["Tool output (forwarding table).", *document_words(rng, preamble_tokens)],
-                               preamble_tokens, filler)
+        words = document_words(rng, preamble_tokens)
+        words[0] = " " + words[0]  # a document's first word comes without its separator
+        preamble = counter.fit(["Tool output (forwarding table).", *words], preamble_tokens, filler)
         text = preamble + table + question
         diff = counter.count(text) - num_tokens
         if diff == 0:
