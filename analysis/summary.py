@@ -9,7 +9,6 @@ on analysis.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +22,11 @@ from kvbench.analysis.task_score import read_task_figures
 MAX_LISTED_MISSING = 50
 
 
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """The readable lines of a journal (a torn last line is skipped)."""
-    if not path.exists():
-        return
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict):
-            yield entry
-
-
 def store_figures(result_dir: Path, segment: int) -> dict[str, Any]:
     """The store and method-state figures of one segment, over its servers: a server's store peak
     is its own and the run's the largest; evictions and refusals add up; each kind of method
     state has its largest value over the segment's polls. None where no server reported."""
-    states = [e for e in _jsonl(result_dir / run_files.METHOD_STATS)
+    states = [e for e in run_files.read_jsonl(result_dir / run_files.METHOD_STATS)
               if e.get("kind") == "state" and e.get("segment") == segment]
     if not states:
         return {"method_store_peak_bytes": None, "store_evictions": None, "store_refused": None,
@@ -60,7 +46,7 @@ def store_figures(result_dir: Path, segment: int) -> dict[str, Any]:
 
 def server_figures(result_dir: Path, segment: int) -> dict[str, Any]:
     """Peaks and run deltas of one segment's server samples, over all servers."""
-    samples = [s for s in _jsonl(result_dir / run_files.SERVER_METRICS) if s.get("segment") == segment]
+    samples = [s for s in run_files.read_jsonl(result_dir / run_files.SERVER_METRICS) if s.get("segment") == segment]
     rss = [s["process_tree_rss_bytes"] for s in samples if "process_tree_rss_bytes" in s]
     usage = [s["vllm:kv_cache_usage_perc"] for s in samples if "vllm:kv_cache_usage_perc" in s]
     out: dict[str, Any] = {"peak_server_rss_bytes": max(rss) if rss else None,

@@ -42,11 +42,9 @@ import pandas as pd
 from kvbench import run_files
 from kvbench.analysis.intervals import Per, RatioInterval, p50_ratio_interval, p50_ttft_ms
 from kvbench.analysis.metrics import summarize
-from kvbench.experiment.sweep import MethodConfig, SweepCell, SweepPoint, SweepSpec, run_sweep
-from kvbench.replay.kv_error import mean_kv_errors
-from kvbench.replay.server import VLLMServer
+from kvbench.experiment.kv_errors import read_kv_errors, record_kv_errors
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
 
-KV_ERROR_FILE = "kv_error.json"  # a QPS-0 cell's KV error, written while its server is up
 METHODS = [("nonshared", {}), ("fullshared", {}), ("kvcmas", {}), ("kvcmas-nonchained", {}), ("kvcomm", {"V": 10})]
 
 
@@ -166,19 +164,12 @@ def main() -> None:
         num_warmups=args.warmups, prime_method_state=not args.cold, seed=11, save_prompt_ids=True,
         server_options={"max_load_tokens_per_step": args.max_load_tokens_per_step})
 
-    def add_kv_errors(cell: SweepCell, server: VLLMServer, summary: dict) -> None:
-        """Against the cell's own server, still up: a dense prefill of each measured prompt."""
-        if cell.qps == 0 and cell.method.method != "nonshared":
-            requests = pd.read_parquet(cell.path / run_files.REQUESTS)
-            errors = mean_kv_errors(server.base_url, server.config.model, requests, args.error_trajectories)
-            (cell.path / KV_ERROR_FILE).write_text(json.dumps(errors))
-
     rows = []
     frames: dict[tuple[str, int, float], pd.DataFrame] = {}  # each cell's requests, for the intervals
     runs: dict[tuple[str, int, float], list[pd.DataFrame]] = {}  # a loaded cell's repeats, one frame each
     with (nullcontext(str(args.result_dir)) if args.result_dir is not None else tempfile.TemporaryDirectory()) as root:
         cells = run_sweep(spec, Path(root), on_cell=lambda name: print(f"done: {name}", flush=True),
-                          after_cell=add_kv_errors)
+                          after_cell=record_kv_errors(args.error_trajectories))
         for (label, context, qps), group in itertools.groupby(
                 cells, key=lambda cell: (cell.method.name, cell.shared_tokens, cell.qps)):
             cell_rows, cell_runs = [], []
@@ -186,8 +177,7 @@ def main() -> None:
                 summary = json.loads((cell.path / run_files.SUMMARY).read_text())
                 cell_runs.append(pd.read_parquet(cell.path / run_files.REQUESTS))
                 cell_rows.append(cell_row(label, context, qps, summary))
-                if (cell.path / KV_ERROR_FILE).exists():
-                    cell_rows[-1] |= json.loads((cell.path / KV_ERROR_FILE).read_text())
+                cell_rows[-1] |= read_kv_errors(cell) or {}
                 print(json.dumps(cell_rows[-1] | ({"repeat": cell.repeat} if qps and args.repeats > 1 else {})),
                       flush=True)
             runs[(label, context, qps)] = cell_runs

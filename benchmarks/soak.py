@@ -33,9 +33,9 @@ PLATEAU_GROWTH = 0.05  # RSS may grow at most this share over the run's second h
 def _timeline(run: Path, slices: int) -> pd.DataFrame:
     """Per time slice of the measured run: peak RSS, store and method-state bytes, requests
     finished and failed by then, store evictions by then."""
-    metrics = pd.DataFrame([json.loads(line) for line in (run / run_files.SERVER_METRICS).read_text().splitlines()])
+    metrics = pd.DataFrame(run_files.read_jsonl(run / run_files.SERVER_METRICS))
     rss = metrics.dropna(subset=["process_tree_rss_bytes"])[["t_s", "process_tree_rss_bytes"]]
-    states = [json.loads(line) for line in (run / run_files.METHOD_STATS).read_text().splitlines()]
+    states = run_files.read_jsonl(run / run_files.METHOD_STATS)
     state = pd.DataFrame([s for s in states if s["kind"] == "state"])
     state["method_state"] = state["method_state_bytes"].map(
         lambda d: sum(v for k, v in (d or {}).items() if not k.startswith("peak_")))

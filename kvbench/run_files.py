@@ -6,6 +6,10 @@ two sides share. Documented column by column in docs/results.md.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 CONFIG = "config.json"  # how the run was made; one entry per segment (a resumed run has several)
 REQUESTS_JOURNAL = "requests.jsonl"  # one record per finished request, appended as it finishes
 REQUESTS = "requests.parquet"  # the same records, snapshotted atomically
@@ -13,3 +17,20 @@ METHOD_STATS = "method_stats.jsonl"  # the connector's answers: per-request stat
 SERVER_METRICS = "server_metrics.jsonl"  # /metrics and process memory samples
 TASK_SCORES = "task_scores.parquet"  # a task trace's turns against their gold answers (analysis)
 SUMMARY = "summary.json"  # written by analysis from the files above
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The entries of an append-only journal (empty if it does not exist). A line that is not a
+    JSON object is skipped: the writer died mid-line (a torn last line), and what it would have
+    said counts as missing."""
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries

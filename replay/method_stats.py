@@ -75,13 +75,7 @@ class MethodStatsCollector:
 
     def load(self, request_ids: set[str]) -> None:
         """Stats an earlier segment of this run journaled, for the requests kept from it."""
-        if not self.path.exists():
-            return
-        for line in self.path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line: that poll's requests count as missing
+        for entry in run_files.read_jsonl(self.path):  # a torn last poll's requests count as missing
             if entry.get("kind") == "request" and entry.get("request_id") in request_ids:
                 self._merge(entry["request_id"], entry["stats"])
 

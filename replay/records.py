@@ -76,16 +76,7 @@ SCHEMA = pa.schema([
 
 def read_journal(result_dir: Path) -> list[dict[str, Any]]:
     """Records of an earlier (possibly interrupted) run; a torn last line is ignored."""
-    path = result_dir / run_files.REQUESTS_JOURNAL
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # the process died mid-write; that request is re-run on --resume
-    return records
+    return run_files.read_jsonl(result_dir / run_files.REQUESTS_JOURNAL)  # a torn request re-runs on --resume
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -21,8 +21,6 @@ import pandas as pd
 from kvbench import run_files
 from kvbench.model.store import MANIFEST_NAME
 
-KV_ERROR_FILE = "kv_error.json"
-
 
 @dataclass(frozen=True)
 class CheckSettings:
@@ -113,19 +111,9 @@ def offline_figures(settings: CheckSettings, on_step: Callable[[str], None] = la
     }
 
 
-def _kv_errors_after(trajectories: int) -> Callable[[Any, Any, dict[str, Any]], None]:
-    def after_cell(cell: Any, server: Any, summary: dict[str, Any]) -> None:
-        from kvbench.replay.kv_error import mean_kv_errors
-
-        if cell.method.method != "nonshared":
-            requests = pd.read_parquet(cell.path / run_files.REQUESTS)
-            errors = mean_kv_errors(server.base_url, server.config.model, requests, trajectories)
-            (cell.path / KV_ERROR_FILE).write_text(json.dumps(errors))
-    return after_cell
-
-
 def serving_figures(settings: CheckSettings, root: Path, on_step: Callable[[str], None] = lambda _: None
                     ) -> dict[str, Any]:
+    from kvbench.experiment.kv_errors import read_kv_errors, record_kv_errors
     from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
     from kvbench.model.realism import repeated_ngram_share
 
@@ -144,9 +132,8 @@ def serving_figures(settings: CheckSettings, root: Path, on_step: Callable[[str]
                         points=[SweepPoint(settings.serving_context, 0.0, settings.serving_trajectories)],
                         output_len=settings.generation_tokens, num_warmups=3, prime_method_state=True,
                         save_prompt_ids=True, seed=settings.seed, model=settings.model)
-    cells = run_sweep(serving, root / "serving", on_cell=on_step, after_cell=_kv_errors_after(2))
-    errors = {c.method.method: json.loads((c.path / KV_ERROR_FILE).read_text())["kv_error"]
-              for c in cells if (c.path / KV_ERROR_FILE).exists()}
+    cells = run_sweep(serving, root / "serving", on_cell=on_step, after_cell=record_kv_errors(2))
+    errors = {c.method.method: kept["kv_error"] for c in cells if (kept := read_kv_errors(c)) is not None}
     dense = pd.read_parquet(next(c for c in cells if c.method.method == "nonshared").path / run_files.REQUESTS)
     outputs = [tuple(ids) for ids in dense.loc[dense["success"], "output_token_ids"]]
     first_turns = dense[dense["turn_id"] == "A0.r0"]
