@@ -18,7 +18,7 @@ FULLSHARED_BLOCKS = 56
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test that needs the embedded model (built on first use, ~3 minutes) belongs to the engine
+    """A test that runs the embedded model through the `default_model` fixture belongs to the engine
     tier, like the tests that start vLLM: `pytest -m "not engine"` is the unit tier."""
     for item in items:
         if "default_model" in getattr(item, "fixturenames", ()):
@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def default_model() -> str:
-    """The embedded default model, built on first use and cached (about 3 minutes once)."""
+    """The embedded default model (shipped with the package: nothing to build)."""
     return resolve_model(None)
 
 

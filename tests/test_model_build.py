@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,10 @@ def test_default_model_loads_in_transformers_and_trained(default_model: str) -> 
     assert tokenizer.decode(ids[0]) == text  # byte-level BPE round-trips
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss.item()
-    # Trained: far below the uniform-guess loss ln(4096) = 8.3 nats.
-    assert manifest["heldout_loss"] < 6.0
-    assert loss < 6.0
+    # Trained: far below the uniform-guess loss ln(vocab) (8.3 nats for 4096 tokens, 9.0 for 8192).
+    uniform = math.log(model.config.vocab_size)
+    assert manifest["heldout_loss"] < uniform - 2.0
+    assert loss < uniform - 2.0
 
 
 def test_spec_rejects_unknown_fields() -> None:

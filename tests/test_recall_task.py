@@ -17,7 +17,7 @@ from kvbench.analysis.task_score import score_requests, task_figures
 from kvbench.cli import main
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace, read_trace
-from kvbench.tracegen.tasks import ARROW, answer_of
+from kvbench.tracegen.tasks import ARROW, answer_of, recall_output_len
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 GOLDEN = Path(__file__).parent / "data" / "golden-runs"
@@ -74,7 +74,9 @@ def test_recall_traces_validate_and_round_trip(tokenizer, tiny_tokenizer_dir: Pa
     assert made.exit_code == 0, made.output
     trace = read_trace(out)
     assert trace.header.generator["task"] == "recall" and trace.header.generator["roles"] == "recall"
-    assert all(t.max_tokens == 8 for t in trace.trajectories[0].turns)  # the task's default output length
+    # the task's default output length: the longest name (two words) and a newline, in this tokenizer
+    expected = recall_output_len(load_tokenizer(str(tiny_tokenizer_dir)).encode)
+    assert expected >= 3 and all(t.max_tokens == expected for t in trace.trajectories[0].turns)
     checked = CliRunner().invoke(main, ["trace", "validate", str(out)])
     assert checked.exit_code == 0, checked.output
     # a task naming a turn the trajectory lacks is reported with its field

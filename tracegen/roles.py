@@ -38,11 +38,13 @@ _CODE_GLUE = dict(
     answer_prefix="\n\nYour reply:\n",
 )
 
+# The question that ends every recall prompt; the recall model's circuit is built around its length.
+RECALL_ANSWER_PREFIX = "\n\nNext name:\n"
 _RECALL_GLUE = dict(
     task_intro="\n\nThe tool returned:\n\n",
     peer_intro="\n\nNotes the team wrote so far, in order:",
     peer_glue="\n\n{agent} ({role}) noted:\n",
-    answer_prefix="\n\nNext name:\n",
+    answer_prefix=RECALL_ANSWER_PREFIX,
 )
 _RECALL_RULE = ("Take the name in the last note (or, if there are no notes yet, the name the tool output "
                 "starts from), find the line of the table that begins with that name, and write the name "

@@ -51,6 +51,15 @@ def answer_of(output_text: str) -> str:
     return ""
 
 
+def recall_output_len(encode: Callable[[str], list[int]]) -> int:
+    """Tokens of the longest answer line: a name at a line's start, then a newline. An agent that
+    writes exactly its answer leaves the next agent's prompt with the name right before the
+    question, as the start name is for the first agent."""
+    first = max(len(encode(word)) for word in NAME_WORDS)
+    second = max(len(encode(" " + word)) for word in NAME_WORDS)
+    return first + second + len(encode("\n"))
+
+
 def _question(start: str) -> str:
     return f"\n\nStart from {start}."
 

@@ -13,17 +13,26 @@ from kvbench.model.store import DEFAULT_SEED, is_built, model_dir_for
 
 @click.group("model")
 def model_group() -> None:
-    """The embedded default model: a tiny Llama built and trained locally by kvbench."""
+    """The embedded models: the shipped recall model (the default) and the old tiny one."""
 
 
 @model_group.command("build")
+@click.option("--recipe", type=click.Choice(["tiny", "recall"]), default="tiny", show_default=True,
+              help="tiny: the 4-layer model trained on the standard library (~3 min). recall: the recall model "
+                   "kvbench ships (8 layers, the constructed retrieval circuit, a long-context curriculum; about "
+                   "38 min on 2 cores), rebuilt from its recipe into the cache to reproduce the shipped weights.")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True,
               help="Training seed; the same seed gives bit-identical weights on the same machine type.")
 @click.option("--train-steps", type=click.IntRange(min=1), default=None,
-              help=f"AdamW steps [default: {TinyModelSpec().train_steps}]. Non-default values build a separate model.")
+              help=f"tiny only: AdamW steps [default: {TinyModelSpec().train_steps}]. Non-default values build a "
+                   "separate model.")
 @click.option("--force", is_flag=True, help="Rebuild even if a built model is cached.")
-def build_command(seed: int, train_steps: int | None, force: bool) -> None:
-    """Build (tokenizer + training, ~3 min on 2 cores) and cache the model; print its manifest."""
+def build_command(recipe: str, seed: int, train_steps: int | None, force: bool) -> None:
+    """Build and cache a model; print its manifest. An interrupted recall build resumes from its
+    last checkpoint (every 50 steps) when rerun."""
+    if recipe == "recall":
+        _build_recall(seed, force)
+        return
     from kvbench.model.build import build_model
 
     spec = TinyModelSpec() if train_steps is None else TinyModelSpec().with_overrides(train_steps=train_steps)
@@ -37,49 +46,79 @@ def build_command(seed: int, train_steps: int | None, force: bool) -> None:
     click.echo(json.dumps(manifest, indent=2))
 
 
-@model_group.command("path")
-@click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True, help="Seed of the model to locate.")
-@click.option("--build/--no-build", default=True, show_default=True,
-              help="Build the model first if it is not cached; with --no-build a missing model is an error.")
-def path_command(seed: int, build: bool) -> None:
-    """Print the directory of the embedded model (loadable by vLLM and transformers)."""
-    spec = TinyModelSpec()
-    path = model_dir_for(spec, seed)
-    if not is_built(path):
-        if not build:
-            raise click.ClickException(f"model not built: {path} (run `kvbench model build --seed {seed}`)")
-        from kvbench.model.build import build_model
+def _build_recall(seed: int, force: bool) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        click.echo(f"building the embedded model into {path} ...", err=True)
-        build_model(spec, seed, path)
-    click.echo(str(path))
+    from kvbench.model.recall_build import RecallModelSpec, build_recall_model, recall_model_dir
+
+    spec = RecallModelSpec()
+    path = recall_model_dir(spec, seed)
+    if is_built(path) and not force:
+        click.echo(f"already built (use --force to rebuild): {path}", err=True)
+        click.echo((path / "kvbench-model.json").read_text())
+        return
+    progress = Progress(TextColumn("training the recall model"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TextColumn("loss {task.fields[loss]:.3f}, {task.fields[rate]:.0f} tokens/s"),
+                        TimeElapsedColumn(), TimeRemainingColumn(), transient=True)
+    with progress:
+        task = progress.add_task("train", total=spec.total_steps, loss=float("nan"), rate=0.0)
+        manifest = build_recall_model(spec, seed, path, on_step=lambda step, total, loss, rate: progress.update(
+            task, completed=step + 1, loss=loss, rate=rate))
+    click.echo(f"built: {path}", err=True)
+    click.echo(json.dumps(manifest, indent=2))
+
+
+@model_group.command("path")
+@click.option("--model", default=None,
+              help="Model to locate: `kvbench:NAME` (`kvbench:tiny` is the old 4-layer model) [default: the shipped one].")
+@click.option("--build/--no-build", default=True, show_default=True,
+              help="Build kvbench:tiny first if it is not cached; with --no-build a missing model is an error.")
+def path_command(model: str | None, build: bool) -> None:
+    """Print the directory of an embedded model (loadable by vLLM and transformers)."""
+    from kvbench.model.store import resolve_model
+
+    try:
+        click.echo(resolve_model(model, build_if_missing=build))
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @model_group.command("check")
-@click.option("--model", default=None, help="Model to check [default: the embedded one].")
+@click.option("--model", "models", multiple=True,
+              help="Model to check; repeat to check several, e.g. the old and the new embedded model: "
+                   "--model kvbench:tiny --model kvbench:recall-v1 [default: the embedded one].")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("results/model-check"),
-              show_default=True, help="Where the check's sweeps and check.json go (rerun to resume them).")
+              show_default=True, help="Where the check's sweeps and check.json go (rerun to resume them); with "
+                                      "several models, one folder per model under it.")
 @click.option("--device", default="cpu", show_default=True, help="Device of the offline (transformers) figures.")
 @click.option("--serving/--no-serving", default=True, show_default=True,
               help="Also the figures that need vLLM (task accuracy, outputs, KV error, prefill time).")
 @click.option("--loss-window", type=click.IntRange(min=512), default=8192, show_default=True,
               help="Tokens per held-out window of the loss by position (32768 reaches the last bucket).")
 @click.option("--recall-trajectories", type=click.IntRange(min=1), default=16, show_default=True)
-def check_command(model: str | None, as_json: bool, out: Path, device: str, serving: bool, loss_window: int,
+def check_command(models: tuple[str, ...], as_json: bool, out: Path, device: str, serving: bool, loss_window: int,
                   recall_trajectories: int) -> None:
     """The realism figures of a model: does it read its context as real LLMs do?"""
     from kvbench.experiment.model_check import CheckSettings, run_check
     from kvbench.replay.server import ServerError
 
-    settings = CheckSettings(model=model, device=device, loss_window=loss_window,
-                             recall_trajectories=recall_trajectories)
-    try:
-        figures = run_check(settings, out, serving=serving, on_step=lambda step: click.echo(f"  {step}", err=True))
-    except (ServerError, ValueError, FileNotFoundError) as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(json.dumps(figures, indent=2) if as_json else format_check(figures))
-    click.echo(f"written: {out / 'check.json'}", err=True)
+    targets: list[str | None] = list(models) or [None]
+    results = []
+    for model in targets:
+        root = out if len(targets) == 1 else out / (model or "default").replace(":", "-").replace("/", "-")
+        settings = CheckSettings(model=model, device=device, loss_window=loss_window,
+                                 recall_trajectories=recall_trajectories)
+        try:
+            figures = run_check(settings, root, serving=serving, on_step=lambda step: click.echo(f"  {step}", err=True))
+        except (ServerError, ValueError, FileNotFoundError) as exc:
+            raise click.ClickException(f"{model or 'the embedded model'}: {exc}") from None
+        results.append(figures)
+        click.echo(f"written: {root / 'check.json'}", err=True)
+    if as_json:
+        click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    else:
+        click.echo("\n\n".join(format_check(figures) for figures in results))
 
 
 def format_check(figures: dict) -> str:

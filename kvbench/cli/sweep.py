@@ -64,7 +64,9 @@ def _sweep_options(func):
         click.option("--workflow", default="sequential", show_default=True),
         click.option("--task", type=click.Choice(["none", "recall"]), default="none", show_default=True,
                      help="recall: scored task traces (gen-trace --task recall); runs get task_accuracy."),
-        click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True),
+        click.option("--output-len", type=click.IntRange(min=1), default=None,
+                     help="Tokens per agent output [default: 128; with --task recall, the longest name plus a "
+                          "newline under the model's tokenizer]."),
         click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True,
                      help="Measured trajectories per cell."),
         click.option("--num-warmups", type=click.IntRange(min=0), default=1, show_default=True),
@@ -92,6 +94,12 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
     for method, grid in defaults.get("method_params", {}).items():
         if not any(p.startswith(method + ":") for p in param_specs):
             param_specs += tuple(f"{method}:{key}={','.join(map(str, values))}" for key, values in grid.items())
+    if options["output_len"] is None:
+        from kvbench.tracegen.tasks import recall_output_len
+        from kvbench.tracegen.tokenizer import load_tokenizer
+
+        options["output_len"] = (recall_output_len(load_tokenizer(options["model"]).encode)
+                                 if options["task"] == "recall" else 128)
     spec = SweepSpec(
         methods=_method_configs(methods, param_specs),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))

@@ -30,8 +30,8 @@ def _trace_error(exc: Exception) -> click.ClickException:
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Tokens of the non-generated shared context q (user query + observation), exact.")
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
-              help="Tokens each agent generates (replayed with ignore_eos) and passes on [default: 128; 8 with "
-                   "--task recall].")
+              help="Tokens each agent generates (replayed with ignore_eos) and passes on [default: 128; with "
+                   "--task recall, the longest name's tokens plus a newline: 3 on the recall model].")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=10, show_default=True,
               help="Workflow instances, each with its own shared context.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
@@ -55,15 +55,16 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
 
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.schema import write_trace
+    from kvbench.tracegen.tasks import recall_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     recall = params["task"] == "recall"
     params["roles"] = params["roles"] or ("recall" if recall else "math")
-    params["output_len"] = params["output_len"] or (8 if recall else 128)
-    spec = TraceSpec(**params)  # type: ignore[arg-type]
     try:
-        spec.validate()
         tokenizer = load_tokenizer(model)
+        params["output_len"] = params["output_len"] or (recall_output_len(tokenizer.encode) if recall else 128)
+        spec = TraceSpec(**params)  # type: ignore[arg-type]
+        spec.validate()
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     with Progress(transient=True, console=_stderr_console()) as progress:

@@ -116,11 +116,14 @@ def serving_figures(settings: CheckSettings, root: Path, on_step: Callable[[str]
     from kvbench.experiment.kv_errors import read_kv_errors, record_kv_errors
     from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
     from kvbench.model.realism import repeated_ngram_share
+    from kvbench.tracegen.tasks import recall_output_len
+    from kvbench.tracegen.tokenizer import load_tokenizer
 
     on_step("recall accuracy (NonShared, FullShared)")
+    answer_tokens = recall_output_len(load_tokenizer(settings.model).encode)
     recall = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("fullshared")], task="recall",
                        points=[SweepPoint(c, 0.0, settings.recall_trajectories) for c in settings.recall_contexts],
-                       output_len=8, num_warmups=1, seed=settings.seed, model=settings.model)
+                       output_len=answer_tokens, num_warmups=1, seed=settings.seed, model=settings.model)
     accuracy: dict[str, dict[str, float]] = {}
     for cell in run_sweep(recall, root / "recall", on_cell=on_step):
         summary = json.loads((cell.path / run_files.SUMMARY).read_text())

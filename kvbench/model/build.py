@@ -54,6 +54,29 @@ def llama_config(spec: TinyModelSpec, token_ids: dict[str, int]) -> Any:
     )
 
 
+def save_model_dir(model: torch.nn.Module, tokenizer: Any, max_positions: int, out_dir: Path,
+                   manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write the model (bf16), its tokenizer and its manifest into `out_dir` atomically (a temp
+    dir renamed into place); the manifest gains the weights' and every file's sha256."""
+    model = model.to(torch.bfloat16)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp_dir.chmod(0o755)
+    model.save_pretrained(str(tmp_dir), safe_serialization=True)
+    save_hf_tokenizer(tokenizer, tmp_dir, max_positions)
+    for path in tmp_dir.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600: the files are meant to be shared and shipped
+    # Hash what was saved: save_pretrained drops a tied lm_head, state_dict() has it.
+    manifest = {**manifest, "weights_sha256": weights_sha256(load_file(str(tmp_dir / "model.safetensors")))}
+    manifest["files_sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                for p in sorted(tmp_dir.iterdir()) if p.is_file()}
+    (tmp_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp_dir, out_dir)
+    return manifest
+
+
 def build_model(spec: TinyModelSpec, seed: int, out_dir: Path, show_progress: bool = True) -> dict[str, Any]:
     """Build into `out_dir` atomically and return the manifest (also written beside the weights)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -92,20 +115,12 @@ def build_model(spec: TinyModelSpec, seed: int, out_dir: Path, show_progress: bo
                 on_step=lambda step, loss: progress.update(task, completed=step + 1, loss=loss),
             )
 
-        model = model.to(torch.bfloat16)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-        tmp_dir.chmod(0o755)
-        model.save_pretrained(str(tmp_dir), safe_serialization=True)
-        save_hf_tokenizer(tokenizer, tmp_dir, spec.max_position_embeddings)
-        manifest = {
+        return save_model_dir(model, tokenizer, spec.max_position_embeddings, out_dir, {
             "name": out_dir.name,
             "seed": seed,
             "recipe_version": BUILD_RECIPE_VERSION,
             "spec": spec.to_dict(),
             "num_parameters": num_params,
-            # Hash what was saved: save_pretrained drops the tied lm_head, state_dict() has it.
-            "weights_sha256": weights_sha256(load_file(str(tmp_dir / "model.safetensors"))),
             "corpus": {"source": "python-stdlib", "python": platform.python_version(),
                        "files": len(corpus.files), "bytes": corpus.num_bytes, "sha256": corpus.sha256,
                        "tokens": len(token_ids)},
@@ -115,11 +130,6 @@ def build_model(spec: TinyModelSpec, seed: int, out_dir: Path, show_progress: bo
             "heldout_loss": round(result.heldout_loss, 4),
             "kvbench_version": __version__,
             "torch_version": torch.__version__,
-        }
-        (tmp_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp_dir, out_dir)
-        return manifest
+        })
     finally:
         torch.set_num_threads(previous_threads)

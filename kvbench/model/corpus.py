@@ -36,3 +36,45 @@ def stdlib_corpus() -> Corpus:
         documents.append(text)
         digest.update(path.name.encode() + b"\0" + text.encode() + b"\0")
     return Corpus(tuple(documents), tuple(p.name for p in paths), digest.hexdigest())
+
+
+# Installed with kvbench (its dependencies and vLLM's): Python sources with docstrings, plus every
+# installed distribution's description (READMEs: prose).
+TRAINING_PACKAGES = ("click", "rich", "aiohttp", "jinja2", "yaml", "requests", "urllib3", "tqdm", "seaborn",
+                     "fastapi", "starlette", "uvicorn", "_pytest", "pydantic", "networkx")
+HELDOUT_EVERY = 20  # one file in 20, chosen by a hash of its path, is held out
+
+
+@dataclass(frozen=True)
+class SplitCorpus:
+    train: Corpus
+    heldout_files: tuple[str, ...]  # paths relative to site-packages (or "stdlib/<name>")
+
+
+def package_corpus(packages: tuple[str, ...] = TRAINING_PACKAGES) -> SplitCorpus:
+    """The standard library's top-level modules, the packages' sources and the installed
+    distributions' descriptions; deduplicated by content; one file in HELDOUT_EVERY held out."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths: list[tuple[str, Path]] = [(f"stdlib/{p.name}", p) for p in sorted(stdlib.glob("*.py"))]
+    for package in packages:
+        paths += [(str(p.relative_to(site)), p) for p in sorted((site / package).rglob("*.py"))]
+    paths += [(str(p.relative_to(site)), p) for p in sorted(site.glob("*.dist-info/METADATA"))]
+    seen: set[str] = set()
+    documents, files, heldout = [], [], []
+    digest = hashlib.sha256()
+    for name, path in paths:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        content = hashlib.sha256(text.encode()).hexdigest()
+        if content in seen or len(text) < 200:
+            continue
+        seen.add(content)
+        if int(hashlib.sha256(name.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0:
+            heldout.append(name)
+            continue
+        documents.append(text)
+        files.append(name)
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    if not documents:
+        raise RuntimeError(f"no training text found under {site}")
+    return SplitCorpus(Corpus(tuple(documents), tuple(files), digest.hexdigest()), tuple(heldout))

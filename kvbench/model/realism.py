@@ -30,7 +30,9 @@ def heldout_documents(manifest: dict[str, Any] | None = None) -> list[str]:
     paths: list[Path] = []
     if manifest and manifest.get("heldout_files"):
         root = Path(sysconfig.get_paths()["purelib"])
-        paths = [root / name for name in manifest["heldout_files"]]
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        paths = [stdlib / name[len("stdlib/"):] if name.startswith("stdlib/") else root / name
+                 for name in manifest["heldout_files"]]
     else:
         root = Path(sysconfig.get_paths()["purelib"])
         for package in HELDOUT_PACKAGES:

@@ -26,8 +26,14 @@ def model_dir_for(spec: TinyModelSpec, seed: int) -> Path:
     return cache_root() / "models" / f"tiny-llama-{spec.digest()}-seed{seed}"
 
 
-def default_model_dir() -> Path:
+def tiny_model_dir() -> Path:
+    """The old embedded model (4 layers, standard library, built on first use): `kvbench:tiny`."""
     return model_dir_for(TinyModelSpec(), DEFAULT_SEED)
+
+
+def default_model_dir() -> Path:
+    """The shipped recall model (kvbench/model/weights/DEFAULT_MODEL)."""
+    return SHIPPED_DIR / DEFAULT_MODEL
 
 
 def is_built(path: Path) -> bool:
@@ -37,23 +43,38 @@ def is_built(path: Path) -> bool:
 def embedded_name(path: str | Path) -> str:
     """The portable name of a model path: `kvbench:<dir>` for cached embedded models, else the path."""
     path = Path(path)
-    if path.parent == cache_root() / "models" and is_built(path):
+    if path.parent in (cache_root() / "models", SHIPPED_DIR) and is_built(path):
         return EMBEDDED_PREFIX + path.name
     return str(path)
+
+
+# Models whose weights ship inside the package (kvbench/model/weights/<name>): every machine runs
+# the same bytes, and nothing is trained on a fresh install. `kvbench model build --recipe` rebuilds.
+SHIPPED_DIR = Path(__file__).parent / "weights"
+DEFAULT_MODEL = "recall-v1"
+TINY_ALIAS = "tiny"
+
+
+def shipped_models() -> dict[str, Path]:
+    return {p.name: p for p in sorted(SHIPPED_DIR.iterdir()) if is_built(p)} if SHIPPED_DIR.is_dir() else {}
 
 
 def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
     """Map `--model` to what vLLM and transformers accept.
 
-    None means the embedded default, built on first use; `kvbench:<name>` a cached embedded model.
+    None means the embedded default (the shipped recall model); `kvbench:<name>` a shipped or cached
+    embedded model, `kvbench:tiny` the old 4-layer model (built on first use, about 3 minutes).
     Anything else (a local directory or a hub name such as meta-llama/Llama-3.1-8B-Instruct) is
     passed through unchanged.
     """
     if model is not None and model.startswith(EMBEDDED_PREFIX):
-        path = cache_root() / "models" / model[len(EMBEDDED_PREFIX):]
+        name = model[len(EMBEDDED_PREFIX):]
+        if (shipped := shipped_models().get(name)) is not None:
+            return str(shipped)
+        path = tiny_model_dir() if name == TINY_ALIAS else cache_root() / "models" / name
         if not is_built(path):
-            if path == default_model_dir() and build_if_missing:
-                return resolve_model(None)
+            if path == tiny_model_dir() and build_if_missing:
+                return _build_tiny(path)
             raise FileNotFoundError(f"embedded model {model!r} is not built on this machine ({path}); "
                                     "it was built with another kvbench version or seed: "
                                     "`kvbench model build --seed N` builds other seeds")
@@ -62,9 +83,13 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
         return model
     path = default_model_dir()
     if not is_built(path):
-        if not build_if_missing:
-            raise FileNotFoundError(f"the embedded model is not built yet ({path}); run `kvbench model build`")
-        from kvbench.model.build import build_model
+        raise FileNotFoundError(f"the shipped model is missing from this installation ({path}); reinstall kvbench, "
+                                "or rebuild it with `kvbench model build --recipe recall`")
+    return str(path)
 
-        build_model(TinyModelSpec(), DEFAULT_SEED, path)
+
+def _build_tiny(path: Path) -> str:
+    from kvbench.model.build import build_model
+
+    build_model(TinyModelSpec(), DEFAULT_SEED, path)
     return str(path)
