@@ -95,11 +95,10 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
         if not any(p.startswith(method + ":") for p in param_specs):
             param_specs += tuple(f"{method}:{key}={','.join(map(str, values))}" for key, values in grid.items())
     if options["output_len"] is None:
-        from kvbench.tracegen.tasks import recall_output_len
+        from kvbench.tracegen.tasks import default_output_len
         from kvbench.tracegen.tokenizer import load_tokenizer
 
-        options["output_len"] = (recall_output_len(load_tokenizer(options["model"]).encode)
-                                 if options["task"] == "recall" else 128)
+        options["output_len"] = default_output_len(options["task"], load_tokenizer(options["model"]).encode)
     spec = SweepSpec(
         methods=_method_configs(methods, param_specs),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))

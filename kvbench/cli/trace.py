@@ -55,14 +55,14 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
 
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.schema import write_trace
-    from kvbench.tracegen.tasks import recall_output_len
+    from kvbench.tracegen.tasks import default_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     recall = params["task"] == "recall"
     params["roles"] = params["roles"] or ("recall" if recall else "math")
     try:
         tokenizer = load_tokenizer(model)
-        params["output_len"] = params["output_len"] or (recall_output_len(tokenizer.encode) if recall else 128)
+        params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)
         spec = TraceSpec(**params)  # type: ignore[arg-type]
         spec.validate()
     except (ValueError, FileNotFoundError) as exc:

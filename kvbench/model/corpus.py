@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +46,26 @@ TRAINING_PACKAGES = ("click", "rich", "aiohttp", "jinja2", "yaml", "requests", "
 HELDOUT_EVERY = 20  # one file in 20, chosen by a hash of its path, is held out
 
 
+STDLIB_PREFIX = "stdlib/"
+
+
+def corpus_file_path(name: str) -> Path:
+    """Where a corpus file name (relative to site-packages, or "stdlib/<module>.py") lives here."""
+    if name.startswith(STDLIB_PREFIX):
+        return Path(sysconfig.get_paths()["stdlib"]) / name[len(STDLIB_PREFIX):]
+    return Path(sysconfig.get_paths()["purelib"]) / name
+
+
+def read_corpus_files(names: Sequence[str]) -> list[str]:
+    """The text of the named corpus files present on this machine."""
+    paths = [corpus_file_path(name) for name in names]
+    return [p.read_text(encoding="utf-8", errors="replace") for p in paths if p.is_file()]
+
+
 @dataclass(frozen=True)
 class SplitCorpus:
     train: Corpus
-    heldout_files: tuple[str, ...]  # paths relative to site-packages (or "stdlib/<name>")
+    heldout_files: tuple[str, ...]  # corpus file names (corpus_file_path)
 
 
 def package_corpus(packages: tuple[str, ...] = TRAINING_PACKAGES) -> SplitCorpus:
@@ -56,7 +73,7 @@ def package_corpus(packages: tuple[str, ...] = TRAINING_PACKAGES) -> SplitCorpus
     distributions' descriptions; deduplicated by content; one file in HELDOUT_EVERY held out."""
     site = Path(sysconfig.get_paths()["purelib"])
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    paths: list[tuple[str, Path]] = [(f"stdlib/{p.name}", p) for p in sorted(stdlib.glob("*.py"))]
+    paths: list[tuple[str, Path]] = [(STDLIB_PREFIX + p.name, p) for p in sorted(stdlib.glob("*.py"))]
     for package in packages:
         paths += [(str(p.relative_to(site)), p) for p in sorted((site / package).rglob("*.py"))]
     paths += [(str(p.relative_to(site)), p) for p in sorted(site.glob("*.dist-info/METADATA"))]

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kvbench.model.corpus import read_corpus_files
+
 # Position buckets of the held-out loss: the first is the model's short-context baseline.
 POSITION_BUCKETS = ((0, 256), (256, 2048), (2048, 8192), (8192, 32768))
 SINK_QUERIES = 32  # attention of the last rows of a window, where the context is longest
@@ -27,17 +29,12 @@ HELDOUT_PACKAGES = ("click", "rich", "aiohttp")  # installed with kvbench; not i
 def heldout_documents(manifest: dict[str, Any] | None = None) -> list[str]:
     """Text the model did not train on: the files its manifest lists as held out, else the Python
     sources of a few packages kvbench installs (sorted, so every machine reads the same text)."""
-    paths: list[Path] = []
+    root = Path(sysconfig.get_paths()["purelib"])
     if manifest and manifest.get("heldout_files"):
-        root = Path(sysconfig.get_paths()["purelib"])
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        paths = [stdlib / name[len("stdlib/"):] if name.startswith("stdlib/") else root / name
-                 for name in manifest["heldout_files"]]
+        names = list(manifest["heldout_files"])
     else:
-        root = Path(sysconfig.get_paths()["purelib"])
-        for package in HELDOUT_PACKAGES:
-            paths += sorted((root / package).rglob("*.py"))
-    documents = [p.read_text(encoding="utf-8", errors="replace") for p in paths if p.is_file()]
+        names = [str(p.relative_to(root)) for package in HELDOUT_PACKAGES for p in sorted((root / package).rglob("*.py"))]
+    documents = read_corpus_files(names)
     if not documents:
         raise FileNotFoundError(f"no held-out text found under {root}")
     return documents

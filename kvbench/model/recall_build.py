@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import platform
 import random
 import time
@@ -23,9 +22,10 @@ import torch
 
 from kvbench import __version__
 from kvbench.model import circuit
-from kvbench.model.corpus import package_corpus
+from kvbench.model.corpus import package_corpus, read_corpus_files
 from kvbench.model.store import cache_root
 from kvbench.model.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, train_tokenizer
+from kvbench.model.train import evaluate, warmup_cosine
 from kvbench.tracegen.roles import RECALL_ANSWER_PREFIX
 from kvbench.tracegen.tasks import ARROW, NAME_WORDS
 
@@ -103,13 +103,6 @@ def task_document(rng: random.Random, lines: int) -> str:
     return f"Tool output (forwarding table).{body}\n\nStart from {start}.{RECALL_ANSWER_PREFIX}{table[start]}\n"
 
 
-def _lr(step: int, spec: RecallModelSpec) -> float:
-    if step < spec.warmup_steps:
-        return spec.learning_rate * (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(1, spec.total_steps - spec.warmup_steps)
-    return spec.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-
 def _batches(spec: RecallModelSpec, train_ids: torch.Tensor, tokenizer: Any, seed: int):
     """(step, batch) for every step of the curriculum, reproducible from the seed alone."""
     generator = torch.Generator().manual_seed(seed)
@@ -162,7 +155,6 @@ def calibrate_norms(model: torch.nn.Module, frozen: circuit.FrozenParams, sample
     return scales
 
 
-@torch.no_grad()
 def heldout_loss(model: torch.nn.Module, tokenizer: Any, documents: list[str], window: int = 2048,
                  windows: int = 8) -> float:
     """Mean next-token loss (nats) over the first `windows` windows of the held-out files, joined."""
@@ -171,9 +163,7 @@ def heldout_loss(model: torch.nn.Module, tokenizer: Any, documents: list[str], w
         ids += encoding.ids
         if len(ids) >= window * windows:
             break
-    batch = torch.tensor(ids[: window * min(windows, len(ids) // window)]).view(-1, window)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        return float(torch.stack([model(input_ids=row[None], labels=row[None]).loss for row in batch]).mean())
+    return evaluate(model, torch.tensor(ids), window, max_windows=windows)
 
 
 def build_recall_model(spec: RecallModelSpec, seed: int, out_dir: Path,
@@ -233,7 +223,7 @@ def build_recall_model(spec: RecallModelSpec, seed: int, out_dir: Path,
                 continue
             started = time.perf_counter()
             for group in optimizer.param_groups:
-                group["lr"] = _lr(step, spec)
+                group["lr"] = warmup_cosine(step, spec.learning_rate, spec.warmup_steps, spec.total_steps)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
@@ -259,9 +249,7 @@ def build_recall_model(spec: RecallModelSpec, seed: int, out_dir: Path,
         samples.append(train_ids[:4096])
         norm_scales = calibrate_norms(model, frozen, samples)
         frozen.restore(model)
-        from kvbench.model.realism import heldout_documents
-
-        held_out = heldout_loss(model, tokenizer, heldout_documents({"heldout_files": list(corpus.heldout_files)}))
+        held_out = heldout_loss(model, tokenizer, read_corpus_files(corpus.heldout_files))
         manifest = save_model_dir(model, tokenizer, spec.max_position_embeddings, out_dir, {
             "name": out_dir.name,
             "recipe": "recall",
