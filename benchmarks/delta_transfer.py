@@ -3,8 +3,9 @@
 Delta correction (KVComm, KVCMAS) reuses agent A0's cache of a shared segment for agent A1 and
 adds a correction interpolated from the deltas C_A1 - Align(C_A0) observed on *other* contents of
 the same slot. This script measures, outside vLLM and for the embedded model (or any HF model
-given with --model), the normalized error ||C_A1 - estimate|| / ||C_A1|| (mean over layers and
-over K and V) of the shared query rows, leave-one-content-out over N contents, for:
+given with --model), the normalized error ||C_A1 - estimate|| / ||C_A1|| (mean over the layers whose
+K/V depend on the context, kvbench.model.store.first_context_layer on, and over K and V) of the
+shared query rows, leave-one-content-out over N contents, for:
 
   fullshared      no correction (the source cache re-aligned: A0's, as FullShared serves it, or
                   with --source reference the context-free reference)
@@ -32,7 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from kvbench.methods.anchors import AnchorPool, interpolated_delta
 from kvbench.methods.rope import RopeAligner
-from kvbench.model.store import resolve_model
+from kvbench.model.store import first_context_layer, resolve_model
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trajectory
@@ -103,11 +104,14 @@ def main() -> None:
         targets.append((flat(aligner.rotate(k1, -start1)), flat(v1)))
     deltas = [(t[0] - s[0], t[1] - s[1]) for s, t in zip(sources, targets)]
     n, layers, count = args.shared_tokens, sources[0][0].shape[0], len(sources)
+    # Layers before it are context-free (layer 0; the recall model's hand-set circuit): their delta
+    # is zero, and some of their values are too, so they would dilute the mean (or make it 0/0).
+    measured = range(first_context_layer(path), layers)
 
     def error_of(estimates: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean over contents, layers and K/V of ||delta - estimate|| / ||target||."""
+        """Mean over contents, measured layers and K/V of ||delta - estimate|| / ||target||."""
         return float(np.mean([relative(deltas[i][kv][layer] - estimates[i][kv][layer], targets[i][kv][layer])
-                              for i in range(count) for kv in (0, 1) for layer in range(layers)]))
+                              for i in range(count) for kv in (0, 1) for layer in measured]))
 
     def others(i: int, kv: int) -> torch.Tensor:
         return torch.stack([deltas[j][kv] for j in range(count) if j != i], dim=-1)  # [layers, n, D, others]
@@ -139,7 +143,8 @@ def main() -> None:
         unit = torch.stack([d[kv][-1].flatten() / d[kv][-1].norm() for d in deltas])
         similarity = unit @ unit.T
         results[f"delta_cosine_{name}"] = float((similarity.sum() - count) / (count * count - count))
-    print(f"model {path.name}, {n} shared tokens, {count} contents, {args.source} -> A1, {args.dtype}")
+    print(f"model {path.name}, {n} shared tokens, {count} contents, {args.source} -> A1, {args.dtype}, "
+          f"layers {measured.start}-{layers - 1}")
     for name, value in results.items():
         ratio = f" ({value / results['fullshared']:.2f} x fullshared)" if not name.startswith("delta_cosine") else ""
         print(f"{name:16s} {value:.4f}{ratio}")

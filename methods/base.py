@@ -51,6 +51,9 @@ class CoreServices(Protocol):
 
     aligner: Any  # kvbench.methods.rope.RopeAligner
     num_layers: int  # decoder layers of this worker's model
+    # The first layer whose K/V can depend on more than a row's few neighbours (1 in a standard
+    # model; kvbench.model.store.first_context_layer): where reuse error can first show.
+    first_context_layer: int
     # Tensor-parallel ranks of the worker group; each holds its share of the KV heads, so a
     # quantity summed over heads is partial on one rank.
     tensor_parallel_size: int

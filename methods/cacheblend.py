@@ -3,7 +3,10 @@ compute every row through the first layers; at the check layer, keep recomputing
 tokens whose K/V deviates most from the fresh one (and the rows no source held) in the layers
 after it. The deviation is taken on values, summed over heads and channels, as in CacheBlend's
 own code (LMCache's port uses keys: `deviation="key"`); the paper recomputes 15-16% of tokens
-at check layer 1 (peer-methods.md section 2.6)."""
+at check layer 1 (peer-methods.md section 2.6), the first layer whose K/V depend on the context.
+The default check layer is that layer of the model served: 1 in a standard model, 3 in kvbench's
+recall model, whose hand-set layers 0-2 attend only to a row's ~10 predecessors (their K/V differ
+between agents only on a segment's first rows, so a check there would pick tokens at random)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from kvbench.methods.registry import register_method
 class CacheBlendParams(MethodParams):
     recompute_ratio: float = Field(0.15, ge=0, le=1, description="share of the reused tokens recomputed after "
                                    "the check layer (those that deviate most)")
-    check_layer: int = Field(1, ge=0, description="layer where fresh and reused K/V are compared")
+    check_layer: int | None = Field(None, ge=0, description="layer where fresh and reused K/V are compared "
+                                    "(default: the model's first layer whose K/V depend on the context, 1 "
+                                    "in a standard model)")
     deviation: Literal["value", "key"] = Field("value", description="compare values (CacheBlend's code) or keys "
                                                "(LMCache's port)")
 
@@ -28,12 +33,15 @@ class CacheBlendParams(MethodParams):
 @register_method
 class CacheBlend(SharingMethod):
     name = "cacheblend"
-    summary = ("reuse, then recompute the 15% of reused tokens whose values deviate most at layer 1 through "
-               "the later layers")
+    summary = ("reuse, then recompute the 15% of reused tokens whose values deviate most at the first "
+               "context-dependent layer (1) through the later layers")
     Params = CacheBlendParams
 
     def check_layer(self) -> int | None:
-        return int(self.params["check_layer"])
+        if self.params["check_layer"] is not None:
+            return int(self.params["check_layer"])
+        assert self.core is not None, "the default check layer needs the model (bind first)"
+        return self.core.first_context_layer
 
     def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
                   reused_k: torch.Tensor, reused_v: torch.Tensor, influence: torch.Tensor | None = None) -> torch.Tensor:

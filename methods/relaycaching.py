@@ -10,7 +10,9 @@ segment (their decoded outputs included), and rectify it only in a band of middl
 
 The official code was not readable (peer-methods.md section 3.2): the stages and Eq. 1, 5, 6, 9
 come from a third-party port's comments, tau_dev 1.5, tau_inf 1.45 and 10 suffix tokens from
-there too; start_layer 0 and the band's ends are this implementation's defaults."""
+there too; start_layer 0 and the band's ends are this implementation's defaults. The detection
+layer defaults to the model's first layer whose K/V depend on the context (1 in a standard model;
+3 in kvbench's recall model, see cacheblend.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from kvbench.methods.registry import register_method
 
 class RelayCachingParams(MethodParams):
     start_layer: int = Field(0, ge=0, description="first layer of the rectified band")
-    det_layer: int = Field(1, ge=0, description="layer where the rows to rectify are detected")
+    det_layer: int | None = Field(None, ge=0, description="layer where the rows to rectify are detected "
+                                  "(default: the model's first layer whose K/V depend on the context, 1 in a "
+                                  "standard model)")
     end_layer: int = Field(-1, ge=-1, description="last layer of the band (-1: the model's last)")
     tau_dev: float = Field(1.5, ge=0, description="rectify rows whose value deviation >= tau_dev * its mean")
     tau_inf: float = Field(1.45, ge=0, description="rectify rows whose received attention >= tau_inf * its mean")
@@ -32,7 +36,7 @@ class RelayCachingParams(MethodParams):
 
     @model_validator(mode="after")
     def _band_in_order(self) -> RelayCachingParams:
-        if self.start_layer > self.det_layer:
+        if self.det_layer is not None and self.start_layer > self.det_layer:
             raise ValueError(f"start_layer ({self.start_layer}) must be <= det_layer ({self.det_layer})")
         return self
 
@@ -40,8 +44,8 @@ class RelayCachingParams(MethodParams):
 @register_method
 class RelayCaching(SharingMethod):
     name = "relaycaching"
-    summary = ("reuse, compute every reused row through det_layer (1), then only those whose values deviate or "
-               "that the prompt's tail attends to, up to end_layer")
+    summary = ("reuse, compute every reused row through det_layer (the first context-dependent layer: 1), then "
+               "only those whose values deviate or that the prompt's tail attends to, up to end_layer")
     Params = RelayCachingParams
 
     def recompute_layers(self) -> tuple[int, int] | None:
@@ -52,7 +56,10 @@ class RelayCaching(SharingMethod):
         return int(self.params["start_layer"]), end + 1
 
     def check_layer(self) -> int | None:
-        return int(self.params["det_layer"])
+        if self.params["det_layer"] is not None:
+            return int(self.params["det_layer"])
+        assert self.core is not None, "the default detection layer needs the model (bind first)"
+        return self.core.first_context_layer
 
     def influence_queries(self) -> int:
         return int(self.params["suffix_tokens"])

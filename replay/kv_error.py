@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench.contracts import Plan
+from kvbench.model.store import first_context_layer
 from kvbench.replay.worker_rpc import WorkerClient
 
 
@@ -56,15 +57,18 @@ def reused_segments(turn: pd.Series) -> set[str]:
 
 def mean_kv_errors(base_url: str, model: str, requests: pd.DataFrame, trajectories: int) -> dict[str, Any]:
     """Normalized K/V error of each turn's whole prompt against a dense prefill of the same prompt,
-    mean over layers of (||K - K_dense|| / ||K_dense|| + same for V) / 2, over every turn of the
+    mean over the layers whose K/V depend on the context (kvbench.model.store.first_context_layer
+    on: the earlier ones are exact under reuse and would only dilute the mean) of
+    (||K - K_dense|| / ||K_dense|| + same for V) / 2, over every turn of the
     last `trajectories` measured trajectories (first agents included: non-chained methods correct
     them too). The mean over all those turns (the method at its realized rho) and over the turns
     whose shared query was served from a reused cache (the quality of the reuse itself)."""
     turns = requests[requests["success"]]
     turns = turns[turns["trajectory_id"].isin(sorted(set(turns["trajectory_id"]))[-trajectories:])]
     all_turns, reused_q = [], []
+    first = first_context_layer(model)
     for _, row in turns.iterrows():
-        layers = turn_layer_errors(base_url, model, row)
+        layers = turn_layer_errors(base_url, model, row)[first:]
         error = sum((layer["k_rel"] + layer["v_rel"]) / 2 for layer in layers) / len(layers)
         all_turns.append(error)
         if "q" in reused_segments(row):

@@ -32,6 +32,14 @@ def default_model() -> str:
 
 
 @pytest.fixture(scope="session")
+def model_layers(default_model: str) -> int:
+    """Decoder layers of the embedded default model."""
+    import json
+
+    return int(json.loads((Path(default_model) / "config.json").read_text())["num_hidden_layers"])
+
+
+@pytest.fixture(scope="session")
 def vllm_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """One plain vLLM server (no connector) on the embedded model, shared by the whole session."""
     log = Path(tmp_path_factory.mktemp("vllm")) / "server.log"

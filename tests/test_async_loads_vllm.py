@@ -19,7 +19,6 @@ from kvbench.replay.server import VLLMServer, method_server_config
 
 pytestmark = pytest.mark.engine
 
-LAYERS = 4  # the embedded model
 BUDGET = 128  # tokens per engine step: 512 rows through one layer; a 1.5K-row load takes a layer per step
 
 
@@ -43,7 +42,8 @@ def _compute_all(prompt: list[int], key: str) -> dict:
     return {"save_as": key, "segments": [{"kind": "pf", "id": "all", "start": 0, "length": len(prompt)}]}
 
 
-def test_a_load_over_engine_steps_matches_dense(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:
+def test_a_load_over_engine_steps_matches_dense(server: VLLMServer, prompts: dict, bf16_noise: dict,
+                                                 model_layers: int) -> None:
     dense_key, key = new_key(), new_key()
     dense = dense_prefill(server, prompts["p0"], dense_key)
     computed = complete(server, prompts["p0"], _compute_all(prompts["p0"], key), salt=key)
@@ -53,7 +53,7 @@ def test_a_load_over_engine_steps_matches_dense(server: VLLMServer, prompts: dic
     assert all(layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01 for layer in error["layers"]), error
     stats = request_stats(server, key)
     assert stats["recomputed_tokens"] == n and stats["reused_tokens"] == 0
-    assert stats["load_steps"] == LAYERS  # n >= 512 rows: one layer per engine step
+    assert stats["load_steps"] == model_layers  # n >= 512 rows: one layer per engine step
 
 
 def test_a_failed_load_is_computed_by_vllm(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:
@@ -69,7 +69,8 @@ def test_a_failed_load_is_computed_by_vllm(server: VLLMServer, prompts: dict, bf
     assert stats["fallback"] == "dense" and "injected fault" in stats["error"]
 
 
-def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer, prompts: dict) -> None:
+def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer, prompts: dict,
+                                                             model_layers: int) -> None:
     """A request decoding while a long load runs is computed in every engine step the load runs in:
     it gets a token between each two layers of the load, where a load in one step (budget 0) holds
     it for the whole load. Checked from the engine's own record of each step's batch, not from
@@ -93,12 +94,12 @@ def test_running_requests_decode_between_the_steps_of_a_load(server: VLLMServer,
     assert decoding.success and load.success, (decoding.error_message, load.error_message)
     assert load.sent_ns > decoding.first_token_ns and decoding.end_ns > load.first_token_ns  # overlapped
     stats = request_stats(server, key)
-    assert stats["load_steps"] == LAYERS
+    assert stats["load_steps"] == model_layers
     # The decoding request is the only other one: it was computed in each of the load's steps.
-    assert stats["load_step_batches"] == [1] * LAYERS, stats["load_step_batches"]
+    assert stats["load_step_batches"] == [1] * model_layers, stats["load_step_batches"]
     # one offset per step, in step order, within the load's own time; nothing queued before it
     offsets = stats["load_step_offsets_s"]
-    assert len(offsets) == LAYERS and offsets == sorted(offsets) and len(set(offsets)) == LAYERS, offsets
+    assert len(offsets) == model_layers and offsets == sorted(offsets) and len(set(offsets)) == model_layers, offsets
     assert 0 <= offsets[0] < offsets[-1] <= stats["load_s"], (offsets, stats["load_s"])
 
 
@@ -125,7 +126,8 @@ def test_the_load_budget_reaches_the_connector() -> None:
         assert result.exit_code == 0 and "--max-load-tokens-per-step" in result.output, (command, result.output)
 
 
-def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServer, prompts: dict) -> None:
+def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServer, prompts: dict,
+                                                                model_layers: int) -> None:
     """Loads waiting together run least work first: a load of a few rows sent right after a long
     one ends in one engine step, and its request gets its first token while the long load still
     runs its layers. In arrival order it would wait for every layer of the long one."""
@@ -148,5 +150,5 @@ def test_a_short_load_goes_ahead_of_a_long_one_queued_before_it(server: VLLMServ
     long, short, long_key, short_key = asyncio.run(scenario())
     assert long.success and short.success, (long.error_message, short.error_message)
     long_stats, short_stats = request_stats(server, long_key), request_stats(server, short_key)
-    assert long_stats["load_steps"] == LAYERS and short_stats["load_steps"] == 1, (long_stats, short_stats)
+    assert long_stats["load_steps"] == model_layers and short_stats["load_steps"] == 1, (long_stats, short_stats)
     assert short.sent_ns > long.sent_ns and short.first_token_ns < long.first_token_ns

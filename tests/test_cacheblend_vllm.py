@@ -12,11 +12,10 @@ import pytest
 from conftest import method_server
 from vllm_helpers import complete, dense_prefill, kv_error, new_key, request_stats, reuse_q, set_params, small_replay
 
+from kvbench.model.store import first_context_layer
 from kvbench.replay.server import ServerError, VLLMServer
 
 pytestmark = pytest.mark.engine
-
-CHECK_LAYER = 1  # the method's default; the embedded model has 4 layers
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,13 @@ def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     yield from method_server("cacheblend", default_model, tmp_path_factory)
 
 
-def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict) -> None:
+@pytest.fixture(scope="module")
+def check_layer(default_model: str) -> int:
+    """The method's default check layer: the model's first context-dependent layer."""
+    return first_context_layer(default_model)
+
+
+def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict, check_layer: int) -> None:
     source, dense = new_key(), new_key()
     dense_prefill(server, prompts["p0"], source)  # A0: q after A0's system prompt
     dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
@@ -37,26 +42,26 @@ def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: 
         errors[ratio] = kv_error(server, key, dense, 0, n)["layers"]
         stats = request_stats(server, key)
         picked = math.ceil(ratio * q)
-        assert stats["blend"]["check_layer"] == CHECK_LAYER
+        assert stats["blend"]["check_layer"] == check_layer
         assert stats["blend"]["picked_tokens"] == picked and stats["blend"]["candidate_tokens"] == q
         assert stats["reused_tokens"] == q - picked and stats["recomputed_tokens"] == n - q + picked
     close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
     for ratio, layers in errors.items():  # up to the check layer every row is computed: dense
-        assert all(close(layer) for layer in layers[:CHECK_LAYER + 1]), (ratio, layers)
+        assert all(close(layer) for layer in layers[:check_layer + 1]), (ratio, layers)
     assert all(close(layer) for layer in errors[1.0]), errors[1.0]  # all recomputed: dense everywhere
-    for layer in range(CHECK_LAYER + 1, len(errors[0.0])):
+    for layer in range(check_layer + 1, len(errors[0.0])):
         for kv in ("k_rel", "v_rel"):
-            # Nothing recomputed past the check layer keeps the reuse error; recomputing the 30%
-            # most deviating tokens removes part of it.
-            assert errors[0.0][layer][kv] > 5 * errors[1.0][layer][kv], errors
+            # Nothing recomputed past the check layer keeps the reuse error (well above the bf16
+            # rounding of a dense recompute); recomputing the 30% most deviating tokens removes part of it.
+            assert errors[0.0][layer][kv] > 2 * errors[1.0][layer][kv], errors
             assert errors[0.3][layer][kv] < errors[0.0][layer][kv], errors
     set_params(server, recompute_ratio=0.15)
 
 
-def test_check_layer_must_leave_a_layer_after_it(server: VLLMServer) -> None:
+def test_check_layer_must_leave_a_layer_after_it(server: VLLMServer, model_layers: int, check_layer: int) -> None:
     with pytest.raises(ServerError, match="check_layer must be in"):
-        set_params(server, check_layer=3)
-    assert set_params(server, check_layer=CHECK_LAYER)["check_layer"] == CHECK_LAYER
+        set_params(server, check_layer=model_layers - 1)
+    assert set_params(server, check_layer=check_layer)["check_layer"] == check_layer
 
 
 def test_replay_reports_the_reuse_ratio(server: VLLMServer, tmp_path: Path) -> None:

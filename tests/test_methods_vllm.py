@@ -41,14 +41,14 @@ def test_partial_forward_of_all_tokens_matches_dense(server: VLLMServer, prompts
     assert stats["recomputed_tokens"] == n and stats["reused_tokens"] == 0
 
 
-def test_exact_source_reuse_is_bit_identical(server: VLLMServer, prompts: dict) -> None:
+def test_exact_source_reuse_is_bit_identical(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:
     dense_key, reuse_key = new_key(), new_key()
     dense = dense_prefill(server, prompts["p0"], dense_key)
     n = len(prompts["p0"]) - 1
     plan = {"save_as": reuse_key, "segments": [
         {"kind": "ph", "id": "all", "start": 0, "length": n, "source": dense_key, "source_start": 0}]}
     reused = complete(server, prompts["p0"], plan, salt=reuse_key)
-    assert max_dlogprob(dense, reused) <= 0.02
+    assert max_dlogprob(dense, reused) <= bf16_noise["p0"]  # the last row alone: another GEMM shape
     assert kv_error(server, reuse_key, dense_key, 0, n)["bit_identical"]
     assert request_stats(server, reuse_key)["reused_tokens"] == n
 

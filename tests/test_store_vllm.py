@@ -16,13 +16,24 @@ from kvbench.replay.server import VLLMServer, method_server_config
 
 pytestmark = pytest.mark.engine
 
-CAP = 4 << 20  # about one cache of a 1,500-token prompt (2 KiB of K/V per token)
+CAP_TOKENS = 2048  # the store holds about one cache of a 1,500-token prompt
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """K and V of one token in every layer, bf16, plus its int64 token id."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2 + 8
 
 
 @pytest.fixture(scope="module")
-def capped_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def cap(default_model: str) -> int:
+    return CAP_TOKENS * kv_bytes_per_token(default_model)
+
+
+@pytest.fixture(scope="module")
+def capped_server(default_model: str, cap: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     # half a GiB of KV pool: vLLM CPU's own variable took whole GiB only, so 0.5 once stopped vLLM
-    config = method_server_config("fullshared", default_model, max_store_bytes=CAP, max_model_len=4096,
+    config = method_server_config("fullshared", default_model, max_store_bytes=cap, max_model_len=4096,
                                   cpu_kv_cache_gib=0.5, log_path=Path(tmp_path_factory.mktemp("capped")) / "server.log")
     with VLLMServer(config) as server:
         yield server
@@ -35,12 +46,12 @@ def _run(server: VLLMServer, out: Path, *args: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_evictions_and_lost_reuse_are_reported_per_run(capped_server: VLLMServer, default_model: str,
+def test_evictions_and_lost_reuse_are_reported_per_run(capped_server: VLLMServer, default_model: str, cap: int,
                                                       tmp_path: Path) -> None:
     big = ["--shared-tokens", "1500", "--output-len", "8"]
     single = _run(capped_server, tmp_path / "single", "--qps", "0", "--num-trajectories", "2", *big)
     assert single["store_evictions"] > 0  # every new cache pushes the previous one out
-    assert CAP / 2 < single["method_store_peak_bytes"] <= CAP
+    assert cap / 2 < single["method_store_peak_bytes"] <= cap
     # single stream: each turn's source is the latest cache saved, so nothing is lost
     assert single["reuse_lost_to_eviction_tokens"] == 0 and single["realized_rho"] == single["eligible_rho"] > 0.99
 
@@ -52,10 +63,9 @@ def test_evictions_and_lost_reuse_are_reported_per_run(capped_server: VLLMServer
     small = _run(capped_server, tmp_path / "small", "--qps", "0", "--num-trajectories", "1",
                  "--shared-tokens", "32", "--output-len", "4")
     # the same server, a run of small caches: its own peak and evictions, not the earlier runs'.
-    # All four caches fit, so the peak is exactly their bytes: K and V of every token with K/V
-    # (the prompt and the output but its last token), bf16, plus its int64 token id.
-    model = json.loads((Path(default_model) / "config.json").read_text())
-    per_token = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 2 + 8
+    # All four caches fit, so the peak is exactly their bytes: every token with K/V (the prompt
+    # and the output but its last token).
+    per_token = kv_bytes_per_token(default_model)
     requests = pd.read_parquet(tmp_path / "small" / "requests.parquet")
     assert small["method_store_peak_bytes"] == per_token * (requests["prompt_tokens"] + requests["output_tokens"] - 1).sum()
     assert small["method_store_peak_bytes"] < single["method_store_peak_bytes"] and small["store_evictions"] == 0

@@ -52,7 +52,7 @@ def offline_figures(settings: CheckSettings, on_step: Callable[[str], None] = la
         shared_rows_values,
         token_losses,
     )
-    from kvbench.model.store import resolve_model
+    from kvbench.model.store import first_context_layer, resolve_model
     from kvbench.replay.prompts import PromptBuilder
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
@@ -95,7 +95,7 @@ def offline_figures(settings: CheckSettings, on_step: Callable[[str], None] = la
                 ids += piece
         (p0, s0, e0), (p1, s1, e1) = spans["A0"], spans["A1"]
         v0, v1 = shared_rows_values(model, p0, s0, e0), shared_rows_values(model, p1, s1, e1)
-        for layer in range(v0.shape[0]):
+        for layer in range(first_context_layer(path), v0.shape[0]):  # earlier layers: no delta
             delta = v1[layer] - v0[layer]
             ranks.append(effective_rank(delta))
             relative.append(float(delta.norm() / v1[layer].norm()))

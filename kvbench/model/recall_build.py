@@ -9,8 +9,6 @@ picked up by the next run with the same spec and seed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import platform
 import random
 import time
@@ -23,6 +21,7 @@ import torch
 from kvbench import __version__
 from kvbench.model import circuit
 from kvbench.model.corpus import package_corpus, read_corpus_files
+from kvbench.model.spec import spec_digest
 from kvbench.model.store import cache_root
 from kvbench.model.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, train_tokenizer
 from kvbench.model.train import evaluate, warmup_cosine
@@ -61,8 +60,7 @@ class RecallModelSpec:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        payload = json.dumps({"recipe": RECALL_RECIPE_VERSION, **self.to_dict()}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return spec_digest(self, RECALL_RECIPE_VERSION)
 
     @property
     def total_steps(self) -> int:

@@ -11,6 +11,12 @@ from typing import Any
 BUILD_RECIPE_VERSION = 1
 
 
+def spec_digest(spec: Any, recipe_version: int) -> str:
+    """Short stable hash of a model spec (a dataclass) and its recipe version: the cache name's."""
+    payload = json.dumps({"recipe": recipe_version, **dataclasses.asdict(spec)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
 @dataclasses.dataclass(frozen=True)
 class TinyModelSpec:
     """Everything that determines the embedded model besides the seed and the corpus."""
@@ -39,9 +45,7 @@ class TinyModelSpec:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        """Short stable hash of the spec and recipe version, used in the cache directory name."""
-        payload = json.dumps({"recipe": BUILD_RECIPE_VERSION, **self.to_dict()}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+        return spec_digest(self, BUILD_RECIPE_VERSION)
 
     def with_overrides(self, **overrides: Any) -> TinyModelSpec:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}

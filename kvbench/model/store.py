@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -39,6 +40,20 @@ def default_model_dir() -> Path:
 
 def is_built(path: Path) -> bool:
     return (path / MANIFEST_NAME).is_file()
+
+
+def first_context_layer(model_path: str | Path) -> int:
+    """The first decoder layer whose K/V can depend on tokens other than their own row's few
+    neighbours, i.e. where reusing another agent's cache of a segment can be wrong beyond its first
+    rows: 1 in a standard transformer (layer 0 projects token embeddings alone); after the hand-set
+    circuit in kvbench's recall model, whose layers attend only to the ~10 preceding tokens
+    (manifest `circuit.layers`). Tests and benchmarks measure reuse error from this layer on, where
+    the earlier, context-free layers would only dilute it."""
+    manifest = Path(model_path) / MANIFEST_NAME
+    if not manifest.is_file():
+        return 1
+    circuit_layers = json.loads(manifest.read_text()).get("circuit", {}).get("layers", [])
+    return max(1, max(circuit_layers, default=-1) + 1)
 
 
 def embedded_name(path: str | Path) -> str:

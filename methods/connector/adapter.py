@@ -51,7 +51,8 @@ class KVBenchConnector(KVConnectorBase_V1):
             self.scheduler_side = ConnectorScheduler(settings)
         else:
             self.worker_side = ConnectorWorker(settings, method, vllm_config.cache_config.block_size,
-                                               vllm_config.compilation_config.static_forward_context)
+                                               vllm_config.compilation_config.static_forward_context,
+                                               model_path=vllm_config.model_config.model)
         logger.info("kvbench connector (%s) for method %s, params %s", role.name, settings.method, method.params)
 
     @property

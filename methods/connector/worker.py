@@ -30,8 +30,9 @@ MAX_PENDING_HIDDEN = 256  # residual streams kept for saves; more means requests
 
 class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, method: SharingMethod, block_size: int,
-                 static_forward_context: dict[str, Any]) -> None:
+                 static_forward_context: dict[str, Any], model_path: str = "") -> None:
         self.settings, self.method, self.block_size = settings, method, block_size
+        self.model_path = model_path  # what vLLM loaded: a directory or a hub name
         self._forward_context = static_forward_context  # layer name -> attention module
         self.store = SegmentStore(settings.max_store_bytes)
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -97,6 +98,12 @@ class ConnectorWorker:
         if self.forward is None:
             raise RuntimeError("model not attached")
         return len(self.forward.layers)
+
+    @property
+    def first_context_layer(self) -> int:
+        from kvbench.model.store import first_context_layer
+
+        return first_context_layer(self.model_path)
 
     def computed(self, req_id: str) -> bool:
         return self.computed_requests.computed(req_id)
