@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def default_model() -> str:
-    """The embedded default model, built on first use and cached (about 3 minutes once)."""
+    """The embedded default model (shipped with the package: nothing to build)."""
     return resolve_model(None)
 
 

@@ -93,7 +93,7 @@ def test_fullshared_from_another_prefix_differs_measurably(server: VLLMServer, p
     assert reuse_error[0]["k_rel"] < 0.01  # layer 0 is context-free: reuse is exact up to rounding
     for layer in (-2, -1):  # deeper layers carry the other agent's prefix
         for kv in ("k_rel", "v_rel"):
-            assert reuse_error[layer][kv] > 5 * noise[layer][kv], (reuse_error, noise)
+            assert reuse_error[layer][kv] > 2 * noise[layer][kv], (reuse_error, noise)
     # The next-token distribution moves more than the computation noise does. Only that: how far
     # it moves is the model's business, and the embedded model reads its context weakly (issue
     # 23): on one build the shift was over 10x the noise, on this machine's build it is 2x
@@ -133,25 +133,35 @@ def _metric(server: VLLMServer, name: str) -> float:
         return parse_metrics(response.read().decode()).get(name, 0.0)
 
 
-def test_preemption_and_resume_rematerialize(server: VLLMServer, prompts: dict) -> None:
+def test_preemption_and_resume_rematerialize(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:
     source_key = new_key()
     dense_prefill(server, prompts["p0"], source_key)
     variants = [prompts["sys1"][:-1] + [prompts["sys1"][-1] + i] + prompts["q"] + prompts["tail"] for i in range(4)]
 
-    def run(index: int) -> list[str]:
+    def run(index: int) -> list[dict[str, float]]:
+        """The top-20 log-probs of each generated token, greedy."""
         prompt = variants[index]
         plan = reuse_q({**prompts, "sys1": prompt[:len(prompts["sys1"])]}, "p1", source_key, new_key())
         # 640 generated tokens: 5 more blocks each, so even if the scheduler admits only three of
         # the four at once, their growth outruns the free blocks (400 left it to timing)
-        choice = complete(server, prompt, plan, salt=new_key(), max_tokens=640)
-        return [next(iter(step)) for step in choice["logprobs"]["top_logprobs"]]
+        return complete(server, prompt, plan, salt=new_key(), max_tokens=640)["logprobs"]["top_logprobs"]
 
     alone = [run(i) for i in range(4)]  # one at a time: no preemption
     before = _metric(server, "vllm:num_preemptions_total")
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(run, range(4)))  # 4 x ~2,200 tokens > FULLSHARED_BLOCKS x 128 slots
     assert _metric(server, "vllm:num_preemptions_total") > before, "the test did not cause a preemption"
-    assert together == alone
+    # Batched, the same greedy decode: the same tokens with the same log-probs up to bf16 rounding
+    # (batching changes GEMM shapes), until a near-tie may break the other way. A cache lost or
+    # misplaced on resume would change a token that wins clearly.
+    tolerance = 2 * max(bf16_noise.values())
+    for steps_alone, steps_together in zip(alone, together, strict=True):
+        for step, (a, b) in enumerate(zip(steps_alone, steps_together, strict=True)):
+            top_a, top_b = max(a, key=a.__getitem__), max(b, key=b.__getitem__)
+            if top_a != top_b:
+                assert top_b in a and a[top_a] - a[top_b] <= tolerance, (step, a, b)
+                break  # a near-tie: the two decodes continue from different tokens
+            assert abs(a[top_a] - b[top_b]) <= tolerance, (step, a, b)
 
 
 def test_injected_fault_falls_back_to_dense(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:

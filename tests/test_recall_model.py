@@ -41,8 +41,9 @@ def test_the_shipped_model_resolves_without_a_build(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))  # an empty cache: nothing built here
     path = resolve_model(RECALL_MODEL, build_if_missing=False)
     assert Path(path) == MODEL_DIR
+    assert resolve_model(None, build_if_missing=False) == path  # the default
     with pytest.raises(FileNotFoundError, match="not built"):
-        resolve_model("kvbench:tiny", build_if_missing=False)  # the tiny model: built on demand only
+        resolve_model("kvbench:tiny", build_if_missing=False)  # the old model: built on demand only
     assert embedded_name(path) == RECALL_MODEL
     manifest = _manifest()
     assert manifest["spec"]["num_hidden_layers"] >= 8 and manifest["heldout_files"]

@@ -13,7 +13,7 @@ from kvbench.model.store import DEFAULT_SEED, is_built, model_dir_for
 
 @click.group("model")
 def model_group() -> None:
-    """The embedded models: the tiny default (built here) and the shipped recall model."""
+    """The embedded models: the shipped recall model (the default) and the old tiny one."""
 
 
 @model_group.command("build")
@@ -70,8 +70,7 @@ def _build_recall(seed: int, force: bool) -> None:
 
 @model_group.command("path")
 @click.option("--model", default=None,
-              help="Model to locate: `kvbench:NAME` (`kvbench:recall-v1` ships with kvbench) "
-                   "[default: the embedded default, kvbench:tiny].")
+              help="Model to locate: `kvbench:NAME` (`kvbench:tiny` is the old 4-layer model) [default: the shipped one].")
 @click.option("--build/--no-build", default=True, show_default=True,
               help="Build kvbench:tiny first if it is not cached; with --no-build a missing model is an error.")
 def path_command(model: str | None, build: bool) -> None:

@@ -25,7 +25,7 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     from kvbench.cli.trace import gen_trace_command
     from kvbench.model.store import resolve_model
 
-    click.echo("[1/4] embedded model (built once, ~3 min on 2 cores)", err=True)
+    click.echo("[1/4] embedded model (shipped with kvbench)", err=True)
     click.echo(f"      {resolve_model(None)}", err=True)
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.jsonl"

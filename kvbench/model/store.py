@@ -33,9 +33,8 @@ def tiny_model_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The embedded default: still the tiny model. The shipped recall model (`kvbench:recall-v1`)
-    becomes the default once the tests written for the 4-layer model are adapted (issue 23)."""
-    return tiny_model_dir()
+    """The embedded default: the shipped recall model (kvbench/model/weights/recall-v1)."""
+    return SHIPPED_DIR / RECALL_MODEL
 
 
 def is_built(path: Path) -> bool:
@@ -78,9 +77,8 @@ def shipped_models() -> dict[str, Path]:
 def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
     """Map `--model` to what vLLM and transformers accept.
 
-    None means the embedded default (the tiny model, built on first use, about 3 minutes);
-    `kvbench:<name>` a shipped or cached embedded model (`kvbench:recall-v1` ships with kvbench,
-    `kvbench:tiny` is the default's name).
+    None means the embedded default (the shipped recall model); `kvbench:<name>` a shipped or cached
+    embedded model, `kvbench:tiny` the old 4-layer model (built on first use, about 3 minutes).
     Anything else (a local directory or a hub name such as meta-llama/Llama-3.1-8B-Instruct) is
     passed through unchanged.
     """
@@ -100,9 +98,8 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
         return model
     path = default_model_dir()
     if not is_built(path):
-        if not build_if_missing:
-            raise FileNotFoundError(f"the embedded model is not built yet ({path}); run `kvbench model build`")
-        return _build_tiny(path)
+        raise FileNotFoundError(f"the shipped model is missing from this installation ({path}); reinstall kvbench, "
+                                "or rebuild it with `kvbench model build --recipe recall`")
     return str(path)
 
 
