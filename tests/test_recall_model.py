@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 from recall_helpers import greedy, turn_prompt
 
-from kvbench.model.store import EMBEDDED_PREFIX, MANIFEST_NAME, SHIPPED_DIR, embedded_name, resolve_model
+from kvbench.model.store import (
+    EMBEDDED_PREFIX,
+    MANIFEST_NAME,
+    SHIPPED_DIR,
+    embedded_name,
+    first_context_layer,
+    resolve_model,
+)
 from kvbench.tracegen.tasks import recall_output_len
 
 RECALL_MODEL = EMBEDDED_PREFIX + "recall-v1"
@@ -109,3 +116,12 @@ def test_recall_accuracy_under_nonshared_and_fullshared_in_vllm(tmp_path: Path) 
         accuracy[cell.method.name] = summary["task_accuracy"]
     assert accuracy["nonshared"] >= 0.9
     assert not math.isnan(accuracy["fullshared"])  # scored; its gap to NonShared is a reported figure
+
+
+def test_first_context_layer_follows_the_circuit(tmp_path: Path) -> None:
+    """After the recall model's hand-set layers; 1 for a model without a kvbench manifest (a hub
+    name or a plain directory) or with no circuit."""
+    assert first_context_layer(MODEL_DIR) == 3  # circuit layers 0-2
+    assert first_context_layer("meta-llama/Llama-3.1-8B-Instruct") == 1
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"name": "plain"}))
+    assert first_context_layer(tmp_path) == 1

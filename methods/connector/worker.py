@@ -4,6 +4,7 @@ loads, the saves into the segment store, and what the worker RPCs ask of them. I
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Generator
@@ -99,8 +100,8 @@ class ConnectorWorker:
             raise RuntimeError("model not attached")
         return len(self.forward.layers)
 
-    @property
-    def first_context_layer(self) -> int:
+    @functools.cached_property
+    def first_context_layer(self) -> int:  # read once: methods ask at every load
         from kvbench.model.store import first_context_layer
 
         return first_context_layer(self.model_path)
