@@ -119,11 +119,19 @@ def store(z: torch.Tensor, rank: int | None, dtype: torch.dtype) -> Stored:
     return FullRank(z, dtype) if rank is None else LowRank(z, rank, dtype)
 
 
+def edge_source(edge: str) -> str:
+    """The source of a workflow edge "A0->A1" (a context-free reference: "ref")."""
+    return edge.split("->", 1)[0]
+
+
 @dataclass
 class Anchor:
-    """One observed content of a slot: its base cache and the corrections its consumers needed."""
+    """One observed content of a slot as one source held it: that source's cache (the base) and
+    the corrections its consumers needed against it (Eq. 7: a base is only ever paired with
+    corrections from the same source)."""
 
     anchor_id: str
+    source: str
     base_k: Stored
     base_v: Stored
     deltas: dict[str, tuple[Stored, Stored]] = field(default_factory=dict)  # edge -> (dK, dV)
@@ -157,10 +165,16 @@ class AnchorPool:
 
     def add(self, anchor_id: str, edge: str, base_k: torch.Tensor, base_v: torch.Tensor, delta_k: torch.Tensor,
             delta_v: torch.Tensor, rank_base: int | None, rank_delta: int | None, dtype: torch.dtype) -> None:
-        """Add a consumer's correction to the anchor of this content, creating it if needed."""
+        """Add a consumer's correction to the anchor of this content, creating it if needed. An
+        anchor's corrections all come from its own source's cache: a correction observed from
+        another source (another edge's source) needs an anchor of its own, named apart."""
+        source = edge_source(edge)
         anchor = self.anchors.get(anchor_id)
+        if anchor is not None and anchor.source != source:
+            raise ValueError(f"anchor {anchor_id!r} holds {anchor.source}'s cache as its base; a correction "
+                             f"observed on edge {edge} needs an anchor of its own")
         if anchor is None:
-            anchor = Anchor(anchor_id, store(base_k, rank_base, dtype), store(base_v, rank_base, dtype))
+            anchor = Anchor(anchor_id, source, store(base_k, rank_base, dtype), store(base_v, rank_base, dtype))
             self.anchors[anchor_id] = anchor
             while len(self.anchors) > self.capacity:
                 self.evict()
@@ -332,7 +346,7 @@ class Correction:
     anchors' stored corrections and the weights, and reconstructed one layer at a time where it is
     applied. No [layers, n, D] copy of the correction is ever made (on Llama-3.1-8B at 8K, K and V
     corrections for all layers would be 1 GiB). `weights` [anchors, n]; None: one correction,
-    weight 1 (GraphFlow's calibrated relation)."""
+    weight 1 (GraphFlow's calibrated relation; the sole anchor of a pool of one)."""
 
     def __init__(self, deltas: list[Stored], weights: torch.Tensor | None, n: int) -> None:
         if weights is None and len(deltas) != 1:

@@ -26,6 +26,7 @@ from kvbench.methods.anchors import (
     AnchorPool,
     Correction,
     anchor_distances,
+    edge_source,
     gate_from_distances,
     token_weighted_corrections,
 )
@@ -33,6 +34,8 @@ from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, S
 from kvbench.methods.forward import run_to_end
 from kvbench.methods.match_memo import MatchMemo, SegmentDistances
 from kvbench.methods.store import SavedKV
+
+OUTPUT_SEGMENT_PREFIX = "out:"  # an agent's output segment (kvbench.tracegen.schema.OUT_PREFIX)
 
 MAX_REFERENCES = 256
 logger = logging.getLogger("kvbench.methods.delta")
@@ -118,6 +121,13 @@ class DeltaCorrection(SharingMethod):
     matching: ClassVar[bool] = True
     correct_layer0: ClassVar[bool] = True
     threshold_name: ClassVar[str] = "tau"
+    # KVComm's code (kvcomm-ref), where the KVCMAS paper's description differs: a context-free
+    # reference is prefilled after the prompt's own prefix (BOS; the segment's first token is then
+    # no attention sink), an agent's output is corrected from its producer's decode-phase cache
+    # rather than a reference, and one rejected segment sends the whole agent dense.
+    reference_prefix: ClassVar[bool] = False
+    outputs_from_producer: ClassVar[bool] = False
+    whole_agent_fallback: ClassVar[bool] = False
     # prematch: match a saved request's segments against the anchor pools right after its first
     # token (its rows are final), so that the edges reading them later only combine the kept
     # distances; off: every edge matches its source at load time, inside its TTFT.
@@ -162,15 +172,27 @@ class DeltaCorrection(SharingMethod):
         return self._flat(k), self._flat(v)
 
     # -------------------------------------------------------------- sources
-    @staticmethod
-    def _reference_span(ctx: LoadContext, segment: PlanSegment) -> tuple[int, int, tuple[str, str]] | None:
+    def _reads_producer(self, segment: PlanSegment) -> bool:
+        """The segment is corrected from the cache of the turn that holds it (its source), not from
+        a context-free reference: always when chained; an agent's output under kvcomm-ref."""
+        return self.chained or (self.outputs_from_producer and segment.id.startswith(OUTPUT_SEGMENT_PREFIX))
+
+    def _reference_tokens(self, ctx: LoadContext, start: int, stop: int) -> torch.Tensor:
+        """What a context-free reference of rows [start, stop) prefills: the rows alone, or (kvcomm-ref)
+        after the prompt's own prefix, the tokens before its first segment (BOS)."""
+        rows = ctx.tokens[start:stop]
+        if not self.reference_prefix or not ctx.plan.segments:
+            return rows
+        return torch.cat((ctx.tokens[:ctx.plan.segments[0].start], rows))
+
+    def _reference_span(self, ctx: LoadContext, segment: PlanSegment) -> tuple[int, int, tuple[str, str]] | None:
         """Rows [start, stop) of a PH segment a context-free reference stands for, and the
         reference's key; None where the segment is left to dense computation (partly in vLLM's
-        prefix cache, or cut by the prompt end)."""
+        prefix cache, or cut by the prompt end) or read from its producer."""
         start, stop = max(segment.start, ctx.num_local), min(segment.start + segment.length, len(ctx.tokens))
-        if segment.kind != "ph" or stop <= start or start != segment.start:
+        if segment.kind != "ph" or stop <= start or start != segment.start or self._reads_producer(segment):
             return None
-        return start, stop, (segment.id, content_key(ctx.tokens[start:stop]))
+        return start, stop, (segment.id, content_key(self._reference_tokens(ctx, start, stop)))
 
     def _keep_reference(self, ctx: LoadContext, key: tuple[str, str], reference: SavedKV, seconds: float) -> None:
         ctx.stats["reference_prefill_s"] = ctx.stats.get("reference_prefill_s", 0.0) + seconds
@@ -184,7 +206,7 @@ class DeltaCorrection(SharingMethod):
         """Prefill and keep the context-free reference of rows [start, stop), one layer at a time
         (yields the rows each layer computed)."""
         assert self.core is not None
-        steps, seconds = self.core.context_free_prefill_steps(ctx.tokens[start:stop]), 0.0
+        steps, seconds = self.core.context_free_prefill_steps(self._reference_tokens(ctx, start, stop)), 0.0
         while True:  # timed layer by layer: the waits between engine steps are not prefill
             started = time.perf_counter()
             try:
@@ -201,7 +223,7 @@ class DeltaCorrection(SharingMethod):
         loads spread an 8K reference prefill over engine steps (a load in one step runs it whole)."""
         if self.chained:
             return
-        for segment in ctx.plan.segments:
+        for segment in ctx.plan.segments:  # (segments read from their producer have no reference)
             span = self._reference_span(ctx, segment)
             if span is not None and span[2] not in self.references:
                 yield from self._prefill_reference(ctx, *span)
@@ -219,7 +241,8 @@ class DeltaCorrection(SharingMethod):
         else:
             self.references.move_to_end(key)
         dst = torch.arange(start, stop)
-        return SegmentReuse(segment, reference, dst, dst - segment.start), ("ref", *key)
+        prefix = len(reference.token_ids) - (stop - start)  # rows before the segment's in the reference
+        return SegmentReuse(segment, reference, dst, dst - segment.start + prefix), ("ref", *key)
 
     def _source_memo(self, reuse: SegmentReuse) -> SegmentDistances | None:
         """The memoized distances of a chained source's segment (prematched after its producer's
@@ -249,7 +272,8 @@ class DeltaCorrection(SharingMethod):
             if segment.kind != "ph":
                 continue
             memo: SegmentDistances | None = None
-            if self.chained:
+            from_producer = self._reads_producer(segment)
+            if from_producer:
                 reuse = by_segment.get(segment.id)
                 if reuse is not None:
                     memo = self._source_memo(reuse)
@@ -264,24 +288,39 @@ class DeltaCorrection(SharingMethod):
                 continue
             eligible += len(reuse.dst)
             started = time.perf_counter()
-            source = segment.source_agent if self.chained else "ref"
+            source = segment.source_agent if from_producer else "ref"
             edge = f"{source}->{ctx.plan.agent}"
             rows = LazyRows(lambda reuse=reuse: self._source_rows(reuse, exact=False))
             decision = self._decide(segment.id, edge, len(reuse.dst), rows, memo)
             decision.update(id=segment.id, rows_s=rows.seconds)
+            observe = decision.pop("observe", True)  # a dense segment's rows teach the method
             if decision.pop("accept"):
                 correction_k, correction_v = decision.pop("correction")
                 self._corrections[id(reuse)] = AcceptedCorrection(correction_k, correction_v, segment.start, segment.id)
                 chosen.append(reuse)
-            else:
+            elif observe:
                 fallbacks.append(Fallback(segment, reuse, edge))
             decision["decide_s"] = time.perf_counter() - started
             decisions.append(decision)
+        if self.whole_agent_fallback and fallbacks and chosen:
+            chosen = self._send_agent_dense(chosen, decisions)
         ctx.stats["eligible_tokens"] = eligible
-        if not self.chained:  # corrects references, not sources: the store's cap costs it nothing
-            ctx.stats["source_missing_tokens"] = 0
+        if not self.chained and not self.outputs_from_producer:
+            ctx.stats["source_missing_tokens"] = 0  # corrects references only: the store's cap costs it nothing
         ctx.stats["decisions"] = decisions
         return chosen
+
+    def _send_agent_dense(self, chosen: list[SegmentReuse], decisions: list[dict[str, Any]]) -> list[SegmentReuse]:
+        """KVComm's mode per agent: one segment the gate rejected sends the whole agent to dense
+        prefill. The segments it accepted are computed too, and (as in KVComm, where only flagged
+        contents become anchors) not observed."""
+        accepted = {reuse.segment.id for reuse in chosen}
+        for decision in decisions:
+            if decision.get("id") in accepted and decision.get("decision") == "accepted":
+                decision["decision"] = "dense_agent"
+        for reuse in chosen:
+            self._corrections.pop(id(reuse), None)
+        return []
 
     def threshold(self) -> float:
         return float(self.params[self.threshold_name])
@@ -289,25 +328,28 @@ class DeltaCorrection(SharingMethod):
     def _decide(self, slot: str, edge: str, n: int, rows: Callable[[], Rows],
                 memo: SegmentDistances | None) -> dict[str, Any]:
         """Accept (with the correction) or reject one segment of n source rows for this edge."""
-        pool = self.pools.setdefault(slot, AnchorPool(int(self.params.get("V", 1))))
+        capacity = int(self.params.get("V", 1))
+        pool = self.pools.setdefault(slot, AnchorPool(capacity))
         compatible = pool.compatible(edge, min_length=1)
-        if not self.matching:  # one calibrated correction per relation, applied without matching
-            if not compatible:
-                return {"accept": False, "decision": "calibrate"}
-            anchor = compatible[0]
-            covered = min(n, anchor.covers(edge))
+        # The gate needs two anchors; a pool of one (V = 1) bypasses it and applies its sole
+        # anchor (the paper's appendix on V). The correction covers the longest prefix that
+        # enough anchors hold: all n rows where they cover the segment, else the prefix the
+        # second-longest anchor covers (the longest one the gate can compare), its rows past it
+        # keeping the re-aligned source cache rather than an extrapolated correction (the
+        # paper's "corrects the longest covered prefix").
+        needed = 1 if capacity == 1 else 2
+        coverage = sorted((a.covers(edge) for a in compatible), reverse=True)
+        if len(coverage) < needed:
+            return {"accept": False, "decision": "dense_few_anchors", "anchors": len(coverage)}
+        covered = min(n, coverage[needed - 1])
+        eligible = [a for a in compatible if a.covers(edge) >= covered]
+        if capacity == 1:
+            (anchor,) = eligible
             anchor.uses += 1
             return {"accept": True, "decision": "accepted", "anchors": 1, "covered": covered,
                     "correction": (Correction([anchor.deltas[edge][0]], None, covered),
                                    Correction([anchor.deltas[edge][1]], None, covered))}
-        # The correction covers the longest prefix the anchors hold (rows past it keep the
-        # re-aligned source cache rather than extrapolating a correction); the gate compares the
-        # first k rows of it (gate_tokens; 0 = all covered rows).
-        covered = min(n, max((a.covers(edge) for a in compatible), default=0))
-        eligible = [a for a in compatible if a.covers(edge) >= covered]
-        if len(eligible) < 2:
-            return {"accept": False, "decision": "dense_few_anchors", "anchors": len(eligible)}
-        k = min(covered, int(self.params.get("gate_tokens") or covered))
+        k = min(covered, int(self.params.get("gate_tokens") or covered))  # the gate's first k rows
         # One pass over the value states serves the gate (Eq. 9, first k rows) and, on accept,
         # the token-wise value weights (all covered rows).
         started = time.perf_counter()
@@ -416,12 +458,15 @@ class DeltaCorrection(SharingMethod):
             # belong to this request); rotations and factorization wait for run_deferred, after
             # the first token.
             target_k, target_v = ctx.read_rows(fallback.reuse.dst)
-            # One anchor per observation (trajectory) of a slot, shared by the edges along it; the
-            # content key keeps a stale anchor of another run's trajectory with the same id apart.
+            # One anchor per observation of a slot's content from one source (trajectory, source
+            # agent, content): a base is only paired with corrections from the same source, and
+            # the edges leaving that source share it (fan-out). The content key keeps a stale
+            # anchor of another run's trajectory with the same id apart.
             segment = fallback.segment
             content = content_key(ctx.tokens[segment.start: segment.start + segment.length])
-            self.pending.append(PendingAnchor(ctx.req_id, segment.id, f"{ctx.plan.trajectory}/{content}",
-                                              fallback.edge, fallback.reuse, target_k, target_v))
+            anchor_id = f"{ctx.plan.trajectory}/{edge_source(fallback.edge)}/{content}"
+            self.pending.append(PendingAnchor(ctx.req_id, segment.id, anchor_id, fallback.edge, fallback.reuse,
+                                              target_k, target_v))
 
     def run_deferred(self) -> None:
         rank_base = int(self.params["r_c"]) if self.low_rank else None
@@ -430,25 +475,28 @@ class DeltaCorrection(SharingMethod):
         jobs, self.pending = self._ready(self.pending)
         prematches, self.prematches = self._ready(self.prematches)
         for job in jobs:
-            pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
-            anchor_id = job.anchor_id
-            if not self.matching:
-                if pool.compatible(job.edge, 1):
-                    continue  # this relation is calibrated already
-                anchor_id = "calibration"  # one correction per (slot, target agent), whatever the content
-            assert self.core is not None
-            source_k, source_v = (x.float() for x in self._source_rows(job.source, exact=True))
-            # Target rows sit at dst = segment.start + canonical position: one constant shift back.
-            target_k = self._flat(self.core.aligner.rotate(job.target_k, -job.source.segment.start)).float()
-            target_v = self._flat(job.target_v).float()
-            pool.add(anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
-                     rank_base, rank_delta, torch.bfloat16)
+            self._observe(job, rank_base, rank_delta)
         for prematch in prematches:  # after the new anchors: they are matched too
             try:
                 self._prematch(prematch)
             except Exception:  # its readers then match at load, as without prematch
                 logger.exception("kvbench: prematch of %s failed", prematch.key)
         self._track_peak()
+
+    def _observed_rows(self, job: PendingAnchor) -> tuple[Rows, Rows]:
+        """(source, dense target) rows of a fallback, keys in canonical positions, fp32."""
+        assert self.core is not None
+        source_k, source_v = (x.float() for x in self._source_rows(job.source, exact=True))
+        # Target rows sit at dst = segment.start + canonical position: one constant shift back.
+        target_k = self._flat(self.core.aligner.rotate(job.target_k, -job.source.segment.start)).float()
+        return (source_k, source_v), (target_k, self._flat(job.target_v).float())
+
+    def _observe(self, job: PendingAnchor, rank_base: int | None, rank_delta: int | None) -> None:
+        """A dense fallback becomes an anchor of its slot: the source's cache and the correction."""
+        (source_k, source_v), (target_k, target_v) = self._observed_rows(job)
+        pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
+        pool.add(job.anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
+                 rank_base, rank_delta, torch.bfloat16)
 
     def _ready(self, items: list[Any]) -> tuple[list[Any], list[Any]]:
         """(items whose request vLLM has computed, items still waiting for theirs), order kept."""

@@ -169,13 +169,13 @@ def test_eviction_is_least_frequently_used_among_the_five_oldest() -> None:
 
 @pytest.mark.parametrize("length", [2048, 8192])
 def test_pool_bytes_match_the_memory_formulas(length: int) -> None:
-    consumers, capacity, rank = 3, 4, 32
+    consumers, capacity, rank = 3, 4, 32  # each anchor: one source (A0), three consumers (fan-out)
     bases = [torch.randn(LAYERS, length, D) for _ in range(capacity)]
     low, full = AnchorPool(capacity), AnchorPool(capacity)
     for index, base in enumerate(bases):
         for consumer in range(consumers):
             for pool, r in ((low, rank), (full, None)):
-                pool.add(f"t{index}", f"A{consumer}->A{consumer + 1}", base, base, base, base, r, r, torch.bfloat16)
+                pool.add(f"t{index}", f"A0->A{consumer + 1}", base, base, base, base, r, r, torch.bfloat16)
     bf16 = 2
     # O(V (1 + N) r (L + D)) per layer for K and V, versus O(V (1 + N) L D).
     assert low.nbytes == capacity * (1 + consumers) * 2 * LAYERS * rank * (length + D) * bf16
@@ -198,6 +198,7 @@ class _FakeCore:
     def __init__(self) -> None:
         self.aligner = RopeAligner(_Rotary())
         self.prefills = 0
+        self.prefilled: list[torch.Tensor] = []  # the tokens of each context-free prefill
         self.uncomputed: set[str] = set()  # requests vLLM has not computed since their load
 
     def computed(self, req_id: str) -> bool:
@@ -210,22 +211,28 @@ class _FakeCore:
         for _ in range(LAYERS - 1):  # a pause after every layer but the last, as the partial forward
             yield len(tokens)
         self.prefills += 1
+        self.prefilled.append(tokens.clone())
         g = torch.Generator().manual_seed(int(tokens.sum()))
         return SavedKV(tokens.clone(), torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g),
                        torch.randn(LAYERS, len(tokens), HEADS, HEAD_DIM, generator=g))
 
 
-def _context(method_name: str, trajectory: str, seed: int):
-    """A1's load: q (64 tokens at position 10) reused from A0's cache (q at position 7)."""
+def _context(method_name: str, trajectory: str, seed: int, length: int = 64, source_agent: str = "A0",
+             agent: str = "A1"):
+    """`agent`'s load: q (`length` tokens at position 10) reused from `source_agent`'s cache (q at
+    position 7)."""
     g = torch.Generator().manual_seed(seed)
-    source = SavedKV(torch.arange(80), torch.randn(LAYERS, 80, HEADS, HEAD_DIM, generator=g),
-                     torch.randn(LAYERS, 80, HEADS, HEAD_DIM, generator=g))
-    segment = PlanSegment("ph", "q", 10, 64, source="run/t/A0.r0", source_start=7, source_agent="A0")
-    plan = Plan(trajectory, "A1.r0", "A1", f"run/{trajectory}/A1.r0", (PlanSegment("pf", "system", 0, 10), segment))
-    tokens = torch.arange(100) + 1000 * seed  # distinct content per trajectory
-    dst = torch.arange(10, 74)
+    source = SavedKV(torch.arange(length + 16), torch.randn(LAYERS, length + 16, HEADS, HEAD_DIM, generator=g),
+                     torch.randn(LAYERS, length + 16, HEADS, HEAD_DIM, generator=g))
+    segment = PlanSegment("ph", "q", 10, length, source=f"run/t/{source_agent}.r0", source_start=7,
+                          source_agent=source_agent)
+    plan = Plan(trajectory, f"{agent}.r0", agent, f"run/{trajectory}/{agent}.r0",
+                (PlanSegment("pf", "system", 0, 10), segment))
+    tokens = torch.arange(length + 36) + 1000 * seed  # distinct content per trajectory
+    dst = torch.arange(10, 10 + length)
     reuse = SegmentReuse(segment, source, dst, dst - 10 + 7)
-    dense = (torch.randn(LAYERS, 100, HEADS, HEAD_DIM, generator=g), torch.randn(LAYERS, 100, HEADS, HEAD_DIM, generator=g))
+    dense = (torch.randn(LAYERS, length + 36, HEADS, HEAD_DIM, generator=g),
+             torch.randn(LAYERS, length + 36, HEADS, HEAD_DIM, generator=g))
     ctx = LoadContext(plan.save_as, plan, tokens, 0, [reuse],
                       read_rows=lambda rows: (dense[0][:, rows], dense[1][:, rows]), req_id=f"{trajectory}-A1")
     return ctx, reuse, source
@@ -357,7 +364,7 @@ def test_method_parameters_are_validated() -> None:
         method_class("kvcmas")({"tau": 2})
     with pytest.raises(MethodConfigError, match=r"r_c: Input should be greater than or equal to 1 \(got 0\)"):
         method_class("kvcmas")({"r_c": 0})
-    with pytest.raises(MethodConfigError, match=r"method 'graphflow' has no parameter\(s\) V; known: none"):
+    with pytest.raises(MethodConfigError, match=r"method 'graphflow' has no parameter\(s\) V; known: rho"):
         method_class("graphflow")({"V": 3})
     with pytest.raises(MethodConfigError, match="recompute_ratio: Input should be less than or equal to 1"):
         method_class("cacheblend")({"recompute_ratio": 1.5})
@@ -527,4 +534,175 @@ def test_graphflow_calibrates_once_then_applies_without_matching() -> None:
         decision = ctx.stats["decisions"][0]
         assert decision["decision"] == "accepted" and decision["anchors"] == 1 and "entropy" not in decision
         method.after_load(ctx)
-    assert len(method.pools["q"].anchors) == 1
+    assert list(method.calibrations) == [("q", "ref->A1")] and not method.pools
+
+
+def _dense_loads(method, loads: list[dict]) -> None:
+    """Loads that all fall back (the pool cannot match yet), each turned into an anchor."""
+    for load in loads:
+        ctx, _, _ = _context(method.name, **load)
+        assert method.select(ctx) == []
+        method.after_load(ctx)
+        method.run_deferred()
+
+
+def test_an_anchor_pairs_its_base_with_corrections_from_the_same_source() -> None:
+    """Eq. 7: a fallback on A1->A2 over content first seen on A0->A1 is a new anchor with A1's
+    cache as its base, not a correction against A0's base added to the old anchor."""
+    method = method_class("kvcmas")({"r_c": 64, "r_delta": 64})
+    method.bind(_FakeCore())
+    _dense_loads(method, [dict(trajectory="t0", seed=0, source_agent="A0", agent="A1"),
+                          dict(trajectory="t0", seed=0, source_agent="A1", agent="A2"),
+                          dict(trajectory="t0", seed=0, source_agent="A0", agent="A3")])  # fan-out from A0
+    anchors = list(method.pools["q"].anchors.values())
+    assert sorted((a.source, sorted(a.deltas)) for a in anchors) == [("A0", ["A0->A1", "A0->A3"]), ("A1", ["A1->A2"])]
+    # Each base is its own source's rows: A1's context (seed 0, source_agent A1) is another cache.
+    _, _, a1_source = _context("kvcmas", "t0", seed=0, source_agent="A1", agent="A2")
+    a1 = next(a for a in anchors if a.source == "A1")
+    expected = a1_source.v[:, 7:71].reshape(LAYERS, 64, D)
+    assert float((a1.base_v.rows(64) - expected).norm() / expected.norm()) < 2 ** -7
+    pool = AnchorPool(4)
+    base = torch.randn(LAYERS, 16, D)
+    pool.add("t0/A0/c", "A0->A1", base, base, base, base, None, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="holds A0's cache as its base; a correction observed on edge A1->A2"):
+        pool.add("t0/A0/c", "A1->A2", base, base, base, base, None, None, torch.bfloat16)
+
+
+def test_a_pool_of_one_anchor_bypasses_the_gate_and_reuses() -> None:
+    """V = 1 (the paper's Table 13, first row): the sole compatible anchor is applied with weight 1."""
+    method = method_class("kvcmas")({"V": 1, "r_c": 64, "r_delta": 64})
+    method.bind(_FakeCore())
+    _dense_loads(method, [dict(trajectory="t0", seed=0)])
+    ctx, _, _ = _context("kvcmas", "t1", seed=1)  # new content: no gate to pass, the one anchor is used
+    (chosen,) = method.select(ctx)
+    assert ctx.stats["decisions"][0]["decision"] == "accepted" and ctx.stats["decisions"][0]["anchors"] == 1
+    keys, values = method.correct(2, chosen, chosen.source.k[2, chosen.src].clone(), chosen.source.v[2, chosen.src].clone())
+    assert not torch.equal(values, chosen.source.v[2, chosen.src])
+    two = method_class("kvcmas")({"V": 2, "r_c": 64, "r_delta": 64})  # V > 1 with one anchor: the gate cannot run
+    two.bind(_FakeCore())
+    _dense_loads(two, [dict(trajectory="t0", seed=0), dict(trajectory="t1", seed=1)])
+    assert len(two.pools["q"].anchors) == 2
+
+
+@pytest.mark.parametrize("segment, lengths, covered, anchors", [
+    (40, (32, 48, 64), 40, 2),   # shorter than two anchors: all of it, by the anchors covering it
+    (64, (32, 48, 64), 48, 2),   # longer than all but one: the prefix the second-longest covers
+    (96, (32, 48, 64), 48, 2),   # longer than every anchor: the same prefix
+    (96, (32, 32, 48), 32, 3),   # ties: every anchor covering that prefix
+    (24, (32, 48, 64), 24, 3),
+])
+def test_a_segment_longer_than_its_anchors_is_corrected_on_the_covered_prefix(
+        segment: int, lengths: tuple[int, ...], covered: int, anchors: int) -> None:
+    """The paper's coverage rule: the longest prefix the gate can compare (covered by two anchors)
+    is corrected by the anchors covering it; rows past it keep the re-aligned source cache."""
+    method = method_class("kvcmas")({"r_c": 64, "r_delta": 64, "tau": 0.0})  # every load an anchor...
+    method.bind(_FakeCore())
+    _dense_loads(method, [dict(trajectory=f"t{i}", seed=i, length=n) for i, n in enumerate(lengths)])
+    method.params["tau"] = 1.0  # ...then the gate accepts any match
+    ctx, _, _ = _context("kvcmas", "new", seed=9, length=segment)
+    (chosen,) = method.select(ctx)
+    decision = ctx.stats["decisions"][0]
+    assert (decision["decision"], decision["covered"], decision["anchors"]) == ("accepted", covered, anchors)
+    k, v = chosen.source.k[2, chosen.src].clone(), chosen.source.v[2, chosen.src].clone()
+    new_k, new_v = method.correct(2, chosen, k.clone(), v.clone())
+    assert not torch.equal(new_v[:covered], v[:covered]) and torch.equal(new_v[covered:], v[covered:])
+    assert torch.equal(new_k[covered:], k[covered:])
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.8, 1.0])
+def test_graphflow_reaches_a_requested_reuse_ratio_on_a_trace(rho: float) -> None:
+    """Its reuse budget: over a trace of segments of varying length read by three agents, the
+    realized rho (reused over eligible shared tokens) lands within 0.05 of the target."""
+    method = method_class("graphflow")({"rho": rho})
+    method.bind(_FakeCore())
+    lengths = torch.randint(16, 96, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    eligible = reused = 0
+    for index, length in enumerate(lengths):
+        ctx, _, _ = _context("graphflow", f"t{index // 3}", seed=index // 3, length=length, agent=f"A{index % 3 + 1}")
+        chosen = method.select(ctx)
+        method.after_load(ctx)
+        method.run_deferred()
+        eligible += ctx.stats["eligible_tokens"]
+        reused += sum(len(c.dst) for c in chosen)
+    assert eligible == sum(lengths)
+    calibration = sum(lengths[:3])  # each agent's first segment calibrates its relation, densely
+    assert abs(reused / eligible - rho) <= 0.05 or (rho == 1.0 and reused == eligible - calibration)
+
+
+def test_graphflow_stores_only_the_corrections_it_applies() -> None:
+    method = method_class("graphflow")({})
+    method.bind(_FakeCore())
+    for agent in ("A1", "A2"):
+        _dense_loads(method, [dict(trajectory="t0", seed=0, agent=agent)])
+    bf16 = 2
+    # Per relation: dK and dV, [layers, 64, D] each; no base cache.
+    assert method.state_bytes()["anchor_pool"] == 2 * 2 * LAYERS * 64 * D * bf16
+    assert set(method.calibrations) == {("q", "ref->A1"), ("q", "ref->A2")}
+
+
+BOS = 7
+
+
+def _two_segment_context(trajectory: str, q_seed: int, out_seed: int) -> LoadContext:
+    """A1's load of [BOS, system (9 rows), q (64 rows), out:A0.r0 (16 rows)]: q's content set by
+    q_seed; A0's output (rows 71-86 of A0's cache) by out_seed."""
+    g = torch.Generator().manual_seed(out_seed)
+    producer = SavedKV(torch.arange(90), torch.randn(LAYERS, 90, HEADS, HEAD_DIM, generator=g),
+                       torch.randn(LAYERS, 90, HEADS, HEAD_DIM, generator=g))
+    q = PlanSegment("ph", "q", 10, 64)
+    out = PlanSegment("ph", "out:A0.r0", 74, 16, source="run/t/A0.r0", source_start=71, source_turn="A0.r0",
+                      source_agent="A0")
+    plan = Plan(trajectory, "A1.r0", "A1", f"run/{trajectory}/A1.r0", (PlanSegment("pf", "system", 1, 9), q, out))
+    tokens = torch.cat((torch.tensor([BOS]), 100 + torch.arange(9), 1000 * (q_seed + 1) + torch.arange(64),
+                        5000 * (out_seed + 1) + torch.arange(16)))
+    dst = torch.arange(74, 90)
+    dense = (torch.randn(LAYERS, 90, HEADS, HEAD_DIM, generator=g), torch.randn(LAYERS, 90, HEADS, HEAD_DIM, generator=g))
+    return LoadContext(plan.save_as, plan, tokens, 0, [SegmentReuse(out, producer, dst, dst - 74 + 71)],
+                       read_rows=lambda rows: (dense[0][:, rows], dense[1][:, rows]), req_id=f"{trajectory}-A1")
+
+
+def test_kvcomm_ref_prefills_references_after_bos_and_corrects_outputs_from_their_producer() -> None:
+    """kvcomm-ref (KVComm's code): q's reference is [BOS, q] (q's first token is no attention sink),
+    and A0's output is corrected from A0's own cache (edge A0->A1), never prefilled alone. kvcomm
+    (the KVCMAS paper's description) prefills both segments alone."""
+    for name, prefilled, out_edge in (("kvcomm-ref", [[BOS, *range(1000, 1064)]], "A0->A1"),
+                                      ("kvcomm", [list(range(1000, 1064)), list(range(5000, 5016))], "ref->A1")):
+        method = method_class(name)({})
+        core = _FakeCore()
+        method.bind(core)
+        ctx = _two_segment_context("t0", q_seed=0, out_seed=0)
+        list(method.prepare(ctx))
+        assert method.select(ctx) == []  # no anchors yet: both dense
+        assert [t.tolist() for t in core.prefilled] == prefilled, name
+        method.after_load(ctx)
+        method.run_deferred()
+        assert list(method.pools["out:A0.r0"].anchors.values())[0].deltas.keys() == {out_edge}
+        if name == "kvcomm-ref":
+            (anchor,) = method.pools["out:A0.r0"].anchors.values()
+            producer_rows = ctx.candidates[0].source.v[:, 71:87].reshape(LAYERS, 16, D)
+            assert anchor.source == "A0" and torch.equal(anchor.base_v.rows(16), producer_rows.bfloat16().float())
+            (q_anchor,) = method.pools["q"].anchors.values()  # the base: the reference's q rows, after BOS
+            reference = method.references[next(iter(method.references))]
+            assert len(reference.token_ids) == 65
+            assert torch.equal(q_anchor.base_v.rows(64), reference.v[:, 1:].reshape(LAYERS, 64, D).bfloat16().float())
+
+
+@pytest.mark.parametrize("name, chosen", [("kvcomm-ref", 0), ("kvcomm", 1)])
+def test_kvcomm_ref_sends_the_whole_agent_dense_when_one_segment_is_rejected(name: str, chosen: int) -> None:
+    method = method_class(name)({})
+    method.bind(_FakeCore())
+    for seed in range(3):  # three contents of q and of A0's output, each an anchor
+        ctx = _two_segment_context(f"t{seed}", q_seed=seed, out_seed=seed)
+        list(method.prepare(ctx))
+        assert method.select(ctx) == []
+        method.after_load(ctx)
+        method.run_deferred()
+    ctx = _two_segment_context("t9", q_seed=1, out_seed=9)  # q seen before, A0's output new
+    list(method.prepare(ctx))
+    assert len(method.select(ctx)) == chosen
+    decisions = {d["id"]: d["decision"] for d in ctx.stats["decisions"]}
+    assert decisions["out:A0.r0"] == "dense_gate"
+    assert decisions["q"] == ("dense_agent" if name == "kvcomm-ref" else "accepted")
+    method.after_load(ctx)
+    method.run_deferred()
+    assert len(method.pools["q"].anchors) == 3  # an accepted segment sent dense is not an anchor

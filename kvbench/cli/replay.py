@@ -284,7 +284,8 @@ def methods_command(markdown: bool) -> None:
 @click.command("calibrate")
 @click.option("--method", required=True,
               help="A gated delta-correction method (kvcmas, kvcmas-nonchained, kvcomm): bisects its threshold; "
-                   "droidspeak: profiles layer-wise deviation and picks its layer group.")
+                   "graphflow: its reuse budget rho; droidspeak: profiles layer-wise deviation and picks its layer "
+                   "group.")
 @click.option("--target-rho", type=click.FloatRange(0, 1), required=True,
               help="Reuse ratio to reach: shared tokens served by accepted corrections / eligible shared tokens.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -299,8 +300,8 @@ def methods_command(markdown: bool) -> None:
 def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
                       shared_tokens: int, output_len: int, iterations: int, base_url: str | None, seed: int,
                       server: ServerOptions) -> None:
-    """Find the gate threshold (tau; gamma for kvcomm) that reaches a target reuse ratio, or
-    DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
+    """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho) that reaches a target
+    reuse ratio, or DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.experiment.calibrate import calibrate_threshold, summary_dict
     from kvbench.methods.registry import method_class
     from kvbench.replay.server import ServerError, VLLMServer
@@ -312,8 +313,9 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
                                                output_len, seed)
         _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, server)
         return
-    if cls is None or not getattr(cls, "matching", False):
-        raise click.BadParameter(f"{method!r} has no reliability gate or layer group to calibrate",
+    threshold = getattr(cls, "threshold_name", None)
+    if cls is None or threshold not in cls.Params.model_fields:
+        raise click.BadParameter(f"{method!r} has no reliability gate, reuse budget or layer group to calibrate",
                                  param_hint="--method")
     trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
                                            output_len, seed)

@@ -1,0 +1,20 @@
+"""KVComm as its public code runs it (FastMAS/KVCOMM), where `kvcomm` follows the KVCMAS paper's
+description: a segment's context-free reference is prefilled after the prompt's own prefix (BOS,
+so the segment's first token is no attention sink), an agent's output is corrected from its
+producer's decode-phase cache instead of a reference, and one segment the gate rejects sends the
+whole agent to dense prefill. KVComm's correction of the prompt-template text after each
+placeholder (PF deltas) is not reproduced: docs/methods.md, "Faithfulness", says why."""
+
+from __future__ import annotations
+
+from kvbench.methods.kvcomm import KVComm
+from kvbench.methods.registry import register_method
+
+
+@register_method
+class KVCommRef(KVComm):
+    name = "kvcomm-ref"
+    summary = "KVComm as its code runs: BOS-prefixed references, outputs from the producer's cache, per-agent fallback"
+    reference_prefix = True
+    outputs_from_producer = True
+    whole_agent_fallback = True
