@@ -29,6 +29,7 @@ from kvbench.replay.method_stats import MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter, read_journal, write_text_atomic
+from kvbench.replay.sampling import SamplingParams
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.replay.servers import ReplayServers
@@ -87,6 +88,7 @@ class ReplayConfig:
     metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
     label: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy by default
     request_timeout_s: float = 600.0
     save_prompt_ids: bool = False
     resume: bool = False
@@ -137,6 +139,10 @@ class Replayer:
             run_config = json.loads(config_path.read_text())
             if run_config["method"] != cfg.method:
                 raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method!r}")
+            recorded = SamplingParams.from_dict(run_config.get("sampling"))
+            if recorded != cfg.sampling:
+                raise ReplayError(f"--resume: {result_dir} was sampled with {recorded.to_dict()}, not "
+                                  f"{cfg.sampling.to_dict()}")
         else:
             if existing or config_path.exists():
                 raise ReplayError(f"{result_dir} already holds results; pass --resume to finish that run or "
@@ -178,6 +184,7 @@ class Replayer:
             "num_trajectories": len(cfg.trace.trajectories) - cfg.num_warmups,
             "seed": cfg.seed,
             "metric_percentiles": cfg.metric_percentiles,
+            "sampling": cfg.sampling.to_dict(),
             "request_timeout_s": cfg.request_timeout_s,
             "trace_header": cfg.trace.header.model_dump(mode="json"),
             "tokenizer": cfg.tokenizer.name,
@@ -412,7 +419,8 @@ class Replayer:
                     record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
         body = {
             "model": self.servers.served_models[url], "prompt": prompt.token_ids, "max_tokens": turn.max_tokens,
-            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True, **self.config.sampling.request_fields(), "stream": True,
+            "stream_options": {"include_usage": True},
             "return_token_ids": True, "kv_transfer_params": prompt.plan.to_params(),
         }
         if self.method_info.approximate and record.reusable_tokens:

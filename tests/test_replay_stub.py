@@ -233,3 +233,28 @@ def test_approximate_methods_salt_their_reuse_requests_only(tiny_tokenizer_dir: 
         assert _replay("--base-url", plain.base_url, "--qps", "0", "--num-trajectories", "1", *SMALL,
                        "--result-dir", str(tmp_path / "ns"), model=tiny_tokenizer_dir).exit_code == 0
         assert all("cache_salt" not in body for body in plain.bodies.values())  # NonShared is exact
+
+
+def test_sampling_parameters_are_sent_and_recorded(tiny_tokenizer_dir: Path, stub: StubServer, tmp_path: Path) -> None:
+    """Greedy by default; other parameters go into every request and config.json, and a resumed run
+    must use the ones it was started with."""
+    out = tmp_path / "r"
+    first = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "1", *SMALL,
+                    "--result-dir", str(out), model=tiny_tokenizer_dir)
+    assert first.exit_code == 0 and "Sampling" in first.output and "greedy" in first.output
+    assert {(b["temperature"], b["top_p"], b["top_k"]) for b in stub.bodies.values()} == {(0.0, 1.0, -1)}
+    assert json.loads((out / "config.json").read_text())["sampling"] == {
+        "temperature": 0.0, "top_p": 1.0, "top_k": -1, "greedy": True}
+    hot = tmp_path / "hot"
+    assert _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "1", *SMALL, "--temperature",
+                   "0.7", "--top-p", "0.9", "--top-k", "40", "--result-dir", str(hot),
+                   model=tiny_tokenizer_dir).exit_code == 0
+    sent = [b for rid, b in stub.bodies.items() if b["temperature"] == 0.7]
+    assert len(sent) == 4 and all((b["top_p"], b["top_k"]) == (0.9, 40) for b in sent)
+    assert json.loads((hot / "config.json").read_text())["sampling"]["greedy"] is False
+    refused = _replay("--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "1", *SMALL,
+                      "--result-dir", str(hot), "--resume", model=tiny_tokenizer_dir)
+    assert refused.exit_code == 1 and "was sampled with" in refused.output
+    bad = _replay("--base-url", stub.base_url, "--top-k", "0", "--result-dir", str(tmp_path / "bad"),
+                  model=tiny_tokenizer_dir)
+    assert bad.exit_code == 2 and "--top-k" in bad.output

@@ -94,6 +94,10 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
               help="Shared context of the in-memory trace (ignored with --trace).")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Agent output length of the in-memory trace (ignored with --trace).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature of every request (0: greedy, what quality comparisons need).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=-1), default=-1, show_default=True, help="-1: every token.")
 @server_options
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
@@ -101,7 +105,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
-                   server: ServerOptions) -> None:
+                   temperature: float, top_p: float, top_k: int, server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.experiment.run import replay_and_summarize
@@ -115,6 +119,11 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     params = _check_method(method, server.method_params)
     if resume and result_dir is None:
         raise click.UsageError("--resume needs the --result-dir of the run to finish")
+    if top_k == 0:
+        raise click.BadParameter("0 is not a number of tokens; -1 keeps every token", param_hint="--top-k")
+    from kvbench.replay.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     trace, tokenizer, model = _load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
                                           output_len, seed)
     if result_dir is None:
@@ -124,7 +133,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         result_dir=result_dir, qps=qps, arrival=arrival, burstiness=burstiness,
         use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
         num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles, label=label,
-        metadata=_parse_metadata(metadata),
+        metadata=_parse_metadata(metadata), sampling=sampling,
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
         method_params=params,
         extra_config={"model": model, "method_params": params,
@@ -229,6 +238,14 @@ def print_summary(summary: dict[str, Any]) -> None:
     for metric in ("ttft", "trajectory_ttft", "tpot", "itl", "e2el"):
         rows += [(f"{stat}_{metric}_ms", f"{summary[f'{stat}_{metric}_ms']:.2f}") for stat in stats
                  if f"{stat}_{metric}_ms" in summary]
+    if summary.get("realized_rho") is not None:  # what a method's speed was bought with: reuse...
+        rows.append(("Realized rho (reused / eligible shared tokens)", f"{summary['realized_rho']:.3f}"))
+    if summary.get("task_accuracy") is not None:  # ...and what it cost
+        rows.append(("Task accuracy", f"{summary['task_accuracy']:.1%}"))
+    sampling = summary["config"].get("sampling")
+    if sampling:
+        rows.append(("Sampling", "greedy" if sampling.get("greedy") else
+                     f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, top_k {sampling['top_k']}"))
     if summary.get("peak_server_rss_bytes"):
         rows.append(("Peak server RSS (MiB)", f"{summary['peak_server_rss_bytes'] / 2**20:.0f}"))
     if summary.get("peak_kv_cache_usage_perc") is not None:
