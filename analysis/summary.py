@@ -17,6 +17,7 @@ import pandas as pd
 
 from kvbench import run_files
 from kvbench.analysis.metrics import summarize
+from kvbench.analysis.quality import read_quality_figures
 from kvbench.analysis.task_score import read_task_figures
 
 MAX_LISTED_MISSING = 50
@@ -100,6 +101,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         **store_figures(result_dir, last_index),
         "rank_mismatched_requests": _rank_mismatched(requests),
         **read_task_figures(result_dir),  # a task trace's accuracy, once scored
+        **read_quality_figures(result_dir),  # outputs against a reference run, once compared
         # successful requests whose method stats never reached the client (their server died
         # before it reported them): realized rho and the reuse columns leave them out
         "method_stats_missing": len(missing),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvbench.contracts import Plan, PlanSegment, SegmentKind
@@ -58,10 +58,18 @@ def cache_key(run_id: str, trajectory_id: str, turn_id: str) -> str:
 class PromptBuilder:
     """Builds each turn's prompt from the trace and the real outputs of earlier turns."""
 
-    def __init__(self, tokenizer: TraceTokenizer, prefix_ids: list[int], run_id: str) -> None:
+    def __init__(self, tokenizer: TraceTokenizer, prefix_ids: list[int], run_id: str,
+                 reference_outputs: Mapping[tuple[str, str], list[int]] | None = None,
+                 drop_shared: bool = False) -> None:
+        """`reference_outputs` (trajectory id, turn id) -> output ids: a reference run's outputs,
+        fed to later turns instead of this run's own where it has them (reference-anchored
+        replay). `drop_shared`: every shared segment left out of every prompt (the no-context
+        floor of PGR)."""
         self.tokenizer = tokenizer
         self.prefix_ids = list(prefix_ids)
         self.run_id = run_id
+        self.reference_outputs = reference_outputs
+        self.drop_shared = drop_shared
         self._text_ids: dict[str, list[int]] = {}
 
     def _ids_of_text(self, text: str) -> list[int]:
@@ -77,7 +85,12 @@ class PromptBuilder:
             return self._ids_of_text(segment.text or "")
         assert segment.ph is not None
         if segment.ph.startswith(OUT_PREFIX):
-            return outputs[segment.ph[len(OUT_PREFIX):]]
+            producer = segment.ph[len(OUT_PREFIX):]
+            if self.reference_outputs is not None:
+                reference = self.reference_outputs.get((trajectory.trajectory_id, producer))
+                if reference is not None:
+                    return reference
+            return outputs[producer]
         ids = self._ids_of_text(trajectory.shared[segment.ph].text)
         expected = trajectory.shared[segment.ph].num_tokens
         if len(ids) != expected:
@@ -92,6 +105,8 @@ class PromptBuilder:
         token_ids = list(self.prefix_ids)
         spans: list[SegmentSpan] = []
         for segment in turn.segments:
+            if self.drop_shared and segment.ph is not None:
+                continue
             ids = self.segment_ids(trajectory, turn, segment, outputs)
             kind, key = ("ph", segment.ph) if segment.ph is not None else ("pf", segment.pf or "")
             spans.append(SegmentSpan(kind, key, len(token_ids), len(ids)))

@@ -29,6 +29,7 @@ from kvbench.replay.method_stats import MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter, read_journal, write_text_atomic
+from kvbench.replay.reference import ReferenceRun, trajectory_digests
 from kvbench.replay.sampling import SamplingParams
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
@@ -89,6 +90,9 @@ class ReplayConfig:
     label: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy by default
+    # Reference-anchored replay: later turns read the reference run's outputs, not this run's.
+    reference: ReferenceRun | None = None
+    drop_shared: bool = False  # every shared segment left out of every prompt (PGR's floor)
     request_timeout_s: float = 600.0
     save_prompt_ids: bool = False
     resume: bool = False
@@ -143,6 +147,9 @@ class Replayer:
             if recorded != cfg.sampling:
                 raise ReplayError(f"--resume: {result_dir} was sampled with {recorded.to_dict()}, not "
                                   f"{cfg.sampling.to_dict()}")
+            if run_config.get("prompt_mode", "free") != self.prompt_mode:
+                raise ReplayError(f"--resume: {result_dir} was replayed in {run_config.get('prompt_mode', 'free')!r} "
+                                  f"mode, not {self.prompt_mode!r}")
         else:
             if existing or config_path.exists():
                 raise ReplayError(f"{result_dir} already holds results; pass --resume to finish that run or "
@@ -163,6 +170,13 @@ class Replayer:
         kept = [r for r in existing if r["trajectory_id"] in done]
         todo = [t for t in measured if t.trajectory_id not in done]
         return warmups, todo, kept, run_config
+
+    @property
+    def prompt_mode(self) -> str:
+        """free (each turn reads this run's own upstream outputs), reference or drop_shared."""
+        if self.config.reference is not None:
+            return "reference"
+        return "drop_shared" if self.config.drop_shared else "free"
 
     def _new_run_config(self) -> dict[str, Any]:
         cfg = self.config
@@ -185,6 +199,9 @@ class Replayer:
             "seed": cfg.seed,
             "metric_percentiles": cfg.metric_percentiles,
             "sampling": cfg.sampling.to_dict(),
+            "prompt_mode": self.prompt_mode,
+            "reference_run": cfg.reference.describe() if cfg.reference is not None else None,
+            "trajectory_digests": trajectory_digests(cfg.trace.trajectories),
             "request_timeout_s": cfg.request_timeout_s,
             "trace_header": cfg.trace.header.model_dump(mode="json"),
             "tokenizer": cfg.tokenizer.name,
@@ -204,7 +221,9 @@ class Replayer:
         warmups, todo, kept, run_config = self.prepare()
         segment = len(run_config["segments"])
         builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
-                                run_id=f"{run_config['run_id']}/s{segment}")
+                                run_id=f"{run_config['run_id']}/s{segment}",
+                                reference_outputs=cfg.reference.outputs if cfg.reference is not None else None,
+                                drop_shared=cfg.drop_shared)
         sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self.servers.fetch_stats)

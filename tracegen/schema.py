@@ -7,6 +7,7 @@ Structure is checked by pydantic; cross-references (agents, turns, `ph` sources,
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from functools import cached_property
@@ -407,6 +408,11 @@ def read_trace(path: str | Path) -> Trace:
 def dump_line(model: BaseModel) -> str:
     return json.dumps(model.model_dump(mode="json", exclude_none=True), ensure_ascii=False,
                       separators=(",", ":")) + "\n"
+
+
+def trajectory_digest(trajectory: Trajectory) -> str:
+    """What identifies a trajectory's content across runs (its id alone repeats across traces)."""
+    return hashlib.sha256(dump_line(trajectory).encode()).hexdigest()[:16]
 
 
 def write_trace(path: str | Path, header: TraceHeader, trajectories: list[Trajectory]) -> int:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import click
 
 from kvbench import __version__
-from kvbench.cli.analysis import compare_command, report_command, score_command, summarize_command
+from kvbench.cli.analysis import (
+    compare_command,
+    quality_command,
+    report_command,
+    score_command,
+    summarize_command,
+)
 from kvbench.cli.model import model_group
 from kvbench.cli.quickstart import quickstart_command
 from kvbench.cli.replay import calibrate_command, methods_command, replay_command, serve_command
@@ -48,6 +54,7 @@ main.add_command(methods_command)
 main.add_command(calibrate_command)
 main.add_command(quickstart_command)
 main.add_command(report_command)
+main.add_command(quality_command)
 main.add_command(compare_command)
 main.add_command(summarize_command)
 main.add_command(score_command)

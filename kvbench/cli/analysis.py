@@ -83,6 +83,50 @@ def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> Non
                    f"trajectories (all turns {summary['task_accuracy_turns']:.1%}; {agents})")
 
 
+@click.command("quality")
+@click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--reference", "reference_dir", required=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A free-running NonShared run of the same trace: what each output is compared with.")
+@click.option("--floor", "floor_dir", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A --drop-shared run of the same trace: PGR's no-context floor.")
+def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_dir: Path | None) -> None:
+    """Compare runs' outputs with a reference run's (exact match, first divergent token, token F1;
+    reuse turns apart), and with --floor their PGR; writes quality.parquet and the quality keys
+    into summary.json. Reference-anchored replays (replay --reference) are compared as they finish."""
+    import pandas as pd
+
+    from kvbench import run_files
+    from kvbench.analysis.quality import write_quality
+    from kvbench.analysis.summary import write_summary
+    from kvbench.replay.reference import ReferenceRunError, check_comparable, read_run_config
+
+    runs = _run_dirs(result_dirs)
+    try:
+        if floor_dir is not None:
+            if read_run_config(floor_dir).get("prompt_mode") != "drop_shared":
+                raise ReferenceRunError(f"{floor_dir} is not a --drop-shared run: it cannot be PGR's floor")
+            ids = pd.read_parquet(floor_dir / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
+            check_comparable(floor_dir, reference_dir, sorted(set(ids)))
+        for run in runs:
+            ids = pd.read_parquet(run / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
+            check_comparable(run, reference_dir, sorted(set(ids)))
+            write_quality(run, reference_dir, floor_dir)
+            summary = write_summary(run)
+            line = (f"{run}: exact match {summary['exact_match_rate']:.1%} (reuse turns "
+                    f"{summary.get('exact_match_rate_reuse', float('nan')):.1%}), token F1 "
+                    f"{summary['mean_token_f1']:.3f}, first divergence {summary['mean_first_divergence']:.1f}")
+            if floor_dir is not None:
+                pgr = summary.get("pgr")
+                line += (f", PGR {pgr:.3f} [{summary['pgr_low']:.3f}, {summary['pgr_high']:.3f}]" if pgr is not None
+                         else f", PGR undefined: {summary.get('pgr_reason')}")
+            click.echo(line)
+    except ReferenceRunError as exc:
+        raise click.ClickException(str(exc)) from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise click.ClickException(f"cannot compare: {type(exc).__name__}: {exc}") from None
+
+
 @click.command("compare")
 @click.argument("baseline", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("candidate", type=click.Path(exists=True, file_okay=False, path_type=Path))

@@ -98,6 +98,12 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
               help="Sampling temperature of every request (0: greedy, what quality comparisons need).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=-1), default=-1, show_default=True, help="-1: every token.")
+@click.option("--reference", "reference_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              default=None, help="A NonShared run of the same trace: later turns read its recorded outputs instead "
+                                 "of this run's own (every prompt token-identical to its), and each output is "
+                                 "compared with its (quality.parquet).")
+@click.option("--drop-shared", is_flag=True,
+              help="Leave every shared segment out of every prompt: the no-context floor of PGR.")
 @server_options
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
@@ -105,7 +111,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
-                   temperature: float, top_p: float, top_k: int, server: ServerOptions) -> None:
+                   temperature: float, top_p: float, top_k: int, reference_dir: Path | None, drop_shared: bool,
+                   server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.experiment.run import replay_and_summarize
@@ -126,6 +133,17 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     trace, tokenizer, model = _load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
                                           output_len, seed)
+    reference = None
+    if reference_dir is not None:
+        from kvbench.replay.reference import ReferenceRunError, load_reference
+
+        if drop_shared:
+            raise click.UsageError("--drop-shared leaves no upstream output to anchor: give --reference or "
+                                   "--drop-shared, not both")
+        try:
+            reference = load_reference(reference_dir, trace.trajectories[num_warmups:], model)
+        except ReferenceRunError as exc:
+            raise click.BadParameter(str(exc), param_hint="--reference") from None
     if result_dir is None:
         result_dir = Path("results") / f"{label or method}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
     config = ReplayConfig(
@@ -133,7 +151,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         result_dir=result_dir, qps=qps, arrival=arrival, burstiness=burstiness,
         use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
         num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles, label=label,
-        metadata=_parse_metadata(metadata), sampling=sampling,
+        metadata=_parse_metadata(metadata), sampling=sampling, reference=reference, drop_shared=drop_shared,
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
         method_params=params,
         extra_config={"model": model, "method_params": params,

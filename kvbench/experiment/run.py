@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import run_files
+from kvbench.analysis.quality import write_quality
 from kvbench.analysis.summary import write_summary
 from kvbench.analysis.task_score import write_scores
 from kvbench.replay.runner import ReplayConfig, run_replay
@@ -20,6 +21,8 @@ logger = logging.getLogger(__name__)
 def _score_and_summarize(config: ReplayConfig) -> dict[str, Any]:
     if any(t.task is not None for t in config.trace.trajectories):
         write_scores(config.result_dir, config.trace.trajectories, config.tokenizer.decode)
+    if config.reference is not None:  # a reference-anchored run is compared with its reference
+        write_quality(config.result_dir, config.reference.path)
     return write_summary(config.result_dir)
 
 

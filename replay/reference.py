@@ -1,0 +1,107 @@
+"""A reference run for reference-anchored replay (`kvbench replay --reference RUN_DIR`): a
+NonShared run of the same trace, whose recorded outputs the replay feeds to later turns in place
+of its own. Every prompt is then token-identical to the reference's, and any difference in a
+turn's output comes from its cache alone (per-hop attribution), not from drift upstream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvbench import run_files
+from kvbench.tracegen.schema import Trajectory, trajectory_digest
+
+
+class ReferenceRunError(ValueError):
+    """The reference run cannot anchor this replay (another trace, model or method, or outputs missing)."""
+
+
+def trajectory_digests(trajectories: Sequence[Trajectory]) -> dict[str, str]:
+    """Recorded in config.json: what a later run compares to know it replays the same content."""
+    return {t.trajectory_id: trajectory_digest(t) for t in trajectories}
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    path: Path
+    run_id: str
+    outputs: dict[tuple[str, str], list[int]] = field(repr=False)
+
+    def describe(self) -> dict[str, Any]:
+        """config.json's `reference_run`."""
+        return {"path": str(self.path), "run_id": self.run_id}
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / run_files.CONFIG
+    if not path.exists():
+        raise ReferenceRunError(f"{run_dir} is not a kvbench run (no {run_files.CONFIG})")
+    return json.loads(path.read_text())
+
+
+def check_same_content(run_dir: Path, config: dict[str, Any], trajectories: Sequence[Trajectory],
+                       model: str | None) -> None:
+    """Refuse a run of another trace (trajectory contents) or another model."""
+    recorded = config.get("trajectory_digests")
+    if recorded is None:
+        raise ReferenceRunError(f"{run_dir} does not record its trajectories' digests (a run made before kvbench "
+                             "recorded them); replay the reference again")
+    differing = [t.trajectory_id for t in trajectories if recorded.get(t.trajectory_id) != trajectory_digest(t)]
+    if differing:
+        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+        raise ReferenceRunError(f"{run_dir} replayed another trace: trajectories {shown} are absent from it or "
+                             "differ (another seed, shared length or output length?)")
+    if model is not None and config.get("model") not in (None, model):
+        raise ReferenceRunError(f"{run_dir} ran model {config.get('model')!r}, this run {model!r}")
+
+
+def load_reference(run_dir: Path, trajectories: Sequence[Trajectory], model: str | None) -> ReferenceRun:
+    """The reference's outputs for every turn of `trajectories` (the ones this run measures)."""
+    config = read_run_config(run_dir)
+    if config.get("method") != "nonshared":
+        raise ReferenceRunError(f"{run_dir} is a {config.get('method')!r} run; a reference must be a NonShared run "
+                             "(dense prefill: the outputs every method is measured against)")
+    if config.get("prompt_mode", "free") != "free":
+        raise ReferenceRunError(f"{run_dir} was itself replayed in {config['prompt_mode']!r} mode; a reference "
+                             "must run free")
+    check_same_content(run_dir, config, trajectories, model)
+    requests = pd.read_parquet(run_dir / run_files.REQUESTS, columns=["trajectory_id", "turn_id", "success",
+                                                                      "output_token_ids"])
+    ok = requests[requests["success"]]
+    outputs = {(str(r.trajectory_id), str(r.turn_id)): [int(i) for i in r.output_token_ids]
+               for r in ok.itertuples(index=False)}
+    missing = [f"{t.trajectory_id}/{turn.turn_id}" for t in trajectories for turn in t.turns
+               if (t.trajectory_id, turn.turn_id) not in outputs]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ReferenceRunError(f"{run_dir} has no successful output for {shown}; finish it (--resume) or "
+                             "replay fewer trajectories")
+    return ReferenceRun(run_dir, str(config.get("run_id")), outputs)
+
+
+def check_comparable(run_dir: Path, reference_dir: Path, trajectory_ids: Sequence[str]) -> None:
+    """Refuse to compare a run's outputs with a reference of other content: the reference must be
+    a free-running NonShared run of the same model whose trajectories `trajectory_ids` have the
+    same content as the run's."""
+    run, reference = read_run_config(run_dir), read_run_config(reference_dir)
+    if reference.get("method") != "nonshared" or reference.get("prompt_mode", "free") != "free":
+        raise ReferenceRunError(f"{reference_dir} is a {reference.get('method')!r} run in "
+                                f"{reference.get('prompt_mode', 'free')!r} mode; a reference is a free-running "
+                                "NonShared run")
+    ours, theirs = run.get("trajectory_digests"), reference.get("trajectory_digests")
+    if ours is None or theirs is None:
+        older = run_dir if ours is None else reference_dir
+        raise ReferenceRunError(f"{older} does not record its trajectories' digests (a run made before kvbench "
+                                "recorded them); replay it again")
+    differing = [t for t in trajectory_ids if theirs.get(t) != ours.get(t)]
+    if differing:
+        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+        raise ReferenceRunError(f"{run_dir} and {reference_dir} replayed other traces: trajectories {shown} "
+                                "differ or are missing from the reference")
+    if run.get("model") != reference.get("model"):
+        raise ReferenceRunError(f"{run_dir} ran model {run.get('model')!r}, {reference_dir} {reference.get('model')!r}")

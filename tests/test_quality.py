@@ -1,0 +1,120 @@
+"""Quality against a reference run: the per-turn comparison, PGR, and the replay modes behind them
+(reference-anchored, drop-shared), against the stub server (no engine)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from kvbench.analysis.quality import compare_outputs, first_divergence, pgr_figures, quality_figures, token_f1
+from kvbench.cli import main
+from kvbench.replay.stub import StubServer
+
+SMALL = ["--shared-tokens", "64", "--output-len", "4", "--qps", "0", "--num-trajectories", "3"]
+
+
+def test_token_f1_and_first_divergence_on_hand_made_outputs() -> None:
+    assert token_f1([1, 2, 3], [1, 2, 3]) == 1.0
+    assert token_f1([1, 2, 3], [4, 5, 6]) == 0.0
+    assert token_f1([1, 1, 2], [1, 2, 2]) == pytest.approx(2 / 3)  # bags: {1, 2} in common, not {1, 1, 2, 2}
+    assert token_f1([], []) == 1.0 and token_f1([], [1]) == 0.0
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert first_divergence([1, 9, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def _requests(outputs: dict[tuple[str, str], list[int] | None]) -> pd.DataFrame:
+    return pd.DataFrame([{"trajectory_id": t, "turn_id": turn, "agent": turn.split(".")[0], "success": out is not None,
+                          "reusable_tokens": 0 if turn.startswith("A0") else 10, "output_token_ids": out}
+                         for (t, turn), out in outputs.items()])
+
+
+def test_compare_outputs_scores_failures_as_wrong_and_splits_reuse_turns() -> None:
+    reference = _requests({("t0", "A0.r0"): [1, 2, 3, 4], ("t0", "A1.r0"): [5, 6, 7, 8], ("t1", "A0.r0"): [9, 9]})
+    run = _requests({("t0", "A0.r0"): [1, 2, 3, 4], ("t0", "A1.r0"): [5, 6, 0, 0], ("t1", "A0.r0"): None,
+                     ("t2", "A0.r0"): [1]})  # t2: the reference lacks it, not compared
+    quality = compare_outputs(run, reference).set_index(["trajectory_id", "turn_id"])
+    assert len(quality) == 3
+    assert quality.loc[("t0", "A0.r0"), "exact_match"] and quality.loc[("t0", "A0.r0"), "first_divergence"] == 4
+    assert not quality.loc[("t0", "A1.r0"), "exact_match"] and quality.loc[("t0", "A1.r0"), "first_divergence"] == 2
+    assert quality.loc[("t0", "A1.r0"), "token_f1"] == pytest.approx(0.5)
+    failed = quality.loc[("t1", "A0.r0")]
+    assert not failed["success"] and not failed["exact_match"] and failed["token_f1"] == 0.0
+    figures = quality_figures(quality.reset_index())
+    assert figures["exact_match_rate"] == pytest.approx(1 / 3)
+    assert figures["exact_match_rate_reuse"] == 0.0 and figures["exact_match_rate_first"] == 0.5
+
+
+def test_pgr_is_one_at_the_reference_zero_at_the_floor_and_undefined_without_a_gap() -> None:
+    reference = _requests({(f"t{i}", "A1.r0"): [i, i + 1, i + 2, i + 3] for i in range(8)})
+    same = compare_outputs(reference, reference)
+    floor = compare_outputs(_requests({(f"t{i}", "A1.r0"): [100, 101, i, 102] for i in range(8)}), reference)
+    half = compare_outputs(_requests({(f"t{i}", "A1.r0"): [i, i + 1, 100, 101] for i in range(8)}), reference)
+    assert pgr_figures(same, floor)["pgr"] == pytest.approx(1.0)
+    assert pgr_figures(floor, floor)["pgr"] == pytest.approx(0.0)
+    figures = pgr_figures(half, floor)  # F1 0.5 against a floor of 0.25: a third of the gap
+    assert figures["pgr"] == pytest.approx((0.5 - 0.25) / 0.75)
+    assert figures["pgr_low"] <= figures["pgr"] <= figures["pgr_high"]
+    undefined = pgr_figures(same, same)
+    assert math.isnan(undefined["pgr"]) and "not above the floor" in undefined["pgr_reason"]
+
+
+def _replay(stub: StubServer, out: Path, model: Path, *args: str):
+    return CliRunner().invoke(main, ["replay", "--model", str(model), "--base-url", stub.base_url, *SMALL,
+                                     "--save-prompt-ids", "--result-dir", str(out), *args], prog_name="kvbench")
+
+
+def test_reference_anchored_and_drop_shared_replays(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A replay anchored on a NonShared reference sends the reference's prompts and matches its
+    outputs (exact match 1, PGR 1); a --drop-shared run leaves the shared segments out and is
+    PGR's floor (PGR 0)."""
+    with StubServer() as stub:
+        assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir).exit_code == 0
+        anchored = _replay(stub, tmp_path / "anchored", tiny_tokenizer_dir, "--reference", str(tmp_path / "ref"))
+        assert anchored.exit_code == 0, anchored.output
+        floor = _replay(stub, tmp_path / "floor", tiny_tokenizer_dir, "--drop-shared")
+        assert floor.exit_code == 0, floor.output
+    ref = pd.read_parquet(tmp_path / "ref" / "requests.parquet").set_index(["trajectory_id", "turn_id"])
+    run = pd.read_parquet(tmp_path / "anchored" / "requests.parquet").set_index(["trajectory_id", "turn_id"])
+    for key in ref.index:
+        assert list(run.loc[key, "prompt_token_ids"]) == list(ref.loc[key, "prompt_token_ids"])
+    summary = json.loads((tmp_path / "anchored" / "summary.json").read_text())
+    assert summary["exact_match_rate"] == 1.0 and summary["mean_token_f1"] == 1.0
+    assert summary["config"]["prompt_mode"] == "reference"
+    assert summary["config"]["reference_run"]["path"] == str(tmp_path / "ref")
+    dropped = pd.read_parquet(tmp_path / "floor" / "requests.parquet").set_index(["trajectory_id", "turn_id"])
+    # Every shared segment (the query, the upstream outputs) left out, nothing else.
+    assert (dropped["prompt_tokens"] == ref["prompt_tokens"] - ref["shared_tokens"]).all()
+    result = CliRunner().invoke(main, ["quality", str(tmp_path / "anchored"), str(tmp_path / "floor"), "--reference",
+                                       str(tmp_path / "ref"), "--floor", str(tmp_path / "floor")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "anchored" / "summary.json").read_text())["pgr"] == pytest.approx(1.0)
+    floor_summary = json.loads((tmp_path / "floor" / "summary.json").read_text())
+    assert floor_summary["pgr"] == pytest.approx(0.0) and floor_summary["mean_token_f1"] < 1.0
+    assert "PGR 1.000" in result.output
+
+
+def test_a_reference_of_another_trace_or_method_is_refused(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    with StubServer() as stub:
+        assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir).exit_code == 0
+        other = CliRunner().invoke(main, ["replay", "--model", str(tiny_tokenizer_dir), "--base-url", stub.base_url,
+                                          "--shared-tokens", "32", "--output-len", "4", "--qps", "0",
+                                          "--num-trajectories", "3", "--result-dir", str(tmp_path / "other"),
+                                          "--reference", str(tmp_path / "ref")], prog_name="kvbench")
+        assert other.exit_code == 2 and "replayed another trace" in other.output
+        assert not (tmp_path / "other").exists()  # refused before anything ran
+        shutil.copytree(tmp_path / "ref", tmp_path / "fs")
+        config = json.loads((tmp_path / "fs" / "config.json").read_text())
+        (tmp_path / "fs" / "config.json").write_text(json.dumps({**config, "method": "fullshared"}))
+        wrong = _replay(stub, tmp_path / "x", tiny_tokenizer_dir, "--reference", str(tmp_path / "fs"))
+        assert wrong.exit_code == 2 and "a reference must be a NonShared run" in wrong.output
+        both = _replay(stub, tmp_path / "y", tiny_tokenizer_dir, "--reference", str(tmp_path / "ref"), "--drop-shared")
+        assert both.exit_code == 2 and "not both" in both.output
+    refused = CliRunner().invoke(main, ["quality", str(tmp_path / "ref"), "--reference", str(tmp_path / "fs")])
+    assert refused.exit_code == 1 and "free-running NonShared run" in refused.output
