@@ -19,6 +19,8 @@ class CompletionResult:
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     prompt_token_ids: list[int] | None = None  # as the server saw them (echoed with return_token_ids)
+    # Top-K logprobs of the first generated token ("token_id:N" -> logprob), when asked for
+    first_token_logprobs: dict[str, float] | None = None
     usage: dict[str, Any] | None = None
     error_type: str | None = None
     error_message: str | None = None
@@ -84,6 +86,9 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], 
                 if token_ids or choice.get("text"):
                     if result.first_token_ns is None:
                         result.first_token_ns = now
+                        top = (choice.get("logprobs") or {}).get("top_logprobs") or [None]
+                        if top[0]:
+                            result.first_token_logprobs = {str(k): float(v) for k, v in top[0].items()}
                     result.chunk_ns.append(now)
                     result.end_ns = now
                     result.output_token_ids.extend(token_ids)

@@ -56,6 +56,7 @@ class RequestRecord:
     error_message: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None  # only with --save-prompt-ids
+    first_token_logprobs: str | None = None  # JSON {"token_id:N": logprob}: top-K of the first token (--logprobs)
 
 
 SCHEMA = pa.schema([
@@ -70,7 +71,7 @@ SCHEMA = pa.schema([
     ("source_missing_tokens", pa.int64()),
     ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),
     ("error_message", pa.string()), ("output_token_ids", pa.list_(pa.int64())),
-    ("prompt_token_ids", pa.list_(pa.int64())),
+    ("prompt_token_ids", pa.list_(pa.int64())), ("first_token_logprobs", pa.string()),
 ])
 
 

@@ -93,6 +93,7 @@ class ReplayConfig:
     # Reference-anchored replay: later turns read the reference run's outputs, not this run's.
     reference: ReferenceRun | None = None
     drop_shared: bool = False  # every shared segment left out of every prompt (PGR's floor)
+    logprobs: int = 0  # top-K logprobs of each first generated token, recorded (0: none)
     request_timeout_s: float = 600.0
     save_prompt_ids: bool = False
     resume: bool = False
@@ -199,6 +200,7 @@ class Replayer:
             "seed": cfg.seed,
             "metric_percentiles": cfg.metric_percentiles,
             "sampling": cfg.sampling.to_dict(),
+            "logprobs": cfg.logprobs,
             "prompt_mode": self.prompt_mode,
             "reference_run": cfg.reference.describe() if cfg.reference is not None else None,
             "trajectory_digests": trajectory_digests(cfg.trace.trajectories),
@@ -442,6 +444,8 @@ class Replayer:
             "stream_options": {"include_usage": True},
             "return_token_ids": True, "kv_transfer_params": prompt.plan.to_params(),
         }
+        if self.config.logprobs:  # keyed by token id, not by its (ambiguous) text
+            body.update(logprobs=self.config.logprobs, return_tokens_as_token_ids=True)
         if self.method_info.approximate and record.reusable_tokens:
             # Approximate K/V must never serve a later exact request from vLLM's prefix cache.
             body["cache_salt"] = hashlib.sha256(record.request_id.encode()).hexdigest()[:32]
@@ -475,6 +479,8 @@ class Replayer:
                 record.tpot_ms = (record.e2el_ms - record.ttft_ms) / (record.output_tokens - 1)
             record.itl_ms = [(b - a) / 1e6 for a, b in zip(result.chunk_ns, result.chunk_ns[1:])]
             record.output_token_ids = list(output_ids)
+            if result.first_token_logprobs is not None:
+                record.first_token_logprobs = json.dumps(result.first_token_logprobs)
             outputs[turn.turn_id] = list(output_ids)
             self._consecutive_unreachable = 0
         elif result.error_type == "connection_refused":

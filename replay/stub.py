@@ -74,6 +74,9 @@ class StubServer:
         for index in range(max_tokens):
             token = (len(prompt) + index) % 1000 + 3
             choice: dict[str, Any] = {"index": 0, "text": f" t{token}", "token_ids": [token]}
+            if body.get("logprobs"):  # a made-up distribution whose top token is the one sent
+                top = {f"token_id:{token + k}": -0.2 - 2.0 * k for k in range(int(body["logprobs"]))}
+                choice["logprobs"] = {"tokens": [f"token_id:{token}"], "token_logprobs": [-0.2], "top_logprobs": [top]}
             if index == 0:
                 choice["prompt_token_ids"] = prompt
             await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())

@@ -12,7 +12,14 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from kvbench.analysis.quality import compare_outputs, first_divergence, pgr_figures, quality_figures, token_f1
+from kvbench.analysis.quality import (
+    compare_outputs,
+    first_divergence,
+    first_token_kl,
+    pgr_figures,
+    quality_figures,
+    token_f1,
+)
 from kvbench.cli import main
 from kvbench.replay.stub import StubServer
 
@@ -27,6 +34,23 @@ def test_token_f1_and_first_divergence_on_hand_made_outputs() -> None:
     assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
     assert first_divergence([1, 9, 3], [1, 2, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_first_token_kl_over_the_shared_top_k_and_the_rest() -> None:
+    import math as m
+
+    reference = {"token_id:1": m.log(0.6), "token_id:2": m.log(0.3)}  # the rest: 0.1
+    assert first_token_kl(reference, dict(reference)) == pytest.approx(0.0, abs=1e-12)
+    shifted = {"token_id:1": m.log(0.3), "token_id:2": m.log(0.6)}
+    expected = 0.6 * m.log(0.6 / 0.3) + 0.3 * m.log(0.3 / 0.6)  # the rest bucket: 0.1 on both sides
+    assert first_token_kl(reference, shifted) == pytest.approx(expected)
+    # Nothing in common: the method's unlisted 0.1 is shared by tokens 1, 2 and the rest bucket,
+    # which also holds its token 7.
+    disjoint = {"token_id:7": m.log(0.9)}
+    share = 0.1 / 3
+    expected = 0.6 * m.log(0.6 / share) + 0.3 * m.log(0.3 / share) + 0.1 * m.log(0.1 / (0.9 + share))
+    assert first_token_kl(reference, disjoint) == pytest.approx(expected)
+    assert first_token_kl(reference, disjoint) > first_token_kl(reference, shifted) > 0
 
 
 def _requests(outputs: dict[tuple[str, str], list[int] | None]) -> pd.DataFrame:
@@ -75,7 +99,7 @@ def test_reference_anchored_and_drop_shared_replays(tiny_tokenizer_dir: Path, tm
     outputs (exact match 1, PGR 1); a --drop-shared run leaves the shared segments out and is
     PGR's floor (PGR 0)."""
     with StubServer() as stub:
-        assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir).exit_code == 0
+        assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir, "--logprobs", "5").exit_code == 0
         anchored = _replay(stub, tmp_path / "anchored", tiny_tokenizer_dir, "--reference", str(tmp_path / "ref"))
         assert anchored.exit_code == 0, anchored.output
         floor = _replay(stub, tmp_path / "floor", tiny_tokenizer_dir, "--drop-shared")
@@ -86,6 +110,9 @@ def test_reference_anchored_and_drop_shared_replays(tiny_tokenizer_dir: Path, tm
         assert list(run.loc[key, "prompt_token_ids"]) == list(ref.loc[key, "prompt_token_ids"])
     summary = json.loads((tmp_path / "anchored" / "summary.json").read_text())
     assert summary["exact_match_rate"] == 1.0 and summary["mean_token_f1"] == 1.0
+    assert summary["top1_agreement"] == 1.0 and summary["mean_first_token_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["config"]["logprobs"] == 20  # asked for by default with --reference
+    assert json.loads(run["first_token_logprobs"].iloc[0])  # recorded per request
     assert summary["config"]["prompt_mode"] == "reference"
     assert summary["config"]["reference_run"]["path"] == str(tmp_path / "ref")
     dropped = pd.read_parquet(tmp_path / "floor" / "requests.parquet").set_index(["trajectory_id", "turn_id"])

@@ -102,6 +102,9 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
               default=None, help="A NonShared run of the same trace: later turns read its recorded outputs instead "
                                  "of this run's own (every prompt token-identical to its), and each output is "
                                  "compared with its (quality.parquet).")
+@click.option("--logprobs", type=click.IntRange(min=0), default=None,
+              help="Record the top-K logprobs of each first generated token (first-token KL against a reference; "
+                   "vLLM serves up to 20) [default: 20 with --reference, else 0].")
 @click.option("--drop-shared", is_flag=True,
               help="Leave every shared segment out of every prompt: the no-context floor of PGR.")
 @server_options
@@ -111,8 +114,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
-                   temperature: float, top_p: float, top_k: int, reference_dir: Path | None, drop_shared: bool,
-                   server: ServerOptions) -> None:
+                   temperature: float, top_p: float, top_k: int, reference_dir: Path | None,
+                   logprobs: int | None, drop_shared: bool, server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.experiment.run import replay_and_summarize
@@ -152,6 +155,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
         num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles, label=label,
         metadata=_parse_metadata(metadata), sampling=sampling, reference=reference, drop_shared=drop_shared,
+        logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
         method_params=params,
         extra_config={"model": model, "method_params": params,
