@@ -77,14 +77,20 @@ def test_calibrate_finds_a_threshold(method_server: tuple[str, VLLMServer]) -> N
         assert result.exit_code == 0, result.output
         report = json.loads(result.output[result.output.index("{"):])
         assert abs(report["realized_rho"] - 0.5) <= 0.05, report  # within half a 512-token query's share
+        # Two bisection steps (rho 0.5, 0.75) cannot reach 1: said, with a non-zero exit.
+        short = CliRunner().invoke(main, ["calibrate", "--method", method, "--target-rho", "1.0", "--base-url",
+                                          server.base_url, "--num-trajectories", "4", "--shared-tokens", "512",
+                                          "--output-len", "8", "--iterations", "2"], prog_name="kvbench")
+        assert short.exit_code == 1 and "out of reach" in short.output, short.output
         WorkerClient(server.base_url).set_params({"rho": 0.8})  # restore the default
         return
     if method != "kvcmas":
         pytest.skip("one gated method is enough to exercise calibration")
     result = CliRunner().invoke(main, ["calibrate", "--method", method, "--target-rho", "0.5", "--base-url",
                                        server.base_url, "--num-trajectories", "4", "--shared-tokens", "512",
-                                       "--output-len", "8", "--iterations", "3"], prog_name="kvbench")
-    assert result.exit_code == 0, result.output
+                                       "--output-len", "8", "--iterations", "3", "--tolerance", "1"],
+                                prog_name="kvbench")
+    assert result.exit_code == 0, result.output  # (whether 0.5 was reached: the tolerance's business)
     report = json.loads(result.output[result.output.index("{"):])
     steps = report["steps"]
     thresholds = [s["tau"] for s in steps]

@@ -333,12 +333,17 @@ def methods_command(markdown: bool) -> None:
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--iterations", type=click.IntRange(1, 12), default=6, show_default=True, help="Bisection steps.")
+@click.option("--num-warmups", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Trajectories run before each measured replay to fill the method's state (anchor pools), as a "
+                   "measured run with --prime-method-state does: the threshold is found for the steady state.")
+@click.option("--tolerance", type=click.FloatRange(min=0), default=0.05, show_default=True,
+              help="Exit 1 when no step came within this of the target rho.")
 @click.option("--base-url", default=None, help="A running server with the method [default: start one].")
 @click.option("--seed", type=int, default=1, show_default=True)
 @server_options
 def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
-                      shared_tokens: int, output_len: int, iterations: int, base_url: str | None, seed: int,
-                      server: ServerOptions) -> None:
+                      shared_tokens: int, output_len: int, iterations: int, num_warmups: int, tolerance: float,
+                      base_url: str | None, seed: int, server: ServerOptions) -> None:
     """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho) that reaches a target
     reuse ratio, or DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.experiment.calibrate import calibrate_threshold, summary_dict
@@ -356,7 +361,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     if cls is None or threshold not in cls.Params.model_fields:
         raise click.BadParameter(f"{method!r} has no reliability gate, reuse budget or layer group to calibrate",
                                  param_hint="--method")
-    trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
+    trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
                                            output_len, seed)
 
     def show(step) -> None:
@@ -365,14 +370,20 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     try:
         if base_url is not None:
             steps = calibrate_threshold(trace, tokenizer, method, base_url.rstrip("/"), target_rho, cls.threshold_name,
-                                        iterations, show)
+                                        iterations, show, num_warmups)
         else:
             with VLLMServer(server.server_config(method, params, served)) as running:
                 steps = calibrate_threshold(trace, tokenizer, method, running.base_url, target_rho, cls.threshold_name,
-                                            iterations, show)
+                                            iterations, show, num_warmups)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(json.dumps(summary_dict(steps, target_rho, cls.threshold_name), indent=2))
+    report = summary_dict(steps, target_rho, cls.threshold_name)
+    click.echo(json.dumps(report, indent=2))
+    if abs(report["realized_rho"] - target_rho) > tolerance:
+        raise click.ClickException(
+            f"target rho {target_rho:g} is out of reach on this trace: the closest step realized "
+            f"{report['realized_rho']:.3f} ({cls.threshold_name}={report[cls.threshold_name]:.4f}); more --iterations, "
+            "another --trace or a larger --tolerance")
 
 
 def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tokenizer: Any, served: str,

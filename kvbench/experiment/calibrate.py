@@ -21,8 +21,11 @@ class CalibrationStep:
 
 def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, base_url: str, target_rho: float,
                         threshold_name: str, iterations: int = 6,
-                        on_step: Callable[[CalibrationStep], None] | None = None) -> list[CalibrationStep]:
-    """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1]."""
+                        on_step: Callable[[CalibrationStep], None] | None = None,
+                        num_warmups: int = 0) -> list[CalibrationStep]:
+    """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1].
+    Each replay starts from a reset method state, filled by the trace's first `num_warmups`
+    trajectories (not measured), as a measured run with --prime-method-state does."""
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.replay.runner import ReplayConfig
     from kvbench.replay.worker_rpc import WorkerClient
@@ -31,7 +34,9 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
         WorkerClient(base_url).set_params({threshold_name: threshold})
         with tempfile.TemporaryDirectory() as tmp:
             summary = replay_and_summarize(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
-                                                         result_dir=Path(tmp) / "run", qps=0, show_progress=False))
+                                                         result_dir=Path(tmp) / "run", qps=0, show_progress=False,
+                                                         num_warmups=num_warmups,
+                                                         prime_method_state=num_warmups > 0))
         rho = summary.get("realized_rho")
         return float(rho) if rho is not None else 0.0
 
