@@ -137,6 +137,15 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     summary["shared_tokens"] = shared
     summary["reusable_tokens"] = reusable
     summary |= reuse_figures(ok)
-    cached = ok["cached_tokens"].dropna() if completed else pd.Series(dtype=float)
-    summary["cached_tokens"] = int(cached.sum()) if len(cached) else None
+    # What vLLM's own prefix cache served, what the method reused and what was computed, apart:
+    # vLLM's `cached_tokens` also counts every token a connector claimed.
+    for column in ("cached_tokens", "prefix_cached_tokens", "reused_tokens", "recomputed_tokens"):
+        values = ok[column].dropna() if completed and column in ok else pd.Series(dtype=float)
+        summary[column] = int(values.sum()) if len(values) else None
+    prefix = ok["prefix_cached_tokens"] if completed and "prefix_cached_tokens" in ok else None
+    if prefix is not None and prefix.notna().all():  # rows computed (by vLLM or the connector's forward)
+        reused = ok["reused_tokens"].fillna(0) if "reused_tokens" in ok else 0
+        summary["computed_prompt_tokens"] = int((ok["prompt_tokens"] - prefix - reused).sum())
+    else:
+        summary["computed_prompt_tokens"] = None
     return summary

@@ -137,5 +137,7 @@ class MethodStatsCollector:
             record["eligible_tokens"] = stats.get("eligible_tokens")
             record["recomputed_tokens"] = stats["recomputed_tokens"]
             record["source_missing_tokens"] = stats.get("source_missing_tokens")
+            # vLLM counts the connector's claims as cached too; its own prefix cache is `local_tokens`
+            record["prefix_cached_tokens"] = stats.get("local_tokens")
             record["method_stats"] = json.dumps(stats)
         return missing

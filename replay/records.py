@@ -45,7 +45,8 @@ class RequestRecord:
     e2el_ms: float | None = None
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
-    cached_tokens: int | None = None  # server-reported prefix-cache hits
+    cached_tokens: int | None = None  # vLLM's usage figure: its prefix cache plus every token a connector claimed
+    prefix_cached_tokens: int | None = None  # rows vLLM's own prefix cache served
     eligible_tokens: int | None = None  # method-reported: PH tokens it could have served from a cache
     reused_tokens: int | None = None  # method-reported
     recomputed_tokens: int | None = None  # method-reported
@@ -66,7 +67,8 @@ SCHEMA = pa.schema([
     ("scheduled_ns", pa.int64()), ("sent_ns", pa.int64()), ("first_token_ns", pa.int64()), ("end_ns", pa.int64()),
     ("client_queue_ms", pa.float64()), ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()),
     ("e2el_ms", pa.float64()), ("itl_ms", pa.list_(pa.float64())), ("output_tokens", pa.int64()),
-    ("cached_tokens", pa.int64()), ("eligible_tokens", pa.int64()), ("reused_tokens", pa.int64()),
+    ("cached_tokens", pa.int64()), ("prefix_cached_tokens", pa.int64()), ("eligible_tokens", pa.int64()),
+    ("reused_tokens", pa.int64()),
     ("recomputed_tokens", pa.int64()),
     ("source_missing_tokens", pa.int64()),
     ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),

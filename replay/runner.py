@@ -468,6 +468,8 @@ class Replayer:
             record.prompt_token_ids = result.prompt_token_ids if result.prompt_token_ids is not None else prompt.token_ids
         if result.usage:
             record.cached_tokens = ((result.usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+            if not self.method_info.uses_connector:  # plain vLLM: all of it is its prefix cache
+                record.prefix_cached_tokens = record.cached_tokens
         if result.success:
             output_ids = result.output_token_ids or self.config.tokenizer.encode(result.output_text)
             record.success = True

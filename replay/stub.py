@@ -92,7 +92,9 @@ class StubServer:
         if self.connector:
             self._record_stats(body.get("kv_transfer_params") or {}, len(prompt))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
-                 "total_tokens": len(prompt) + max_tokens}
+                 "total_tokens": len(prompt) + max_tokens,
+                 # as vLLM counts it: a connector's claimed tokens are "cached" too
+                 "prompt_tokens_details": {"cached_tokens": len(prompt) - 1 if self.connector else 0}}
         await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         return response
@@ -105,7 +107,7 @@ class StubServer:
         self._saved += 1
         self._stats[plan.save_as] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
                                      "recomputed_tokens": max(0, prompt_len - 1 - reused),
-                                     "source_missing_tokens": 0}
+                                     "source_missing_tokens": 0, "local_tokens": 0, "claimed_tokens": prompt_len - 1}
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -258,3 +258,23 @@ def test_sampling_parameters_are_sent_and_recorded(tiny_tokenizer_dir: Path, stu
     bad = _replay("--base-url", stub.base_url, "--top-k", "0", "--result-dir", str(tmp_path / "bad"),
                   model=tiny_tokenizer_dir)
     assert bad.exit_code == 2 and "--top-k" in bad.output
+
+
+def test_prefix_cache_reuse_and_computation_are_counted_apart(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """vLLM's `cached_tokens` counts every token a connector claimed; the records and the summary
+    also say what its own prefix cache served, what the method reused and what was computed."""
+    with StubServer(connector=True, connector_method="fullshared") as stub:
+        assert _replay("--method", "fullshared", "--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "1",
+                       *SMALL, "--result-dir", str(tmp_path / "fs"), model=tiny_tokenizer_dir).exit_code == 0
+    requests = pd.read_parquet(tmp_path / "fs" / "requests.parquet")
+    assert (requests["cached_tokens"] == requests["prompt_tokens"] - 1).all()  # vLLM's figure: every claim
+    assert (requests["prefix_cached_tokens"] == 0).all()  # the stub's connector reports its prefix cache empty
+    summary = json.loads((tmp_path / "fs" / "summary.json").read_text())
+    assert summary["prefix_cached_tokens"] == 0 and summary["reused_tokens"] == requests["reused_tokens"].sum() > 0
+    assert summary["computed_prompt_tokens"] == (requests["prompt_tokens"] - requests["reused_tokens"]).sum()
+    with StubServer() as plain:
+        assert _replay("--base-url", plain.base_url, "--qps", "0", "--num-trajectories", "1", *SMALL,
+                       "--result-dir", str(tmp_path / "ns"), model=tiny_tokenizer_dir).exit_code == 0
+    plain_summary = json.loads((tmp_path / "ns" / "summary.json").read_text())
+    assert plain_summary["prefix_cached_tokens"] == plain_summary["cached_tokens"] == 0
+    assert plain_summary["computed_prompt_tokens"] == plain_summary["total_input_tokens"]
