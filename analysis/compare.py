@@ -5,40 +5,50 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import pandas as pd
 
 from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
 from kvbench.analysis.runs import Run
 
-# Metrics where larger is better; every other gated metric is a cost (latency, bytes, failures).
-HIGHER_IS_BETTER = re.compile(r"throughput|completed|realized_rho|eligible_rho|goodput")
+# Metrics where larger is better; every other gated metric is a cost (latency, bytes, failures,
+# first-token KL).
+HIGHER_IS_BETTER = re.compile(r"throughput|completed|realized_rho|eligible_rho|goodput|pgr|exact_match|token_f1"
+                              r"|top1_agreement|task_accuracy|first_divergence")
 # Metrics whose candidate/baseline ratio gets a bootstrap interval (over which TTFTs it is a p50).
 INTERVAL_METRICS = {"p50_ttft_ms": "request", "p50_trajectory_ttft_ms": "trajectory"}
+NoisePolicy = Literal["fail", "pass"]
 
 
 @dataclass(frozen=True)
 class Gate:
-    """`metric=+10%`: the candidate may be at most 10% worse than the baseline.
-    `metric:num/den=-10%`: the ratio of two methods' values within each side may fall at most 10%
-    (ratios measured inside one run are robust to a slower or busier machine)."""
+    """`metric=+10%`: the candidate may be at most 10% worse than the baseline. `metric=-0.05`
+    (no %): at most 0.05 worse, in the metric's own units (for shares such as pgr or
+    exact_match_rate). `metric:num/den=-10%`: the ratio of two methods' values within each side may
+    fall at most 10% (ratios measured inside one run are robust to a slower or busier machine)."""
 
     metric: str
-    tolerance: float  # fraction, >= 0
+    tolerance: float  # >= 0: a fraction of the baseline, or an amount when absolute
     ratio: tuple[str, str] | None = None
+    absolute: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Gate:
-        match = re.fullmatch(r"([A-Za-z0-9_.]+)(?::([\w.-]+)/([\w.-]+))?=([+-]?)(\d+(?:\.\d+)?)%", text.strip())
+        match = re.fullmatch(r"([A-Za-z0-9_.]+)(?::([\w.-]+)/([\w.-]+))?=([+-]?)(\d+(?:\.\d+)?)(%?)", text.strip())
         if not match:
-            raise ValueError(f"bad gate {text!r}; expected METRIC=+10% or METRIC:METHOD_A/METHOD_B=-10%")
-        metric, num, den, _, amount = match.groups()
-        return cls(metric, float(amount) / 100, (num, den) if num else None)
+            raise ValueError(f"bad gate {text!r}; expected METRIC=+10%, METRIC=-0.05 or METRIC:METHOD_A/METHOD_B=-10%")
+        metric, num, den, _, amount, percent = match.groups()
+        if percent:
+            return cls(metric, float(amount) / 100, (num, den) if num else None)
+        if num:
+            raise ValueError(f"bad gate {text!r}: a ratio of two methods takes a % tolerance")
+        return cls(metric, float(amount), None, absolute=True)
 
     @property
     def label(self) -> str:
         subject = f"{self.metric}[{self.ratio[0]}/{self.ratio[1]}]" if self.ratio else self.metric
-        return f"{subject} within {self.tolerance:.0%}"
+        return f"{subject} within {self.tolerance:g}" if self.absolute else f"{subject} within {self.tolerance:.0%}"
 
 
 def _value(runs: list[Run], metric: str, method: str | None = None) -> float:
@@ -49,39 +59,78 @@ def _value(runs: list[Run], metric: str, method: str | None = None) -> float:
     return sum(values) / len(values)
 
 
-def ratio_interval(baseline: list[Run], candidate: list[Run], metric: str, method: str) -> RatioInterval | None:
+def cells(runs: list[Run], rename: dict[str, str] | None = None) -> dict[str, list[Run]]:
+    """Runs by grid cell (method configuration and workload); `rename` maps a run's name (label,
+    else method) to the name it is paired under."""
+    grouped: dict[str, list[Run]] = {}
+    for run in runs:
+        key = run.cell
+        if rename and run.name in rename:
+            key = rename[run.name] + key[len(run.name):]
+        grouped.setdefault(key, []).append(run)
+    return grouped
+
+
+def ratio_interval(baseline: list[Run], candidate: list[Run], metric: str) -> RatioInterval | None:
     """The 95% bootstrap interval of candidate/baseline for a p50 TTFT metric, where each side
-    holds one run of the method with at least two trajectories (None otherwise: repeats are
-    averaged, and their interval is the repeats' own spread)."""
+    holds one run with at least two trajectories (None otherwise: repeats are averaged, and their
+    interval is the repeats' own spread)."""
     per = INTERVAL_METRICS.get(metric)
-    base = [run for run in baseline if run.method == method]
-    cand = [run for run in candidate if run.method == method]
-    if per is None or len(base) != 1 or len(cand) != 1:
+    if per is None or len(baseline) != 1 or len(candidate) != 1 or not len(baseline[0].requests) \
+            or not len(candidate[0].requests):
         return None
     try:
-        return p50_ratio_interval(cand[0].requests, base[0].requests, per=per)  # type: ignore[arg-type]
+        return p50_ratio_interval(candidate[0].requests, baseline[0].requests, per=per)  # type: ignore[arg-type]
     except ValueError:  # fewer than two trajectories on a side
         return None
 
 
-def compare_table(baseline: list[Run], candidate: list[Run], metrics: list[str]) -> pd.DataFrame:
-    """Per method: baseline, candidate and candidate/baseline for each metric; for p50 TTFT, the
-    ratio's 95% bootstrap interval over trajectories (ratio_low, ratio_high): a change whose
-    interval holds 1 is within the runs' noise."""
+def mismatches(baseline: list[Run], candidate: list[Run], pairs: dict[str, str] | None = None) -> list[str]:
+    """Warnings: paired cells whose runs replayed other traces or models, and cells with no
+    counterpart on the other side."""
+    base, cand = cells(baseline), cells(candidate, pairs)
+    warnings = []
+    for key in sorted(set(base) & set(cand)):
+        reason = base[key][0].mismatch(cand[key][0])
+        if reason:
+            warnings.append(f"{key}: {reason}; its comparison may not mean what it says")
+    alone = sorted(set(base) ^ set(cand))
+    if alone:
+        warnings.append("cells on one side only (no comparison; pair different methods with --pair BASE=CAND): "
+                        + "; ".join(alone))
+    return warnings
+
+
+def compare_table(baseline: list[Run], candidate: list[Run], metrics: list[str],
+                  pairs: dict[str, str] | None = None) -> pd.DataFrame:
+    """Per grid cell present on both sides: baseline, candidate and candidate/baseline for each
+    metric; for p50 TTFT, the ratio's 95% bootstrap interval over trajectories (ratio_low,
+    ratio_high): a change whose interval holds 1 is within the runs' noise."""
+    base, cand = cells(baseline), cells(candidate, pairs)
     rows = []
-    methods = sorted({r.method for r in baseline} | {r.method for r in candidate})
-    for method in methods:
+    for key in sorted(set(base) & set(cand)):
         for metric in metrics:
-            base, cand = _value(baseline, metric, method), _value(candidate, metric, method)
-            interval = ratio_interval(baseline, candidate, metric, method)
-            rows.append({"method": method, "metric": metric, "baseline": base, "candidate": cand,
-                         "ratio": cand / base if base and not math.isnan(base) else math.nan,
+            b, c = _value(base[key], metric), _value(cand[key], metric)  # the mean over a cell's repeats
+            interval = ratio_interval(base[key], cand[key], metric)
+            rows.append({"cell": key, "method": base[key][0].method, "metric": metric, "baseline": b, "candidate": c,
+                         "ratio": c / b if b and not math.isnan(b) else math.nan,
                          "ratio_low": interval.low if interval else math.nan,
                          "ratio_high": interval.high if interval else math.nan})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["cell", "method", "metric", "baseline", "candidate", "ratio", "ratio_low",
+                                       "ratio_high"])
 
 
-def evaluate_gates(baseline: list[Run], candidate: list[Run], gates: list[Gate]) -> pd.DataFrame:
+def _noise_interval(baseline: list[Run], candidate: list[Run], gate: Gate) -> RatioInterval | None:
+    """For a gate on a p50 TTFT of one run per side: the ratio's bootstrap interval."""
+    if gate.ratio or gate.metric not in INTERVAL_METRICS:
+        return None
+    return ratio_interval(baseline, candidate, gate.metric)
+
+
+def evaluate_gates(baseline: list[Run], candidate: list[Run], gates: list[Gate],
+                   noise: NoisePolicy = "fail") -> pd.DataFrame:
+    """One row per gate. A failure whose ratio interval holds 1 (the change is within the runs'
+    noise) is reported as such, and fails or passes by `noise`."""
     rows = []
     for gate in gates:
         if gate.ratio:
@@ -93,22 +142,41 @@ def evaluate_gates(baseline: list[Run], candidate: list[Run], gates: list[Gate])
         else:
             base, cand = _value(baseline, gate.metric), _value(candidate, gate.metric)
             higher_better = bool(HIGHER_IS_BETTER.search(gate.metric))
+        within_noise = False
         if math.isnan(base) or math.isnan(cand):
             passed, change = False, math.nan  # a gated metric that is missing fails loudly
+        elif gate.absolute:
+            change = cand - base
+            passed = change >= -gate.tolerance if higher_better else change <= gate.tolerance
         else:
             # from a zero baseline, any change is unbounded; none is none (e.g. 0 failures both times)
             change = (cand - base) / abs(base) if base else (0.0 if cand == base else math.copysign(math.inf, cand))
             passed = change >= -gate.tolerance if higher_better else change <= gate.tolerance
+        if not passed and not math.isnan(change):
+            interval = _noise_interval(baseline, candidate, gate)
+            within_noise = interval is not None and interval.low <= 1.0 <= interval.high
+        if passed:
+            status = "pass"
+        elif within_noise:
+            status = "FAIL (within noise)" if noise == "fail" else "pass (within noise)"
+        else:
+            status = "FAIL"
         rows.append({"gate": gate.label, "baseline": base, "candidate": cand, "change": change,
-                     "direction": "higher is better" if higher_better else "lower is better",
-                     "status": "pass" if passed else "FAIL"})
+                     "direction": "higher is better" if higher_better else "lower is better", "status": status})
     return pd.DataFrame(rows)
 
 
-def markdown_report(table: pd.DataFrame, gates: pd.DataFrame) -> str:
-    lines = ["# kvbench compare", "", table.to_markdown(index=False, floatfmt=".3f"), ""]
+def failed(gates: pd.DataFrame) -> int:
+    return int(gates["status"].str.startswith("FAIL").sum()) if len(gates) else 0
+
+
+def markdown_report(table: pd.DataFrame, gates: pd.DataFrame, warnings: list[str] | None = None) -> str:
+    lines = ["# kvbench compare", ""]
+    if warnings:
+        lines += ["## Warnings", "", *[f"- {w}" for w in warnings], ""]
+    lines += [table.to_markdown(index=False, floatfmt=".3f") if len(table) else "(no cell on both sides)", ""]
     if len(gates):
-        failed = int((gates["status"] == "FAIL").sum())
+        count = failed(gates)
         lines += ["## Gates", "", gates.to_markdown(index=False, floatfmt=".3f"), "",
-                  f"**{'REGRESSION: ' + str(failed) + ' gate(s) failed' if failed else 'all gates passed'}**", ""]
+                  f"**{'REGRESSION: ' + str(count) + ' gate(s) failed' if count else 'all gates passed'}**", ""]
     return "\n".join(lines)

@@ -50,6 +50,27 @@ def _flatten(table: pd.DataFrame, names: list[str]) -> pd.DataFrame:
     return table.reset_index()
 
 
+def what_it_cost(frame: pd.DataFrame, columns: list[str], names: list[str]) -> list[str]:
+    """The cells' realized rho and, where the runs measured it, their quality: a latency table
+    never stands without what its speed was bought with. Cells of an approximate method that
+    reused nothing are flagged (their latency is NonShared's plus overhead)."""
+    lines = ["### realized rho (shared tokens served by reuse / reusable)", "",
+             _flatten(_pivot(frame, ["method_config"], columns, "realized_rho", 2), names).to_markdown(index=False), ""]
+    for metric, label in (("exact_match_rate", "exact match with the NonShared reference"),
+                          ("pgr", "PGR"), ("task_accuracy", "task accuracy")):
+        if metric in frame and frame[metric].notna().any():
+            table = _flatten(_pivot(frame, ["method_config"], columns, metric, 3), names)
+            lines += [f"### {label}", "", table.to_markdown(index=False), ""]
+    if not any(m in frame and frame[m].notna().any() for m in ("exact_match_rate", "pgr", "task_accuracy")):
+        lines += ["No run here was compared with a NonShared reference (`kvbench quality`) or scored on a task: "
+                  "these latencies say what the methods save, not what they cost in outputs.", ""]
+    idle = frame[(frame["method"] != "nonshared") & ~(frame["realized_rho"] > 0)]
+    if len(idle):
+        cells = "; ".join(f"{r.method_config} ctx={r.shared_tokens} qps={r.qps:g}" for r in idle.itertuples())
+        lines += [f"**Reused nothing** (realized rho 0 or unknown; every shared token computed): {cells}.", ""]
+    return lines
+
+
 def render_table7(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
     lines = ["p50 and p90 TTFT (s) of every request, by shared context and trajectory QPS.", ""]
     for pct in ("p50", "p90"):
@@ -58,6 +79,7 @@ def render_table7(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
         if with_paper:
             lines += [f"### {pct} TTFT (s), the paper (Llama-3.1-8B, A100; rho = 0.8 columns)", "",
                       _paper_table7(frame, pct).to_markdown(index=False), ""]
+    lines += what_it_cost(frame, ["shared_tokens", "qps"], ["ctx", "qps"])
     _lines_vs_qps(frame, "p50_ttft_s", out / "fig5_p50_ttft.png", "p50 TTFT vs QPS (cf. paper Fig. 5)")
     _lines_vs_qps(frame, "p90_ttft_s", out / "fig8_p90_ttft.png", "p90 TTFT vs QPS (cf. paper Fig. 8)")
     lines += ["![p50 TTFT vs QPS](fig5_p50_ttft.png)", "", "![p90 TTFT vs QPS](fig8_p90_ttft.png)"]

@@ -42,14 +42,25 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
         "TTFT by agent position": plots.ttft_by_agent_plot(by_agent, out_dir / "ttft_by_agent.png"),
         "Memory": plots.memory_plot(table, out_dir / "memory.png"),
     }
+    # Every latency row beside what it cost: its reuse and its quality against a reference.
     latency = table[["run", "method", "qps", "shared_tokens", "completed", "failed", "failed_trajectories",
-                     *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms"]]
+                     *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms", "realized_rho", "exact_match_rate",
+                     "pgr", "task_accuracy"]]
+    quality = table[["run", "realized_rho", "exact_match_rate", "exact_match_rate_reuse", "mean_token_f1",
+                     "mean_first_token_kl", "top1_agreement", "pgr", "pgr_low", "pgr_high", "task_accuracy"]]
+    idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
+    compared = bool(table[["exact_match_rate", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",
                         "realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"]]
     memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "peak_server_rss_mib",
                     "peak_kv_cache_usage_perc"]]
     lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
              "## Latency (failures beside every figure)", "", _markdown(latency), "",
+             *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle['run'])}.", ""] if len(idle) else []),
+             "## Quality (against a NonShared reference: `replay --reference`, `kvbench quality`)", "",
+             _markdown(quality, ".3f") if compared else
+             "No run here was compared with a reference or scored on a task: the tables above say what the "
+             "methods save, not what they cost in outputs.", "",
              "## Throughput and reuse", "", _markdown(throughput, ".3f"), "",
              "## Memory", "", _markdown(memory), "",
              "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",

@@ -54,6 +54,38 @@ class Run:
     def shared_tokens(self) -> int | None:
         return self.config.get("trace_header", {}).get("generator", {}).get("shared_tokens")
 
+    @property
+    def cell(self) -> str:
+        """The grid cell this run measured: its method configuration (label, else method) and the
+        workload (shared tokens, agents, rounds, workflow, QPS). Repeats of a cell share it."""
+        generator = self.config.get("trace_header", {}).get("generator", {}) or {}
+        parts = [self.name]
+        for key, short in (("shared_tokens", "ctx"), ("num_agents", "a"), ("rounds", "r")):
+            if generator.get(key) is not None:
+                parts.append(f"{short}={generator[key]}")
+        if generator.get("workflow") not in (None, "sequential"):
+            parts.append(str(generator["workflow"]))
+        if self.summary.get("request_rate") is not None:
+            parts.append(f"qps={self.summary['request_rate']:g}")
+        return " ".join(parts)
+
+    def mismatch(self, other: Run) -> str | None:
+        """Why this run's figures cannot be compared with `other`'s (another model, or the
+        trajectories both ran differ in content), or None."""
+        if self.config.get("model") != other.config.get("model"):
+            return f"models differ ({self.config.get('model')} vs {other.config.get('model')})"
+        ours, theirs = self.config.get("trajectory_digests"), other.config.get("trajectory_digests")
+        if ours and theirs:
+            differing = [t for t in set(ours) & set(theirs) if ours[t] != theirs[t]]
+            if differing or not set(ours) & set(theirs):
+                return "they replayed other traces (trajectory contents differ)"
+            return None
+        header = {k: v for k, v in (self.config.get("trace_header") or {}).get("generator", {}).items()
+                  if k not in ("num_trajectories", "qps", "kvbench_version")}
+        other_header = {k: v for k, v in (other.config.get("trace_header") or {}).get("generator", {}).items()
+                        if k not in ("num_trajectories", "qps", "kvbench_version")}
+        return None if header == other_header else "their trace generator settings differ"
+
 
 def load_run(path: Path) -> Run:
     summary_path, requests_path = path / "summary.json", path / "requests.parquet"

@@ -9,6 +9,8 @@ from kvbench.analysis.metrics import percentile_key, reuse_figures, trajectory_t
 from kvbench.analysis.runs import Run
 
 PERCENTILES = (50, 90, 99)
+QUALITY_KEYS = ("exact_match_rate", "exact_match_rate_reuse", "mean_token_f1", "mean_first_token_kl", "top1_agreement",
+                "pgr", "pgr_low", "pgr_high", "task_accuracy")
 
 
 def _pct(values: pd.Series, p: float) -> float:
@@ -24,7 +26,7 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         ok = requests[requests["success"]]
         trajectories = trajectory_table(requests)
         row = {
-            "run": run.name, "method": run.method, "qps": run.summary.get("request_rate"),
+            "run": run.cell, "method": run.method, "qps": run.summary.get("request_rate"),  # the full grid cell
             "shared_tokens": run.shared_tokens,
             "completed": int(len(ok)), "failed": int((~requests["success"]).sum()),
             "failed_trajectories": int(requests["trajectory_id"].nunique() - len(trajectories)),
@@ -41,6 +43,9 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         for key in ("realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"):
             row[key] = reuse[key] if reuse[key] is not None else float("nan")
         row.update(run.memory())
+        for key in QUALITY_KEYS:  # what the speed cost (NaN: never compared or scored)
+            value = run.summary.get(key)
+            row[key] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -50,7 +55,7 @@ def ttft_by_agent(runs: list[Run], percentile: float = 50) -> pd.DataFrame:
     frames = []
     for run in runs:
         ok = run.requests[run.requests["success"]]
-        by_agent = ok.groupby("agent")["ttft_ms"].quantile(percentile / 100).rename(run.name)
+        by_agent = ok.groupby("agent")["ttft_ms"].quantile(percentile / 100).rename(run.cell)
         frames.append(by_agent)
     table = pd.concat(frames, axis=1) if frames else pd.DataFrame()
     return table.sort_index(key=lambda index: index.str[1:].astype(int)) if len(table) else table

@@ -77,12 +77,14 @@ def test_tables_agree_with_requests_recomputed(sweep_dir: Path) -> None:
     for method in ("nonshared", "fullshared"):
         requests = pd.read_parquet(sweep_dir / method / "requests.parquet")
         a3 = requests[requests["success"] & (requests["agent"] == "A3")]
-        assert by_agent.loc["A3", method] == pytest.approx(a3["ttft_ms"].median())
+        column = next(c for c in by_agent if c.split()[0] == method)  # columns name whole cells
+        assert by_agent.loc["A3", column] == pytest.approx(a3["ttft_ms"].median())
 
 
 @pytest.mark.engine
 def test_fullshared_saves_prefill_on_reuse_turns(engine_sweep_dir: Path) -> None:
     by_agent = ttft_by_agent(find_runs([engine_sweep_dir]))
+    by_agent.columns = [c.split()[0] for c in by_agent.columns]  # cells, named by their method first
     assert by_agent.loc["A3", "fullshared"] < by_agent.loc["A3", "nonshared"]
 
 
@@ -234,3 +236,82 @@ def test_gates_know_which_way_is_better_and_handle_a_zero_baseline() -> None:
     assert status("failed=+0%", {"failed": 0}, {"failed": 0}) == "pass"
     assert status("failed=+0%", {"failed": 0}, {"failed": 3}) == "FAIL"
     assert status("output_throughput=+10%", {"output_throughput": 0}, {"output_throughput": 5}) == "pass"
+
+
+def test_quality_gates_are_absolute_and_know_which_way_is_better() -> None:
+    from kvbench.analysis.compare import evaluate_gates
+
+    def status(gate: str, base: dict, cand: dict) -> str:
+        return evaluate_gates(_runs(**base), _runs(**cand), [Gate.parse(gate)]).iloc[0]["status"]
+
+    assert Gate.parse("pgr=-0.05") == Gate("pgr", 0.05, None, absolute=True)
+    assert status("pgr=-0.05", {"pgr": 0.8}, {"pgr": 0.7}) == "FAIL"  # lost 0.1 of the gap
+    assert status("pgr=-0.05", {"pgr": 0.8}, {"pgr": 0.77}) == "pass"
+    assert status("exact_match_rate=-0.02", {"exact_match_rate": 0.9}, {"exact_match_rate": 0.95}) == "pass"
+    assert status("mean_first_token_kl=+0.01", {"mean_first_token_kl": 0.02}, {"mean_first_token_kl": 0.05}) == "FAIL"
+    with pytest.raises(ValueError, match="takes a % tolerance"):
+        Gate.parse("p50_ttft_ms:nonshared/fullshared=-0.1")
+
+
+def test_compare_pairs_cells_and_warns_about_other_traces(tmp_path: Path) -> None:
+    """Cells are keyed by method and workload (QPS 0 and 1 are two rows, not one mean); two
+    methods are compared only when paired; another trace is warned about."""
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    shutil.copytree(GOLDEN, baseline)
+    shutil.copytree(GOLDEN, candidate)
+    plain = _invoke("compare", str(baseline), str(candidate))
+    assert plain.exit_code == 0 and "warning" not in plain.output
+    assert plain.output.count("| nonshared ") == plain.output.count("| fullshared ")  # one row set per cell
+    # Candidate: FullShared only, renamed as another method; without --pair nothing is compared.
+    shutil.rmtree(candidate / "nonshared")
+    summary = json.loads((candidate / "fullshared" / "summary.json").read_text())
+    summary["label"] = "fullshared-v2"
+    (candidate / "fullshared" / "summary.json").write_text(json.dumps(summary))
+    unpaired = _invoke("compare", str(baseline), str(candidate))
+    assert "cells on one side only" in unpaired.output and "--pair" in unpaired.output
+    paired = _invoke("compare", str(baseline), str(candidate), "--pair", "fullshared=fullshared-v2",
+                     "--gate", "p50_ttft_ms=+10%")
+    assert paired.exit_code == 0 and "fullshared ctx=" in paired.output and "all gates passed" in paired.output
+    # Another model on the candidate side: warned about.
+    summary["config"]["model"] = "another-model"
+    (candidate / "fullshared" / "summary.json").write_text(json.dumps(summary))
+    other = _invoke("compare", str(baseline), str(candidate), "--pair", "fullshared=fullshared-v2")
+    assert "models differ" in other.output
+
+
+def test_a_gate_failure_within_noise_is_reported_as_such(tmp_path: Path) -> None:
+    """A p50 TTFT 'regression' whose bootstrap interval holds 1 is reported as within noise, and
+    --noise pass lets it through."""
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    shutil.copytree(GOLDEN / "fullshared", baseline)
+    shutil.copytree(GOLDEN / "fullshared", candidate)
+    requests = pd.read_parquet(candidate / "requests.parquet")
+    rng = np.random.default_rng(0)  # noise: every TTFT scaled by 0.7-1.5, centred near the old p50
+    requests["ttft_ms"] *= rng.uniform(0.7, 1.5, len(requests))
+    requests.to_parquet(candidate / "requests.parquet")
+    summary = json.loads((candidate / "summary.json").read_text())
+    summary["p50_ttft_ms"] *= 1.2  # the recorded p50 moved 20%...
+    (candidate / "summary.json").write_text(json.dumps(summary))
+    strict = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+10%")
+    assert strict.exit_code == 1 and "FAIL (within noise)" in strict.output  # ...but the interval holds 1
+    lenient = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+10%", "--noise", "pass")
+    assert lenient.exit_code == 0 and "pass (within noise)" in lenient.output
+
+
+def test_latency_tables_carry_what_the_speed_cost(tmp_path: Path) -> None:
+    """Table 7 shows each cell's realized rho and quality beside its latency, says when nothing was
+    compared with a reference, and flags a cell whose method reused nothing."""
+    results = tmp_path / "runs"
+    shutil.copytree(GOLDEN, results)
+    out = tmp_path / "paper"
+    assert _invoke("paper", "table7", "--results", str(results), "-o", str(out)).exit_code == 0
+    text = (out / "table7.md").read_text()
+    assert "### realized rho" in text and "No run here was compared with a NonShared reference" in text
+    assert "Reused nothing" not in text
+    summary = _summary(results / "fullshared")
+    summary.update(realized_rho=0.0, exact_match_rate=0.5)  # as if every load fell back, and compared
+    (results / "fullshared" / "summary.json").write_text(json.dumps(summary))
+    assert _invoke("paper", "table7", "--results", str(results), "-o", str(out)).exit_code == 0
+    text = (out / "table7.md").read_text()
+    assert "**Reused nothing**" in text and "fullshared ctx=" in text.split("**Reused nothing**")[1]
+    assert "### exact match with the NonShared reference" in text and "0.500" in text

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import click
 
+# Both axes: what a method saves and what it costs (quality keys are NaN for runs never compared
+# with a reference).
 DEFAULT_COMPARE_METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_trajectory_ttft_ms", "mean_e2el_ms",
-                           "mean_trajectory_token_throughput", "failed")
+                           "mean_trajectory_token_throughput", "failed", "realized_rho", "exact_match_rate",
+                           "mean_token_f1", "pgr", "task_accuracy")
 
 
 @click.command("report")
@@ -138,25 +141,40 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
               "throughput, failures].")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the comparison as markdown (e.g. for a CI comment).")
+@click.option("--pair", "pairs", multiple=True, metavar="BASE=CAND",
+              help="Compare the baseline's method (or label) BASE with the candidate's CAND, cell by cell "
+                   "(e.g. kvcmas=kvcomm). Repeatable.")
+@click.option("--noise", type=click.Choice(["fail", "pass"]), default="fail", show_default=True,
+              help="Whether a gate failure within the runs' noise (the p50 ratio's interval holds 1) fails.")
 def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], metrics: tuple[str, ...],
-                    markdown_path: Path | None) -> None:
-    """Compare two runs (or sweeps) side by side; exit 1 when a gated metric regressed."""
-    from kvbench.analysis.compare import Gate, compare_table, evaluate_gates, markdown_report
+                    markdown_path: Path | None, pairs: tuple[str, ...], noise: str) -> None:
+    """Compare two runs (or sweeps) cell by cell; exit 1 when a gated metric regressed. Gates may
+    be on quality too (e.g. --gate pgr=-0.05, --gate exact_match_rate=-0.02)."""
+    from kvbench.analysis.compare import Gate, compare_table, evaluate_gates, failed, markdown_report, mismatches
     from kvbench.analysis.runs import RunLoadError, find_runs
 
     try:
         parsed = [Gate.parse(g) for g in gates]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gate") from None
+    pairing = {}
+    for pair in pairs:
+        base_name, sep, cand_name = pair.partition("=")
+        if not sep or not base_name or not cand_name:
+            raise click.BadParameter(f"{pair!r}: expected BASE=CAND", param_hint="--pair")
+        pairing[cand_name] = base_name
     try:
         base_runs, cand_runs = find_runs([baseline]), find_runs([candidate])
     except RunLoadError as exc:
         raise click.ClickException(str(exc)) from None
-    table = compare_table(base_runs, cand_runs, list(metrics or DEFAULT_COMPARE_METRICS))
-    results = evaluate_gates(base_runs, cand_runs, parsed)
-    text = markdown_report(table, results)
+    warnings = mismatches(base_runs, cand_runs, pairing)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
+    table = compare_table(base_runs, cand_runs, list(metrics or DEFAULT_COMPARE_METRICS), pairing)
+    results = evaluate_gates(base_runs, cand_runs, parsed, noise)  # type: ignore[arg-type]
+    text = markdown_report(table, results, warnings)
     click.echo(text)
     if markdown_path is not None:
         markdown_path.write_text(text)
-    if len(results) and (results["status"] == "FAIL").any():
+    if failed(results):
         raise SystemExit(1)
