@@ -12,8 +12,11 @@ F1 0), as task scoring counts it; turns the reference lacks are not compared. Fi
 
 PGR = (score_method - score_floor) / (score_oracle - score_floor), oracle = the reference itself
 (score 1: it is what the others are compared with), floor = a `--drop-shared` run, score = mean
-token F1 against the reference. Undefined (NaN, with the reason) when the oracle is not above the
-floor by more than 1e-3; not clipped. The interval is a paired bootstrap over trajectories.
+token F1 against the reference; on a task trace also over the task's score (`pgr_task`: final
+answers right, the oracle's own accuracy as its score). Undefined (NaN, with the reason) when the
+oracle is not above the floor by more than 1e-3; not clipped. The interval is a paired bootstrap
+over trajectories; against naive reuse (FullShared) the gain in PGR gets one too, with a
+Wilcoxon signed-rank p-value.
 """
 
 from __future__ import annotations
@@ -132,41 +135,90 @@ def quality_figures(quality: pd.DataFrame) -> dict[str, Any]:
     return figures
 
 
-def _pgr(method: np.ndarray, floor: np.ndarray) -> float:
-    """From per-trajectory mean F1s, paired: oracle score 1."""
-    gap = 1.0 - float(floor.mean())
+def _pgr(method: np.ndarray, floor: np.ndarray, oracle: np.ndarray) -> float:
+    """From per-trajectory scores, paired."""
+    gap = float(oracle.mean()) - float(floor.mean())
     return (float(method.mean()) - float(floor.mean())) / gap if gap > PGR_MIN_GAP else math.nan
 
 
-def pgr_figures(quality: pd.DataFrame, floor: pd.DataFrame, confidence: float = 0.95,
-                seed: int = 0) -> dict[str, Any]:
-    """PGR of a run against its floor (both compared with the same reference), with a paired
-    bootstrap interval over the trajectories both compared."""
-    method_scores = quality.groupby("trajectory_id")["token_f1"].mean()
-    floor_scores = floor.groupby("trajectory_id")["token_f1"].mean()
-    shared = method_scores.index.intersection(floor_scores.index)
-    if not len(shared):
-        return {"pgr": math.nan, "pgr_low": math.nan, "pgr_high": math.nan,
-                "pgr_reason": "the run and the floor compared no trajectory in common"}
-    m, f = method_scores[shared].to_numpy(), floor_scores[shared].to_numpy()
-    figures: dict[str, Any] = {"pgr_floor_token_f1": float(f.mean()), "pgr_trajectories": len(shared)}
-    point = _pgr(m, f)
-    if math.isnan(point):
-        return {**figures, "pgr": math.nan, "pgr_low": math.nan, "pgr_high": math.nan,
-                "pgr_reason": f"the reference is not above the floor (floor token F1 {f.mean():.4f}): "
-                              "the shared context does not change the outputs"}
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(shared), size=(BOOTSTRAP_RESAMPLES, len(shared)))
-    samples = np.array([_pgr(m[d], f[d]) for d in draws])
+def _interval(samples: np.ndarray, confidence: float) -> tuple[float, float]:
     samples = samples[~np.isnan(samples)]
+    if not len(samples):
+        return math.nan, math.nan
     tail = (1 - confidence) / 2 * 100
-    low, high = (np.percentile(samples, [tail, 100 - tail]) if len(samples) else (math.nan, math.nan))
-    return {**figures, "pgr": point, "pgr_low": float(low), "pgr_high": float(high), "pgr_reason": None}
+    low, high = np.percentile(samples, [tail, 100 - tail])
+    return float(low), float(high)
 
 
-def write_quality(result_dir: Path, reference_dir: Path, floor_dir: Path | None = None) -> pd.DataFrame:
+def pgr_from_scores(method: pd.Series, floor: pd.Series, oracle: pd.Series | None = None,
+                    naive: pd.Series | None = None, prefix: str = "pgr", confidence: float = 0.95,
+                    seed: int = 0) -> dict[str, Any]:
+    """PGR from per-trajectory scores (indexed by trajectory id) of the method, the floor, the
+    oracle (None: 1 everywhere, the reference compared with itself) and optionally naive reuse
+    (FullShared): the point, a paired bootstrap interval over the trajectories all of them scored,
+    and against naive reuse the gain in PGR, its interval and a Wilcoxon signed-rank p-value of
+    the per-trajectory score differences."""
+    common = method.index.intersection(floor.index)
+    for other in (oracle, naive):
+        if other is not None:
+            common = common.intersection(other.index)
+    undefined = {prefix: math.nan, f"{prefix}_low": math.nan, f"{prefix}_high": math.nan}
+    if not len(common):
+        return {**undefined, f"{prefix}_reason": "the runs scored no trajectory in common"}
+    m, f = method[common].to_numpy(float), floor[common].to_numpy(float)
+    o = oracle[common].to_numpy(float) if oracle is not None else np.ones(len(common))
+    figures: dict[str, Any] = {f"{prefix}_floor_score": float(f.mean()), f"{prefix}_oracle_score": float(o.mean()),
+                               f"{prefix}_trajectories": len(common)}
+    point = _pgr(m, f, o)
+    if math.isnan(point):
+        return {**figures, **undefined,
+                f"{prefix}_reason": f"the oracle ({o.mean():.4f}) is not above the floor ({f.mean():.4f}) by "
+                                    f"{PGR_MIN_GAP:g}: the shared context does not change the score"}
+    draws = np.random.default_rng(seed).integers(0, len(common), size=(BOOTSTRAP_RESAMPLES, len(common)))
+    low, high = _interval(np.array([_pgr(m[d], f[d], o[d]) for d in draws]), confidence)
+    figures.update({prefix: point, f"{prefix}_low": low, f"{prefix}_high": high, f"{prefix}_reason": None})
+    if naive is not None:
+        from scipy import stats
+
+        n = naive[common].to_numpy(float)
+        gains = np.array([_pgr(m[d], f[d], o[d]) - _pgr(n[d], f[d], o[d]) for d in draws])
+        gain_low, gain_high = _interval(gains, confidence)
+        differences = m - n
+        p_value = 1.0 if not np.any(differences) else float(stats.wilcoxon(differences).pvalue)
+        figures.update({f"{prefix}_naive": _pgr(n, f, o), f"{prefix}_gain_over_naive": point - _pgr(n, f, o),
+                        f"{prefix}_gain_low": gain_low, f"{prefix}_gain_high": gain_high,
+                        f"{prefix}_gain_p_value": p_value})
+    return figures
+
+
+def _f1_by_trajectory(quality: pd.DataFrame) -> pd.Series:
+    return quality.groupby("trajectory_id")["token_f1"].mean()
+
+
+def pgr_figures(quality: pd.DataFrame, floor: pd.DataFrame, naive: pd.DataFrame | None = None,
+                confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """PGR over token F1 against the reference (the oracle's own score: 1) of a run against its
+    floor (both compared with the same reference), optionally against naive reuse."""
+    return pgr_from_scores(_f1_by_trajectory(quality), _f1_by_trajectory(floor), None,
+                           _f1_by_trajectory(naive) if naive is not None else None, "pgr", confidence, seed)
+
+
+def _task_by_trajectory(run_dir: Path) -> pd.Series | None:
+    """Whether each trajectory's final answer was right (a task trace's score), or None."""
+    path = run_dir / run_files.TASK_SCORES
+    if not path.exists():
+        return None
+    scores = pd.read_parquet(path)
+    final = scores[scores["final"]]
+    return final.groupby("trajectory_id")["correct"].mean().astype(float) if len(final) else None
+
+
+def write_quality(result_dir: Path, reference_dir: Path, floor_dir: Path | None = None,
+                  naive_dir: Path | None = None) -> pd.DataFrame:
     """Compare the run in `result_dir` with the reference run into `quality.parquet`; with a
-    floor run, also its PGR (`quality_pgr.json`). The summary picks both up."""
+    floor run, also its PGR (`quality_pgr.json`): over token F1, and over the task's score where
+    the trace has a task and all runs were scored; with a naive-reuse run (FullShared), the gain
+    over it. The summary picks both up."""
     import json
 
     reference = _read_requests(reference_dir)
@@ -175,7 +227,15 @@ def write_quality(result_dir: Path, reference_dir: Path, floor_dir: Path | None 
     pgr_path = result_dir / run_files.QUALITY_PGR
     if floor_dir is not None:
         floor = compare_outputs(_read_requests(floor_dir), reference)
-        figures = {**pgr_figures(quality, floor), "reference_run": str(reference_dir), "floor_run": str(floor_dir)}
+        naive = compare_outputs(_read_requests(naive_dir), reference) if naive_dir is not None else None
+        figures = {**pgr_figures(quality, floor, naive), "reference_run": str(reference_dir),
+                   "floor_run": str(floor_dir), "naive_run": str(naive_dir) if naive_dir else None}
+        task = {name: _task_by_trajectory(d) for name, d in
+                (("method", result_dir), ("floor", floor_dir), ("oracle", reference_dir))}
+        naive_task = _task_by_trajectory(naive_dir) if naive_dir is not None else None
+        if all(v is not None for v in task.values()):
+            figures.update(pgr_from_scores(task["method"], task["floor"], task["oracle"],  # type: ignore[arg-type]
+                                           naive_task, prefix="pgr_task"))
         # JSON has no NaN: an undefined PGR is null, beside its reason
         figures = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in figures.items()}
         pgr_path.write_text(json.dumps(figures, indent=2) + "\n")

@@ -145,3 +145,23 @@ def test_a_reference_of_another_trace_or_method_is_refused(tiny_tokenizer_dir: P
         assert both.exit_code == 2 and "not both" in both.output
     refused = CliRunner().invoke(main, ["quality", str(tmp_path / "ref"), "--reference", str(tmp_path / "fs")])
     assert refused.exit_code == 1 and "free-running NonShared run" in refused.output
+
+
+def test_pgr_gain_over_naive_reuse_and_over_a_task_score() -> None:
+    from kvbench.analysis.quality import pgr_from_scores
+
+    ids = [f"t{i}" for i in range(12)]
+    floor = pd.Series(0.2, index=ids)
+    naive = pd.Series([0.5 + 0.01 * i for i in range(12)], index=ids)
+    better = naive + 0.2
+    figures = pgr_from_scores(better, floor, None, naive)
+    assert figures["pgr_naive"] == pytest.approx((naive.mean() - 0.2) / 0.8)
+    assert figures["pgr_gain_over_naive"] == pytest.approx(0.2 / 0.8)
+    assert figures["pgr_gain_low"] > 0 and figures["pgr_gain_p_value"] < 0.01
+    same = pgr_from_scores(naive, floor, None, naive)
+    assert same["pgr_gain_over_naive"] == 0.0 and same["pgr_gain_p_value"] == 1.0
+    # A task score: the oracle is the reference's own accuracy, not 1.
+    oracle = pd.Series([1.0] * 9 + [0.0] * 3, index=ids)
+    task = pgr_from_scores(pd.Series([1.0] * 6 + [0.0] * 6, index=ids), pd.Series(0.0, index=ids), oracle,
+                           prefix="pgr_task")
+    assert task["pgr_task"] == pytest.approx(0.5 / 0.75) and task["pgr_task_oracle_score"] == 0.75

@@ -93,7 +93,11 @@ def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> Non
               help="A free-running NonShared run of the same trace: what each output is compared with.")
 @click.option("--floor", "floor_dir", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A --drop-shared run of the same trace: PGR's no-context floor.")
-def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_dir: Path | None) -> None:
+@click.option("--naive", "naive_dir", default=None, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A FullShared (naive reuse) run of the same trace: each run's PGR gain over it, with its "
+                   "interval and significance.")
+def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_dir: Path | None,
+                    naive_dir: Path | None) -> None:
     """Compare runs' outputs with a reference run's (exact match, first divergent token, token F1;
     reuse turns apart), and with --floor their PGR; writes quality.parquet and the quality keys
     into summary.json. Reference-anchored replays (replay --reference) are compared as they finish."""
@@ -111,10 +115,15 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
                 raise ReferenceRunError(f"{floor_dir} is not a --drop-shared run: it cannot be PGR's floor")
             ids = pd.read_parquet(floor_dir / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
             check_comparable(floor_dir, reference_dir, sorted(set(ids)))
+        if naive_dir is not None:
+            if floor_dir is None:
+                raise click.UsageError("--naive compares PGRs: it needs --floor")
+            ids = pd.read_parquet(naive_dir / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
+            check_comparable(naive_dir, reference_dir, sorted(set(ids)))
         for run in runs:
             ids = pd.read_parquet(run / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
             check_comparable(run, reference_dir, sorted(set(ids)))
-            write_quality(run, reference_dir, floor_dir)
+            write_quality(run, reference_dir, floor_dir, naive_dir)
             summary = write_summary(run)
             line = (f"{run}: exact match {summary['exact_match_rate']:.1%} (reuse turns "
                     f"{summary.get('exact_match_rate_reuse', float('nan')):.1%}), token F1 "
@@ -123,6 +132,12 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
                 pgr = summary.get("pgr")
                 line += (f", PGR {pgr:.3f} [{summary['pgr_low']:.3f}, {summary['pgr_high']:.3f}]" if pgr is not None
                          else f", PGR undefined: {summary.get('pgr_reason')}")
+                if summary.get("pgr_gain_over_naive") is not None:
+                    line += (f", gain over naive reuse {summary['pgr_gain_over_naive']:+.3f} "
+                             f"[{summary['pgr_gain_low']:+.3f}, {summary['pgr_gain_high']:+.3f}], "
+                             f"p={summary['pgr_gain_p_value']:.3g}")
+                if summary.get("pgr_task") is not None:
+                    line += f", task PGR {summary['pgr_task']:.3f}"
             click.echo(line)
     except ReferenceRunError as exc:
         raise click.ClickException(str(exc)) from None
