@@ -315,3 +315,24 @@ def test_latency_tables_carry_what_the_speed_cost(tmp_path: Path) -> None:
     text = (out / "table7.md").read_text()
     assert "**Reused nothing**" in text and "fullshared ctx=" in text.split("**Reused nothing**")[1]
     assert "### exact match with the NonShared reference" in text and "0.500" in text
+
+
+def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
+    results = tmp_path / "runs"
+    shutil.copytree(GOLDEN, results)
+    for method, pgr in (("nonshared", 1.0), ("fullshared", 0.4)):
+        summary = _summary(results / method)
+        summary.update(pgr=pgr, pgr_low=pgr - 0.1, pgr_high=min(1.0, pgr + 0.1))
+        (results / method / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "board"
+    result = _invoke("leaderboard", str(results), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    board = json.loads((out / "leaderboard.json").read_text())
+    assert board["schema"] == "kvbench-leaderboard" and board["version"] == 1 and "PGR descending" in board["sort"]
+    rows = board["rows"]
+    assert [r["method"] for r in rows] == ["nonshared", "fullshared"]  # quality first, though FullShared is faster
+    ns, fs = _summary(results / "nonshared"), _summary(results / "fullshared")
+    assert rows[1]["ttft_saved"] == pytest.approx(1 - fs["p50_ttft_ms"] / ns["p50_ttft_ms"]) and rows[1]["ttft_saved"] > 0
+    assert rows[0]["ttft_saved"] == 0.0 and rows[0]["recompute_share"] == 1.0
+    assert rows[1]["recompute_share"] == pytest.approx(1 - fs["realized_rho"])
+    assert (out / "leaderboard.csv").exists() and "| cell" in (out / "leaderboard.md").read_text()

@@ -7,6 +7,7 @@ import click
 from kvbench import __version__
 from kvbench.cli.analysis import (
     compare_command,
+    leaderboard_command,
     quality_command,
     report_command,
     score_command,
@@ -55,6 +56,7 @@ main.add_command(calibrate_command)
 main.add_command(quickstart_command)
 main.add_command(report_command)
 main.add_command(quality_command)
+main.add_command(leaderboard_command)
 main.add_command(compare_command)
 main.add_command(summarize_command)
 main.add_command(score_command)

@@ -145,6 +145,25 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
         raise click.ClickException(f"cannot compare: {type(exc).__name__}: {exc}") from None
 
 
+@click.command("leaderboard")
+@click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("leaderboard"),
+              show_default=True)
+def leaderboard_command(result_dirs: tuple[Path, ...], out_dir: Path) -> None:
+    """One row per method configuration and workload: PGR (interval, gain over naive reuse),
+    recompute share, TTFT saved against NonShared, memory; markdown, CSV and JSON."""
+    from kvbench.analysis.leaderboard import SORT_RULE, write_leaderboard
+    from kvbench.analysis.runs import RunLoadError, find_runs
+
+    try:
+        runs = find_runs(list(result_dirs))
+    except RunLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    paths = write_leaderboard(runs, out_dir)
+    click.echo(paths["markdown"].read_text())
+    click.echo(f"sorted by {SORT_RULE}; wrote {', '.join(str(p) for p in paths.values())}", err=True)
+
+
 @click.command("compare")
 @click.argument("baseline", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("candidate", type=click.Path(exists=True, file_okay=False, path_type=Path))

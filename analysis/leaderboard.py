@@ -1,0 +1,101 @@
+"""`kvbench leaderboard`: one row per method configuration and workload of a sweep, quality and
+savings side by side, in KVShareArena's spirit: PGR (quality recovered) with its interval and its
+gain over naive reuse, the share of shared (token, layer) entries computed, the TTFT saved against
+NonShared of the same workload, and the method's memory.
+
+Sorted by PGR (highest first; undefined last), then by TTFT saved: quality first, because a
+method that is fast by reading the wrong cache is not a result. Written as markdown, CSV and JSON
+(`kvbench-leaderboard`, schema version 1)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvbench.analysis.runs import Run
+
+SCHEMA = "kvbench-leaderboard"
+SCHEMA_VERSION = 1
+SORT_RULE = "PGR descending (undefined last), then TTFT saved against NonShared descending"
+COLUMNS = ["cell", "method", "shared_tokens", "qps", "pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
+           "pgr_gain_p_value", "exact_match_rate", "task_accuracy", "recompute_share", "ttft_saved", "p50_ttft_ms",
+           "method_state_mib", "realized_rho", "failed", "runs"]
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def recompute_share(run: Run) -> float:
+    """Shared (token, layer) entries computed / all shared entries the method could have reused:
+    the connector's own count where it reports one, else 1 - realized rho (each reused token
+    served in every layer; 0 reuse for NonShared)."""
+    if run.method == "nonshared":
+        return 1.0
+    reported = run.summary.get("recompute_share")
+    if reported is not None:
+        return float(reported)
+    rho = run.summary.get("realized_rho")
+    return 1.0 - float(rho) if rho is not None else math.nan
+
+
+def leaderboard(runs: list[Run]) -> pd.DataFrame:
+    """Rows by cell, repeats averaged; TTFT saved against the NonShared cell of the same workload."""
+    by_cell: dict[str, list[Run]] = {}
+    for run in runs:
+        by_cell.setdefault(run.cell, []).append(run)
+
+    def workload(cell_runs: list[Run]) -> str:
+        return cell_runs[0].cell[len(cell_runs[0].name):]
+
+    nonshared = {workload(rs): _mean(rs, "p50_ttft_ms") for rs in by_cell.values() if rs[0].method == "nonshared"}
+    rows = []
+    for cell, cell_runs in by_cell.items():
+        first = cell_runs[0]
+        p50 = _mean(cell_runs, "p50_ttft_ms")
+        base = nonshared.get(workload(cell_runs), math.nan)
+        rows.append({
+            "cell": cell, "method": first.method, "shared_tokens": first.shared_tokens,
+            "qps": first.summary.get("request_rate"),
+            **{key: _mean(cell_runs, key) for key in ("pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
+                                                       "pgr_gain_p_value", "exact_match_rate", "task_accuracy",
+                                                       "realized_rho", "failed")},
+            "recompute_share": sum(recompute_share(r) for r in cell_runs) / len(cell_runs),
+            "ttft_saved": 1 - p50 / base if base and not math.isnan(base) else math.nan,
+            "p50_ttft_ms": p50,
+            "method_state_mib": sum(r.memory()["method_state_mib"] for r in cell_runs) / len(cell_runs),
+            "runs": len(cell_runs),
+        })
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    return table.sort_values(["pgr", "ttft_saved"], ascending=False, na_position="last", kind="stable").reset_index(
+        drop=True)
+
+
+def _mean(runs: list[Run], key: str) -> float:
+    values = [_number(r.summary.get(key)) for r in runs]
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = leaderboard(runs)
+    paths = {"csv": out_dir / "leaderboard.csv", "json": out_dir / "leaderboard.json",
+             "markdown": out_dir / "leaderboard.md"}
+    table.to_csv(paths["csv"], index=False)
+    rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in table.to_dict(orient="records")]
+    paths["json"].write_text(json.dumps({"schema": SCHEMA, "version": SCHEMA_VERSION, "sort": SORT_RULE,
+                                         "columns": COLUMNS, "rows": rows}, indent=2) + "\n")
+    note = ("" if table["pgr"].notna().any() else
+            "\nNo run here has a PGR: compare them with a reference and a floor first "
+            "(`kvbench quality RUN... --reference NONSHARED_RUN --floor DROP_SHARED_RUN`).\n")
+    paths["markdown"].write_text(
+        f"# kvbench leaderboard\n\nSorted by {SORT_RULE}. `recompute_share`: shared (token, layer) entries computed "
+        "over all the method could have reused; `ttft_saved`: 1 - p50 TTFT / NonShared's p50 TTFT of the same "
+        f"workload.\n{note}\n{table.to_markdown(index=False, floatfmt='.3f')}\n")
+    return paths
