@@ -67,3 +67,28 @@ def memory_plot(table: pd.DataFrame, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def speed_quality_plot(table: pd.DataFrame, path: Path) -> Path | None:
+    """p50 TTFT against quality per run (PGR with its interval where measured, else exact match
+    with the reference): the Pareto picture. None when no run here has a quality figure."""
+    metric = "pgr" if table["pgr"].notna().any() else "exact_match_rate" if table["exact_match_rate"].notna().any() \
+        else None
+    if metric is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in table[table[metric].notna()].itertuples():
+        value = getattr(row, metric)
+        yerr = None
+        if metric == "pgr" and pd.notna(row.pgr_low) and pd.notna(row.pgr_high):
+            yerr = [[max(0.0, value - row.pgr_low)], [max(0.0, row.pgr_high - value)]]
+        ax.errorbar([row.p50_ttft_ms], [value], yerr=yerr, marker="o", capsize=3, label=row.run)
+    ax.set(xlabel="p50 TTFT (ms)", ylabel="PGR (1: as NonShared, 0: no context)" if metric == "pgr"
+           else "exact match with the NonShared reference", title="What each method saves against what it costs")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

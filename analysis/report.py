@@ -42,6 +42,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
         "TTFT by agent position": plots.ttft_by_agent_plot(by_agent, out_dir / "ttft_by_agent.png"),
         "Memory": plots.memory_plot(table, out_dir / "memory.png"),
     }
+    tradeoff = plots.speed_quality_plot(table, out_dir / "speed_quality.png")
+    if tradeoff is not None:
+        figures["Speed against quality"] = tradeoff
     # Every latency row beside what it cost: its reuse and its quality against a reference.
     latency = table[["run", "method", "qps", "shared_tokens", "completed", "failed", "failed_trajectories",
                      *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms", "realized_rho", "exact_match_rate",

@@ -336,3 +336,19 @@ def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
     assert rows[0]["ttft_saved"] == 0.0 and rows[0]["recompute_share"] == 1.0
     assert rows[1]["recompute_share"] == pytest.approx(1 - fs["realized_rho"])
     assert (out / "leaderboard.csv").exists() and "| cell" in (out / "leaderboard.md").read_text()
+
+
+def test_report_plots_speed_against_quality_where_measured(tmp_path: Path) -> None:
+    results = tmp_path / "runs"
+    shutil.copytree(GOLDEN, results)
+    assert _invoke("report", str(results), "-o", str(tmp_path / "plain")).exit_code == 0
+    assert not (tmp_path / "plain" / "speed_quality.png").exists()  # nothing compared: no such plot
+    assert "No run here was compared" in (tmp_path / "plain" / "report.md").read_text()
+    for method, pgr in (("nonshared", 1.0), ("fullshared", 0.4)):
+        summary = _summary(results / method)
+        summary.update(pgr=pgr, pgr_low=pgr - 0.1, pgr_high=pgr, exact_match_rate=pgr)
+        (results / method / "summary.json").write_text(json.dumps(summary))
+    assert _invoke("report", str(results), "-o", str(tmp_path / "q")).exit_code == 0
+    text = (tmp_path / "q" / "report.md").read_text()
+    assert "## Quality" in text and "speed_quality.png" in text
+    assert matplotlib.image.imread(tmp_path / "q" / "speed_quality.png").std() > 0.01
