@@ -30,6 +30,7 @@ class StubServer:
     # without vLLM. A stand-in for tests, never a method.
     connector: bool = False
     connector_method: str = "fullshared"  # the method its RPCs say it runs
+    output_shift: int = 0  # added to every generated token: a stand-in for a method that changes outputs
     metrics_text: str = "vllm:num_requests_running 0\n"
     rpc_calls: list[str] = field(default_factory=list)
     _stats: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -72,7 +73,7 @@ class StubServer:
         max_tokens = int(body.get("max_tokens", 1))
         prompt = body.get("prompt", [])
         for index in range(max_tokens):
-            token = (len(prompt) + index) % 1000 + 3
+            token = (len(prompt) + index) % 1000 + 3 + self.output_shift
             choice: dict[str, Any] = {"index": 0, "text": f" t{token}", "token_ids": [token]}
             if body.get("logprobs"):  # a made-up distribution whose top token is the one sent
                 top = {f"token_id:{token + k}": -0.2 - 2.0 * k for k in range(int(body["logprobs"]))}
