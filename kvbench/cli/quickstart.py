@@ -16,29 +16,36 @@ import click
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.pass_context
 def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectories: int, shared_tokens: int) -> None:
-    """Build the embedded model if needed, generate a four-agent trace, replay it with NonShared and
-    FullShared inside vLLM, and report the two side by side."""
+    """Generate a four-agent trace, replay it inside vLLM with NonShared, FullShared and KVCMAS,
+    compare their outputs with NonShared's (exact match, token F1, first-token KL, PGR against a
+    run without the shared context), and report both axes: what each saves and what it costs."""
     from datetime import datetime
 
-    from kvbench.cli.analysis import report_command
+    from kvbench.cli.analysis import quality_command, report_command
     from kvbench.cli.replay import replay_command
     from kvbench.cli.trace import gen_trace_command
     from kvbench.model.store import resolve_model
 
-    click.echo("[1/4] embedded model (shipped with kvbench)", err=True)
+    click.echo("[1/5] embedded model (shipped with kvbench)", err=True)
     click.echo(f"      {resolve_model(None)}", err=True)
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.jsonl"
-    click.echo("[2/4] trace", err=True)
+    click.echo("[2/5] trace", err=True)
     ctx.invoke(gen_trace_command, output=trace, num_trajectories=num_trajectories + 1, shared_tokens=shared_tokens,
                qps=qps)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
-    runs = []
-    for step, method in (("3/4", "nonshared"), ("3/4", "fullshared")):
-        click.echo(f"[{step}] replay ({method})", err=True)
-        runs.append(out / f"{method}-{stamp}")
-        ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=1, result_dir=runs[-1],
-                   label=method)
-    click.echo("[4/4] report", err=True)
-    ctx.invoke(report_command, result_dirs=tuple(runs), out=out / f"report-{stamp}",
-               title="kvbench quickstart: NonShared vs FullShared")
+    runs = {name: out / f"{name}-{stamp}" for name in ("nonshared", "fullshared", "kvcmas", "no-context")}
+    # NonShared is the reference (its outputs: what the others are compared with; its logprobs:
+    # the first-token KL); the no-context run is PGR's floor (greedy everywhere).
+    for method, name, extra in (("nonshared", "nonshared", {"logprobs": 20}), ("fullshared", "fullshared", {}),
+                                ("kvcmas", "kvcmas", {"prime_method_state": True}),
+                                ("nonshared", "no-context", {"drop_shared": True})):
+        click.echo(f"[3/5] replay ({name})", err=True)
+        ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=1, result_dir=runs[name],
+                   label=name, **extra)
+    click.echo("[4/5] quality against NonShared's outputs", err=True)
+    ctx.invoke(quality_command, result_dirs=(runs["fullshared"], runs["kvcmas"], runs["no-context"]),
+               reference_dir=runs["nonshared"], floor_dir=runs["no-context"], naive_dir=runs["fullshared"])
+    click.echo("[5/5] report", err=True)
+    ctx.invoke(report_command, result_dirs=tuple(runs[n] for n in ("nonshared", "fullshared", "kvcmas")),
+               out=out / f"report-{stamp}", title="kvbench quickstart: what NonShared, FullShared and KVCMAS save and cost")
