@@ -195,7 +195,7 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
 
 def render(name: str, results: Path, out: Path, with_paper: bool = True) -> Path:
     table = TABLES[name]
-    frame = average_repeats(runs_frame(find_runs([results])))
+    frame = average_repeats(runs_frame([r for r in find_runs([results]) if not r.is_quality_baseline]))
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / f"{name}.csv", index=False)
     assert table.render is not None

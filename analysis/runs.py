@@ -51,6 +51,12 @@ class Run:
         }
 
     @property
+    def is_quality_baseline(self) -> bool:
+        """A sweep's NonShared reference or no-context floor (`kvbench sweep --quality`): what the
+        cells are compared with, not a cell of the grid."""
+        return self.config.get("sweep_role") == "quality-baseline"
+
+    @property
     def shared_tokens(self) -> int | None:
         return self.config.get("trace_header", {}).get("generator", {}).get("shared_tokens")
 

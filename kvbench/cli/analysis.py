@@ -156,7 +156,7 @@ def leaderboard_command(result_dirs: tuple[Path, ...], out_dir: Path) -> None:
     from kvbench.analysis.runs import RunLoadError, find_runs
 
     try:
-        runs = find_runs(list(result_dirs))
+        runs = [r for r in find_runs(list(result_dirs)) if not r.is_quality_baseline]
     except RunLoadError as exc:
         raise click.ClickException(str(exc)) from None
     paths = write_leaderboard(runs, out_dir)

@@ -76,6 +76,10 @@ def _sweep_options(func):
                      help="Runs per cell (other arrival seeds); tables show 95% confidence intervals."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--model", default=None, help="Model [default: the embedded one]."),
+        click.option("--quality", is_flag=True,
+                     help="Also measure what each cell costs in outputs: a NonShared reference and a no-context "
+                          "floor per trace (QPS 0), every cell compared with them (exact match, token F1, "
+                          "first-token KL, PGR; NonShared's own cells give the noise floor under load)."),
     ]):
         func = option(func)
     return func
@@ -104,13 +108,14 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
         **{key: options[key] for key in ("workflow", "task", "output_len", "num_trajectories", "num_warmups",
-                                         "prime_method_state", "repeats", "seed", "model")})
+                                         "prime_method_state", "repeats", "seed", "model", "quality")})
     cells = spec.cells(out)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
     try:
         with progress:
-            task = progress.add_task("", total=len(cells))
+            extra = 2 * len(spec.trace_specs()) if spec.quality else 0  # the reference and floor runs
+            task = progress.add_task("", total=len(cells) + extra)
             run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name))
     except (ValueError, ServerError, ReplayError) as exc:
         raise click.ClickException(f"{exc} (finished cells are kept; rerun the same command to resume)") from None

@@ -19,6 +19,7 @@ from kvbench import run_files
 from kvbench.tracegen.generate import TraceSpec
 
 SWEEP_FILE = "sweep.json"
+QUALITY_BASELINE = "quality-baseline"  # config.json's `sweep_role` of a sweep's reference and floor runs
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class SweepSpec:
     cpu_kv_cache_gib: float = 2.0
     request_timeout_s: float = 1800.0
     save_prompt_ids: bool = False
+    # Quality beside speed: per trace, a NonShared reference and a no-shared-context floor run
+    # (QPS 0, under quality/), every cell recording first-token logprobs, and every cell compared
+    # with them afterwards (quality.parquet, PGR; the gain over FullShared's cell where there is one).
+    quality: bool = False
     # More arguments of `method_server_config` (JSON values): max_load_tokens_per_step,
     # max_store_bytes, max_model_len, extra_args...
     server_options: dict[str, Any] = field(default_factory=dict)
@@ -140,6 +145,11 @@ def cell_dir(root: Path, method: MethodConfig, trace: str, qps: float, repeat: i
     return root / "runs" / method.name / f"{trace}-qps{qps:g}-rep{repeat}"
 
 
+def quality_dirs(root: Path, trace: str) -> tuple[Path, Path]:
+    """The NonShared reference and the no-shared-context floor of a trace."""
+    return root / "quality" / trace / "reference", root / "quality" / trace / "floor"
+
+
 def cell_done(path: Path) -> bool:
     """A cell whose run ended normally (not aborted, not stopped by a signal): others resume."""
     summary = path / run_files.SUMMARY
@@ -180,6 +190,8 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
             write_trace(path, *generate_trace(trace_spec, tokenizer))
         traces[name] = read_trace(path)
     cells = spec.cells(root)
+    if spec.quality:
+        _run_quality_baselines(spec, root, traces, tokenizer, model, on_cell)
     for method, group in itertools.groupby(cells, key=lambda cell: cell.method):
         todo = []
         for cell in group:
@@ -203,7 +215,7 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
                     qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
                     prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
                     label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
-                    request_timeout_s=spec.request_timeout_s, show_progress=False,
+                    request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
                     server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]
                     server_failure=server.failure,
                     metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
@@ -221,4 +233,57 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
                         after_cell(cell, server, summary)
                 if on_cell:
                     on_cell(f"{method.name} {cell.path.name}")
+    if spec.quality:
+        compare_cells(root, cells)
     return cells
+
+
+def _run_quality_baselines(spec: SweepSpec, root: Path, traces: dict[str, Any], tokenizer: Any, model: str,
+                           on_cell: Callable[[str], None] | None) -> None:
+    """Per trace, on one plain vLLM server: the NonShared reference (with first-token logprobs)
+    and the floor (every shared segment dropped), single stream, over the trace's measured
+    trajectories."""
+    from kvbench.experiment.run import replay_and_summarize
+    from kvbench.replay.runner import ReplayConfig
+    from kvbench.replay.server import VLLMServer, method_server_config
+    from kvbench.tracegen.schema import Trace
+
+    todo = [(name, run, drop) for name in traces for run, drop in zip(quality_dirs(root, name), (False, True))
+            if not cell_done(run)]
+    if not todo:
+        return
+    server_config = method_server_config("nonshared", model, cpu_kv_cache_gib=spec.cpu_kv_cache_gib,
+                                         log_path=root / "quality" / "server.log",
+                                         **{k: v for k, v in spec.server_options.items() if k in ("max_model_len",)})
+    with VLLMServer(server_config) as server:
+        for name, run, drop in todo:
+            trace = traces[name]
+            replay_and_summarize(ReplayConfig(
+                trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=tokenizer,
+                method="nonshared", base_urls=[server.base_url], result_dir=run, qps=0.0, seed=spec.seed,
+                num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,
+                logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(),
+                request_timeout_s=spec.request_timeout_s, show_progress=False,
+                server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]
+                server_failure=server.failure,
+                extra_config={"model": model, "method_params": {}, "method_config": "nonshared",
+                              "sweep_role": QUALITY_BASELINE,  # not a grid cell: tables leave it out
+                              "trace_path": str(root / "traces" / f"{name}.jsonl")}))
+            if on_cell:
+                on_cell(f"quality {'floor' if drop else 'reference'} {name}")
+
+
+def compare_cells(root: Path, cells: list[SweepCell]) -> None:
+    """Each finished cell against its trace's reference and floor (and FullShared's cell of the
+    same trace, QPS and repeat as naive reuse), its summary rewritten with the quality keys."""
+    from kvbench.analysis.quality import write_quality
+    from kvbench.analysis.summary import write_summary
+
+    fullshared = {(c.trace_id, c.qps, c.repeat): c.path for c in cells
+                  if c.method.method == "fullshared" and not c.method.params and cell_done(c.path)}
+    for cell in cells:
+        reference, floor = quality_dirs(root, cell.trace_id)
+        if not (cell_done(cell.path) and cell_done(reference) and cell_done(floor)):
+            continue
+        write_quality(cell.path, reference, floor, fullshared.get((cell.trace_id, cell.qps, cell.repeat)))
+        write_summary(cell.path)
