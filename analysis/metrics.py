@@ -101,6 +101,32 @@ def reuse_figures(requests: pd.DataFrame) -> dict[str, Any]:
     }
 
 
+def store_codec_figures(requests: pd.DataFrame) -> dict[str, Any]:
+    """From the connector's per-request stats: bytes the segment store held per stored token
+    (measured from the tensors kept: K/V as stored, with scales and norms, and token ids), and
+    compression / decompression time per 1K tokens. None where no request reported them."""
+    import json as _json
+
+    totals = dict.fromkeys(("store_entry_bytes", "store_entry_tokens", "store_encode_s", "store_decode_s",
+                            "store_decoded_tokens"), 0.0)
+    seen = False
+    for raw in requests.get("method_stats", pd.Series(dtype=object)).dropna():
+        stats = _json.loads(raw) if isinstance(raw, str) else {}
+        for key in totals:
+            if key in stats:
+                totals[key] += float(stats[key])
+                seen = True
+    if not seen or not totals["store_entry_tokens"]:
+        return {"store_bytes_per_token": None, "store_encode_ms_per_1k_tokens": None,
+                "store_decode_ms_per_1k_tokens": None}
+    return {
+        "store_bytes_per_token": totals["store_entry_bytes"] / totals["store_entry_tokens"],
+        "store_encode_ms_per_1k_tokens": 1e6 * totals["store_encode_s"] / totals["store_entry_tokens"],
+        "store_decode_ms_per_1k_tokens": (1e6 * totals["store_decode_s"] / totals["store_decoded_tokens"]
+                                          if totals["store_decoded_tokens"] else None),
+    }
+
+
 def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float]) -> dict[str, Any]:
     """vLLM's summary keys plus kvbench's trajectory-level and reuse figures."""
     ok = requests[requests["success"]] if len(requests) else requests
@@ -142,6 +168,7 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     for column in ("cached_tokens", "prefix_cached_tokens", "reused_tokens", "recomputed_tokens"):
         values = ok[column].dropna() if completed and column in ok else pd.Series(dtype=float)
         summary[column] = int(values.sum()) if len(values) else None
+    summary |= store_codec_figures(ok)
     prefix = ok["prefix_cached_tokens"] if completed and "prefix_cached_tokens" in ok else None
     if prefix is not None and prefix.notna().all():  # rows computed (by vLLM or the connector's forward)
         reused = ok["reused_tokens"].fillna(0) if "reused_tokens" in ok else 0

@@ -76,7 +76,7 @@ def synthetic_anchor(index: int, layers: int, n: int, d: int, rank: int, device:
         b = (torch.randn(layers, rank, d, generator=generator, device=device) / rank**0.5).to(torch.bfloat16)
         return LowRank.from_factors(a, b)
 
-    anchor = Anchor(f"a{index}", factors(), factors())
+    anchor = Anchor(f"a{index}", "A0", factors(), factors())
     anchor.deltas[EDGE] = (factors(), factors())
     return anchor
 

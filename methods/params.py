@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class MethodConfigError(ValueError):
@@ -22,10 +22,25 @@ def _problem(error: Any) -> str:
     return f"{'.'.join(str(p) for p in error['loc'])}: {message} (got {error['input']!r})"
 
 
+STORE_CODEC_HELP = ("how the segment store keeps saved caches: none, identity, polykv (PolyKV's codec, bit-packed), "
+                    "polykv-published, polykv-<tensor|token|channel>[-packed][-fp16norm]")
+
+
 class MethodParams(BaseModel):
-    """No parameters. Subclasses add fields; strict types: 1.0 is not an integer, "yes" not a bool."""
+    """Every method's parameters: `store_codec` (what the connector's segment store keeps); a
+    subclass adds its own. Strict types: 1.0 is not an integer, "yes" not a bool."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    store_codec: str = Field("none", description=STORE_CODEC_HELP)
+
+    @field_validator("store_codec")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        if value != "none":
+            from kvbench.methods.kv_codec import make_codec
+
+            make_codec(value)  # raises ValueError naming the known codecs
+        return value
 
     @classmethod
     def parse(cls, method: str, raw: dict[str, Any]) -> dict[str, Any]:
@@ -41,5 +56,9 @@ class MethodParams(BaseModel):
 
     @classmethod
     def describe(cls) -> list[tuple[str, str, str]]:
-        """(name, default, description) of each parameter, for `kvbench methods` and the docs."""
-        return [(name, repr(field.default), field.description or "") for name, field in cls.model_fields.items()]
+        """(name, default, description) of each parameter a method sets itself, for `kvbench methods`
+        and the docs (every method's `store_codec` is described once, unless a method changes its
+        default)."""
+        common = MethodParams.model_fields
+        return [(name, repr(field.default), field.description or "") for name, field in cls.model_fields.items()
+                if name not in common or field.default != common[name].default]

@@ -2,14 +2,36 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from kvbench.methods.kv_codec import Encoded, KVCodec
+
+
+class _HeldRows:
+    """Sizes of a stored cache (K and V as kept: tensors, or a codec's encoding of them)."""
+
+    token_ids: torch.Tensor
+    k: torch.Tensor | Encoded
+    v: torch.Tensor | Encoded
+    hidden: torch.Tensor | None
+    hidden_valid: torch.Tensor | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        hidden = 0 if self.hidden is None else self.hidden.nbytes + self.hidden_valid.nbytes  # type: ignore[union-attr]
+        return self.k.nbytes + self.v.nbytes + self.token_ids.nbytes + hidden
+
 
 @dataclass
-class SavedKV:
+class SavedKV(_HeldRows):
     """One finished request's cache (this rank's KV heads): prompt and generated tokens."""
 
     token_ids: torch.Tensor  # [n] int64
@@ -23,29 +45,58 @@ class SavedKV:
     hidden_valid: torch.Tensor | None = None
     hidden_layer: int | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
 
-    @property
-    def nbytes(self) -> int:
-        hidden = 0 if self.hidden is None else self.hidden.nbytes + self.hidden_valid.nbytes  # type: ignore[union-attr]
-        return self.k.nbytes + self.v.nbytes + self.token_ids.nbytes + hidden
+@dataclass
+class CompressedKV(_HeldRows):
+    """A SavedKV as a codec keeps it: K and V encoded, the rest as is. `get` hands readers a
+    decompressed SavedKV (PolyKV's agents read the pool by decompressing it into their cache)."""
+
+    token_ids: torch.Tensor
+    k: Encoded
+    v: Encoded
+    codec: KVCodec
+    hidden: torch.Tensor | None = None
+    hidden_valid: torch.Tensor | None = None
+    hidden_layer: int | None = None
+
+    @classmethod
+    def compress(cls, entry: SavedKV, codec: KVCodec) -> CompressedKV:
+        return cls(entry.token_ids, codec.encode_keys(entry.k), codec.encode_values(entry.v), codec, entry.hidden,
+                   entry.hidden_valid, entry.hidden_layer)
+
+    def decompress(self) -> SavedKV:
+        return SavedKV(self.token_ids, self.codec.decode_keys(self.k), self.codec.decode_values(self.v), self.hidden,
+                       self.hidden_valid, self.hidden_layer)
 
 
 class SegmentStore:
     """Byte-capped LRU. `peak_bytes`, `evictions` and `refused` count since the last `clear()`
     (one run), so a run on a reused server reports its own figures, not an earlier run's."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, codec: KVCodec | None = None) -> None:
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[str, SavedKV] = OrderedDict()
+        # None: entries kept as saved; a codec: compressed on put, decompressed on get
+        self.codec = codec
+        self.entries: OrderedDict[str, SavedKV | CompressedKV] = OrderedDict()
+        self.decode_s = 0.0  # time spent decompressing entries for readers, since the last clear()
+        self.decoded_tokens = 0
+        self._last_decoded: tuple[str, SavedKV] | None = None  # a load reads several segments of one source
         self.bytes = 0
         self.peak_bytes = 0
         self.evictions = 0
         self.refused = 0  # entries larger than the whole budget, never stored
 
-    def put(self, key: str, entry: SavedKV) -> None:
+    def put(self, key: str, entry: SavedKV) -> float:
+        """Keep `entry` (compressed when the store has a codec); returns the seconds compressing took."""
+        started = time.perf_counter()
+        stored: SavedKV | CompressedKV = entry if self.codec is None else CompressedKV.compress(entry, self.codec)
+        seconds = time.perf_counter() - started if self.codec is not None else 0.0
+        self._put(key, stored)
+        return seconds
+
+    def _put(self, key: str, entry: SavedKV | CompressedKV) -> None:
+        if self._last_decoded is not None and self._last_decoded[0] == key:
+            self._last_decoded = None
         if entry.nbytes > self.max_bytes:
             self.refused += 1
             return  # larger than the whole budget: keep nothing rather than evict everything
@@ -61,12 +112,30 @@ class SegmentStore:
 
     def get(self, key: str) -> SavedKV | None:
         entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
+        if entry is None:
+            return None
+        self.entries.move_to_end(key)
+        if isinstance(entry, CompressedKV):
+            if self._last_decoded is not None and self._last_decoded[0] == key:
+                return self._last_decoded[1]
+            started = time.perf_counter()
+            decoded = entry.decompress()
+            self.decode_s += time.perf_counter() - started
+            self.decoded_tokens += entry.num_tokens
+            self._last_decoded = (key, decoded)
+            return decoded
         return entry
+
+    def stored_nbytes(self, key: str) -> int | None:
+        """The bytes an entry holds as stored (compressed or not)."""
+        entry = self.entries.get(key)
+        return None if entry is None else entry.nbytes
 
     def clear(self) -> None:
         self.entries.clear()
+        self._last_decoded = None
+        self.decoded_tokens = 0
+        self.decode_s = 0.0
         self.bytes = 0
         self.peak_bytes = 0
         self.evictions = 0

@@ -364,7 +364,7 @@ def test_method_parameters_are_validated() -> None:
         method_class("kvcmas")({"tau": 2})
     with pytest.raises(MethodConfigError, match=r"r_c: Input should be greater than or equal to 1 \(got 0\)"):
         method_class("kvcmas")({"r_c": 0})
-    with pytest.raises(MethodConfigError, match=r"method 'graphflow' has no parameter\(s\) V; known: rho"):
+    with pytest.raises(MethodConfigError, match=r"method 'graphflow' has no parameter\(s\) V; known: rho, store_codec"):
         method_class("graphflow")({"V": 3})
     with pytest.raises(MethodConfigError, match="recompute_ratio: Input should be less than or equal to 1"):
         method_class("cacheblend")({"recompute_ratio": 1.5})
@@ -372,7 +372,7 @@ def test_method_parameters_are_validated() -> None:
         method_class("cacheblend")({"check_layer": -1})
     with pytest.raises(MethodConfigError, match="deviation: Input should be 'value' or 'key'"):
         method_class("cacheblend")({"deviation": "norm"})
-    assert method_class("kvcomm")({}).params == {"V": 20, "gamma": 0.3, "gate_tokens": 0}
+    assert method_class("kvcomm")({}).params == {"V": 20, "gamma": 0.3, "gate_tokens": 0, "store_codec": "none"}
     assert math.isclose(method_class("kvcmas")({"tau": 0.5}).threshold(), 0.5)
 
 

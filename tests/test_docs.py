@@ -32,7 +32,7 @@ def test_adding_a_method_example_registers_and_passes_its_test(tmp_path: Path,
 
     cls = registry.method_class("recompute-head")
     assert cls is module.RecomputeHead and cls.approximate
-    assert cls({}).params == {"head_tokens": 16}
+    assert cls({}).params == {"head_tokens": 16, "store_codec": "none"}  # every method: store_codec
     with pytest.raises(ValueError, match="head_tokens: Input should be greater than or equal to 0"):
         cls({"head_tokens": -1})
     namespace: dict = {}

@@ -41,7 +41,7 @@ def pool_on(device: str) -> list[Anchor]:
     anchors = []
     for index, (k, v, dk, dv) in enumerate(zip(caches(1, 3), caches(2, 3), caches(3, 3), caches(4, 3), strict=True)):
         k, v, dk, dv = (t.to(device) for t in (k, v, dk, dv))
-        anchor = Anchor(f"a{index}", LowRank(k, RANK, torch.bfloat16), LowRank(v, RANK, torch.bfloat16))
+        anchor = Anchor(f"a{index}", "A0", LowRank(k, RANK, torch.bfloat16), LowRank(v, RANK, torch.bfloat16))
         anchor.deltas["A0->A1"] = (LowRank(0.1 * dk, RANK, torch.bfloat16), LowRank(0.1 * dv, RANK, torch.bfloat16))
         anchors.append(anchor)
     return anchors

@@ -164,7 +164,9 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
     block_ids = torch.tensor(spec.block_ids, dtype=torch.long)
     positions = torch.arange(n, dtype=torch.long)
     slots = block_ids[positions // worker.block_size] * worker.block_size + positions % worker.block_size
+    decoded_s, decoded_tokens = worker.store.decode_s, worker.store.decoded_tokens
     found = find_candidates(worker.store, spec, tokens)
+    decoded_s, decoded_tokens = worker.store.decode_s - decoded_s, worker.store.decoded_tokens - decoded_tokens
     ctx = LoadContext(spec.key, spec.plan, tokens, spec.num_local, found.reuses, worker.rows_reader(block_ids),
                       req_id=spec.req_id)
     yield from method.prepare(ctx)  # e.g. reference prefills: spread over steps like the layers below
@@ -207,6 +209,7 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
         "source_missing_tokens": found.evicted,
         "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in found.reuses)),
         "materialize_s": time.perf_counter() - started,
+        **({"store_decode_s": decoded_s, "store_decoded_tokens": decoded_tokens} if decoded_tokens else {}),
         "attention_s": forward.attention_s,
         "segments": [{"id": r.segment.id, "source": r.segment.source, "reused": int(len(r.dst))} for r in chosen],
         **ctx.stats,

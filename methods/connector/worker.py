@@ -21,6 +21,7 @@ from kvbench.methods.connector.materialize import materialize_steps
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
+from kvbench.methods.kv_codec import KVCodec, make_codec
 from kvbench.methods.store import SavedKV, SegmentStore
 
 logger = logging.getLogger("kvbench.connector")
@@ -29,13 +30,19 @@ MAX_KEPT_REQUEST_STATS = 100_000
 MAX_PENDING_HIDDEN = 256  # residual streams kept for saves; more means requests aborted before theirs
 
 
+def store_codec(method: SharingMethod) -> KVCodec | None:
+    """The codec the method's `store_codec` names (None: entries kept as saved)."""
+    name = method.params.get("store_codec", "none")
+    return None if name == "none" else make_codec(name)
+
+
 class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, method: SharingMethod, block_size: int,
                  static_forward_context: dict[str, Any], model_path: str = "") -> None:
         self.settings, self.method, self.block_size = settings, method, block_size
         self.model_path = model_path  # what vLLM loaded: a directory or a hub name
         self._forward_context = static_forward_context  # layer name -> attention module
-        self.store = SegmentStore(settings.max_store_bytes)
+        self.store = SegmentStore(settings.max_store_bytes, store_codec(self.method))
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, Any] = {}
         self.forward: Any = None  # PartialForward, once the model is attached
@@ -195,8 +202,13 @@ class ConnectorWorker:
             started = time.perf_counter()
             try:
                 entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None))
-                self.store.put(save.key, entry)
-                self.request_stats.setdefault(save.key, {})["save_s"] = time.perf_counter() - started
+                encode_s = self.store.put(save.key, entry)
+                stats = self.request_stats.setdefault(save.key, {})
+                stats["save_s"] = time.perf_counter() - started
+                stored = self.store.stored_nbytes(save.key)
+                if stored is not None:  # what the store holds for it (compressed or not), measured
+                    stats.update(store_entry_bytes=stored, store_entry_tokens=entry.num_tokens,
+                                 store_encode_s=encode_s)
             except Exception:  # a failed save only means later consumers compute
                 logger.exception("kvbench: saving %s failed", save.key)
             self._saved_this_step.add(save.key)  # confirmed either way, so consumers never hang
@@ -245,6 +257,7 @@ class ConnectorWorker:
             self.check_method_fits(method)
         self.method = method
         self.settings.params = dict(method.params)
+        self.store.codec = store_codec(method)  # entries already held keep the codec they were kept with
         return dict(method.params)
 
     def reset_state(self, keep_method_state: bool = False) -> None:
