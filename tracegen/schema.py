@@ -412,7 +412,8 @@ def dump_line(model: BaseModel) -> str:
 
 def trajectory_digest(trajectory: Trajectory) -> str:
     """What identifies a trajectory's content across runs (its id alone repeats across traces)."""
-    return hashlib.sha256(dump_line(trajectory).encode()).hexdigest()[:16]
+    # surrogatepass: a trace's text may hold lone surrogates (valid JSON escapes), which replay as is
+    return hashlib.sha256(dump_line(trajectory).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def write_trace(path: str | Path, header: TraceHeader, trajectories: list[Trajectory]) -> int:
