@@ -37,8 +37,8 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     runs = {name: out / f"{name}-{stamp}" for name in ("nonshared", "fullshared", "kvcmas", "no-context")}
     # NonShared is the reference (its outputs: what the others are compared with; its logprobs:
     # the first-token KL); the no-context run is PGR's floor (greedy everywhere).
-    for method, name, extra in (("nonshared", "nonshared", {"logprobs": 20}), ("fullshared", "fullshared", {}),
-                                ("kvcmas", "kvcmas", {"prime_method_state": True}),
+    for method, name, extra in (("nonshared", "nonshared", {"logprobs": 20}), ("fullshared", "fullshared", {"logprobs": 20}),
+                                ("kvcmas", "kvcmas", {"prime_method_state": True, "logprobs": 20}),
                                 ("nonshared", "no-context", {"drop_shared": True})):
         click.echo(f"[3/5] replay ({name})", err=True)
         ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=1, result_dir=runs[name],
