@@ -706,3 +706,19 @@ def test_kvcomm_ref_sends_the_whole_agent_dense_when_one_segment_is_rejected(nam
     method.after_load(ctx)
     method.run_deferred()
     assert len(method.pools["q"].anchors) == 3  # an accepted segment sent dense is not an anchor
+
+
+def test_graphflow_starts_its_budget_afresh_when_a_measured_run_follows_warm_ups() -> None:
+    """After priming (warm-ups that calibrate densely), the measured run's rho is the target's,
+    not above it to make up for the calibrations."""
+    method = method_class("graphflow")({"rho": 0.5})
+    method.bind(_FakeCore())
+    for index in range(3):  # warm-ups: one calibration, then the budget
+        ctx, _, _ = _context("graphflow", f"w{index}", seed=index)
+        method.select(ctx)
+        method.after_load(ctx)
+        method.run_deferred()
+    method.restart_peaks()  # what a primed run does before its measured trajectories
+    assert (method.budget.eligible, method.budget.reused) == (0, 0) and method.calibrations
+    reused = sum(len(method.select(_context("graphflow", f"m{i}", seed=10 + i)[0])) for i in range(4))
+    assert reused == 2  # half of four equal segments
