@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from kvbench.analysis.runs import Run
+from kvbench.analysis.runs import Run, summary_number
 
 DIMENSIONS = ["method_config", "method", "shared_tokens", "agents", "rounds", "qps"]
 # What a method saves, and what it costs (the quality keys: NaN for runs never compared with a
@@ -17,9 +17,6 @@ QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "pgr", "task_accuracy"]
 METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "reuse_ttft_s", "throughput_tok_s", "method_state_mib",
            "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed", *QUALITY_METRICS]
 
-
-def _number(value: object) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 def run_row(run: Run) -> dict:
@@ -46,7 +43,7 @@ def run_row(run: Run) -> dict:
         "peak_kv_usage_pct": memory["peak_kv_cache_usage_perc"],
         "realized_rho": run.summary.get("realized_rho") if run.summary.get("realized_rho") is not None else math.nan,
         "failed": run.summary.get("failed", 0),
-        **{key: _number(run.summary.get(key)) for key in QUALITY_METRICS},
+        **{key: summary_number(run.summary.get(key)) for key in QUALITY_METRICS},
     }
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 import pandas as pd
 
 from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
-from kvbench.analysis.runs import Run
+from kvbench.analysis.runs import Run, mean_summary
 
 # Metrics where larger is better; every other gated metric is a cost (latency, bytes, failures,
 # first-token KL).
@@ -52,11 +52,7 @@ class Gate:
 
 
 def _value(runs: list[Run], metric: str, method: str | None = None) -> float:
-    values = [run.summary.get(metric) for run in runs if method is None or run.method == method]
-    values = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if not values:
-        return math.nan
-    return sum(values) / len(values)
+    return mean_summary([run for run in runs if method is None or run.method == method], metric)
 
 
 def cells(runs: list[Run], rename: dict[str, str] | None = None) -> dict[str, list[Run]]:
@@ -66,7 +62,7 @@ def cells(runs: list[Run], rename: dict[str, str] | None = None) -> dict[str, li
     for run in runs:
         key = run.cell
         if rename and run.name in rename:
-            key = rename[run.name] + key[len(run.name):]
+            key = f"{rename[run.name]} {run.workload}".strip()
         grouped.setdefault(key, []).append(run)
     return grouped
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
-from kvbench.analysis.runs import Run
+from kvbench.analysis.runs import Run, mean_summary
 
 SCHEMA = "kvbench-leaderboard"
 SCHEMA_VERSION = 1
@@ -24,10 +23,6 @@ SORT_RULE = "PGR descending (undefined last), then TTFT saved against NonShared 
 COLUMNS = ["cell", "method", "shared_tokens", "qps", "pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
            "pgr_gain_p_value", "exact_match_rate", "task_accuracy", "recompute_share", "ttft_saved", "p50_ttft_ms",
            "method_state_mib", "realized_rho", "failed", "runs"]
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 def recompute_share(run: Run) -> float:
@@ -49,19 +44,17 @@ def leaderboard(runs: list[Run]) -> pd.DataFrame:
     for run in runs:
         by_cell.setdefault(run.cell, []).append(run)
 
-    def workload(cell_runs: list[Run]) -> str:
-        return cell_runs[0].cell[len(cell_runs[0].name):]
-
-    nonshared = {workload(rs): _mean(rs, "p50_ttft_ms") for rs in by_cell.values() if rs[0].method == "nonshared"}
+    nonshared = {rs[0].workload: mean_summary(rs, "p50_ttft_ms") for rs in by_cell.values()
+                 if rs[0].method == "nonshared"}
     rows = []
     for cell, cell_runs in by_cell.items():
         first = cell_runs[0]
-        p50 = _mean(cell_runs, "p50_ttft_ms")
-        base = nonshared.get(workload(cell_runs), math.nan)
+        p50 = mean_summary(cell_runs, "p50_ttft_ms")
+        base = nonshared.get(first.workload, math.nan)
         rows.append({
             "cell": cell, "method": first.method, "shared_tokens": first.shared_tokens,
             "qps": first.summary.get("request_rate"),
-            **{key: _mean(cell_runs, key) for key in ("pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
+            **{key: mean_summary(cell_runs, key) for key in ("pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
                                                        "pgr_gain_p_value", "exact_match_rate", "task_accuracy",
                                                        "realized_rho", "failed")},
             "recompute_share": sum(recompute_share(r) for r in cell_runs) / len(cell_runs),
@@ -73,12 +66,6 @@ def leaderboard(runs: list[Run]) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=COLUMNS)
     return table.sort_values(["pgr", "ttft_saved"], ascending=False, na_position="last", kind="stable").reset_index(
         drop=True)
-
-
-def _mean(runs: list[Run], key: str) -> float:
-    values = [_number(r.summary.get(key)) for r in runs]
-    values = [v for v in values if not math.isnan(v)]
-    return sum(values) / len(values) if values else math.nan
 
 
 def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:

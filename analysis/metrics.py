@@ -6,6 +6,7 @@ every inter-chunk gap; TPOT is per request. Adds the paper's trajectory-averaged
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -105,13 +106,11 @@ def store_codec_figures(requests: pd.DataFrame) -> dict[str, Any]:
     """From the connector's per-request stats: bytes the segment store held per stored token
     (measured from the tensors kept: K/V as stored, with scales and norms, and token ids), and
     compression / decompression time per 1K tokens. None where no request reported them."""
-    import json as _json
-
     totals = dict.fromkeys(("store_entry_bytes", "store_entry_tokens", "store_encode_s", "store_decode_s",
                             "store_decoded_tokens"), 0.0)
     seen = False
     for raw in requests.get("method_stats", pd.Series(dtype=object)).dropna():
-        stats = _json.loads(raw) if isinstance(raw, str) else {}
+        stats = json.loads(raw) if isinstance(raw, str) else {}
         for key in totals:
             if key in stats:
                 totals[key] += float(stats[key])

@@ -21,6 +21,7 @@ Wilcoxon signed-rank p-value.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -81,8 +82,6 @@ def first_token_kl(reference: dict[str, float], method: dict[str, float]) -> flo
 
 
 def _logprobs(raw: Any) -> dict[str, float] | None:
-    import json
-
     return json.loads(raw) if isinstance(raw, str) and raw else None
 
 
@@ -219,8 +218,6 @@ def write_quality(result_dir: Path, reference_dir: Path, floor_dir: Path | None 
     floor run, also its PGR (`quality_pgr.json`): over token F1, and over the task's score where
     the trace has a task and all runs were scored; with a naive-reuse run (FullShared), the gain
     over it. The summary picks both up."""
-    import json
-
     reference = _read_requests(reference_dir)
     quality = compare_outputs(_read_requests(result_dir), reference)
     quality.to_parquet(result_dir / run_files.QUALITY, index=False)
@@ -254,8 +251,6 @@ def _read_requests(run_dir: Path) -> pd.DataFrame:
 
 
 def read_quality_figures(result_dir: Path) -> dict[str, Any]:
-    import json
-
     path = result_dir / run_files.QUALITY
     figures = quality_figures(pd.read_parquet(path)) if path.exists() else {}
     pgr_path = result_dir / run_files.QUALITY_PGR

@@ -61,19 +61,25 @@ class Run:
         return self.config.get("trace_header", {}).get("generator", {}).get("shared_tokens")
 
     @property
-    def cell(self) -> str:
-        """The grid cell this run measured: its method configuration (label, else method) and the
-        workload (shared tokens, agents, rounds, workflow, QPS). Repeats of a cell share it."""
-        generator = self.config.get("trace_header", {}).get("generator", {}) or {}
-        parts = [self.name]
-        for key, short in (("shared_tokens", "ctx"), ("num_agents", "a"), ("rounds", "r")):
-            if generator.get(key) is not None:
-                parts.append(f"{short}={generator[key]}")
+    def workload(self) -> str:
+        """What the run replayed at which load: shared tokens, agents, rounds, workflow, QPS."""
+        generator = self._generator()
+        parts = [f"{short}={generator[key]}" for key, short in (("shared_tokens", "ctx"), ("num_agents", "a"),
+                                                                 ("rounds", "r")) if generator.get(key) is not None]
         if generator.get("workflow") not in (None, "sequential"):
             parts.append(str(generator["workflow"]))
         if self.summary.get("request_rate") is not None:
             parts.append(f"qps={self.summary['request_rate']:g}")
         return " ".join(parts)
+
+    @property
+    def cell(self) -> str:
+        """The grid cell this run measured: its method configuration (label, else method) and its
+        workload. Repeats of a cell share it."""
+        return " ".join(filter(None, (self.name, self.workload)))
+
+    def _generator(self) -> dict[str, Any]:
+        return (self.config.get("trace_header") or {}).get("generator") or {}
 
     def mismatch(self, other: Run) -> str | None:
         """Why this run's figures cannot be compared with `other`'s (another model, or the
@@ -86,11 +92,21 @@ class Run:
             if differing or not set(ours) & set(theirs):
                 return "they replayed other traces (trajectory contents differ)"
             return None
-        header = {k: v for k, v in (self.config.get("trace_header") or {}).get("generator", {}).items()
-                  if k not in ("num_trajectories", "qps", "kvbench_version")}
-        other_header = {k: v for k, v in (other.config.get("trace_header") or {}).get("generator", {}).items()
-                        if k not in ("num_trajectories", "qps", "kvbench_version")}
-        return None if header == other_header else "their trace generator settings differ"
+        def content(run: Run) -> dict[str, Any]:  # the generator settings that change trajectories
+            return {k: v for k, v in run._generator().items() if k not in ("num_trajectories", "qps", "kvbench_version")}
+
+        return None if content(self) == content(other) else "their trace generator settings differ"
+
+
+def summary_number(value: Any) -> float:
+    """A summary value as a float: NaN where it is missing or not a number (bools are not)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+def mean_summary(runs: list[Run], key: str) -> float:
+    """The mean of a summary key over runs (a cell's repeats) that report it, else NaN."""
+    values = [v for v in (summary_number(run.summary.get(key)) for run in runs) if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
 
 
 def load_run(path: Path) -> Run:

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.analysis.metrics import percentile_key, reuse_figures, trajectory_table
-from kvbench.analysis.runs import Run
+from kvbench.analysis.runs import Run, summary_number
 
 PERCENTILES = (50, 90, 99)
 QUALITY_KEYS = ("exact_match_rate", "exact_match_rate_reuse", "mean_token_f1", "mean_first_token_kl", "top1_agreement",
@@ -44,8 +44,7 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
             row[key] = reuse[key] if reuse[key] is not None else float("nan")
         row.update(run.memory())
         for key in QUALITY_KEYS:  # what the speed cost (NaN: never compared or scored)
-            value = run.summary.get(key)
-            row[key] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+            row[key] = summary_number(run.summary.get(key))
         rows.append(row)
     return pd.DataFrame(rows)
 

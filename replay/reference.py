@@ -37,6 +37,18 @@ class ReferenceRun:
         return {"path": str(self.path), "run_id": self.run_id}
 
 
+def _listed(items: Sequence[str], shown: int = 5) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+def _recorded_digests(run_dir: Path, config: dict[str, Any]) -> dict[str, str]:
+    recorded = config.get("trajectory_digests")
+    if recorded is None:
+        raise ReferenceRunError(f"{run_dir} does not record its trajectories' digests (a run made before kvbench "
+                                "recorded them); replay it again")
+    return recorded
+
+
 def read_run_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / run_files.CONFIG
     if not path.exists():
@@ -47,14 +59,10 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
 def check_same_content(run_dir: Path, config: dict[str, Any], trajectories: Sequence[Trajectory],
                        model: str | None) -> None:
     """Refuse a run of another trace (trajectory contents) or another model."""
-    recorded = config.get("trajectory_digests")
-    if recorded is None:
-        raise ReferenceRunError(f"{run_dir} does not record its trajectories' digests (a run made before kvbench "
-                             "recorded them); replay the reference again")
+    recorded = _recorded_digests(run_dir, config)
     differing = [t.trajectory_id for t in trajectories if recorded.get(t.trajectory_id) != trajectory_digest(t)]
     if differing:
-        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
-        raise ReferenceRunError(f"{run_dir} replayed another trace: trajectories {shown} are absent from it or "
+        raise ReferenceRunError(f"{run_dir} replayed another trace: trajectories {_listed(differing)} are absent from it or "
                              "differ (another seed, shared length or output length?)")
     if model is not None and config.get("model") not in (None, model):
         raise ReferenceRunError(f"{run_dir} ran model {config.get('model')!r}, this run {model!r}")
@@ -78,30 +86,26 @@ def load_reference(run_dir: Path, trajectories: Sequence[Trajectory], model: str
     missing = [f"{t.trajectory_id}/{turn.turn_id}" for t in trajectories for turn in t.turns
                if (t.trajectory_id, turn.turn_id) not in outputs]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ReferenceRunError(f"{run_dir} has no successful output for {shown}; finish it (--resume) or "
+        raise ReferenceRunError(f"{run_dir} has no successful output for {_listed(missing)}; finish it (--resume) or "
                              "replay fewer trajectories")
     return ReferenceRun(run_dir, str(config.get("run_id")), outputs)
 
 
-def check_comparable(run_dir: Path, reference_dir: Path, trajectory_ids: Sequence[str]) -> None:
+def check_comparable(run_dir: Path, reference_dir: Path) -> None:
     """Refuse to compare a run's outputs with a reference of other content: the reference must be
-    a free-running NonShared run of the same model whose trajectories `trajectory_ids` have the
-    same content as the run's."""
+    a free-running NonShared run of the same model whose trajectories have the same content as
+    those the run recorded."""
     run, reference = read_run_config(run_dir), read_run_config(reference_dir)
+    recorded = pd.read_parquet(run_dir / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
+    trajectory_ids = sorted(set(recorded))
     if reference.get("method") != "nonshared" or reference.get("prompt_mode", "free") != "free":
         raise ReferenceRunError(f"{reference_dir} is a {reference.get('method')!r} run in "
                                 f"{reference.get('prompt_mode', 'free')!r} mode; a reference is a free-running "
                                 "NonShared run")
-    ours, theirs = run.get("trajectory_digests"), reference.get("trajectory_digests")
-    if ours is None or theirs is None:
-        older = run_dir if ours is None else reference_dir
-        raise ReferenceRunError(f"{older} does not record its trajectories' digests (a run made before kvbench "
-                                "recorded them); replay it again")
+    ours, theirs = _recorded_digests(run_dir, run), _recorded_digests(reference_dir, reference)
     differing = [t for t in trajectory_ids if theirs.get(t) != ours.get(t)]
     if differing:
-        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
-        raise ReferenceRunError(f"{run_dir} and {reference_dir} replayed other traces: trajectories {shown} "
+        raise ReferenceRunError(f"{run_dir} and {reference_dir} replayed other traces: trajectories {_listed(differing)} "
                                 "differ or are missing from the reference")
     if run.get("model") != reference.get("model"):
         raise ReferenceRunError(f"{run_dir} ran model {run.get('model')!r}, {reference_dir} {reference.get('model')!r}")

@@ -101,9 +101,7 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
     """Compare runs' outputs with a reference run's (exact match, first divergent token, token F1;
     reuse turns apart), and with --floor their PGR; writes quality.parquet and the quality keys
     into summary.json. Reference-anchored replays (replay --reference) are compared as they finish."""
-    import pandas as pd
 
-    from kvbench import run_files
     from kvbench.analysis.quality import write_quality
     from kvbench.analysis.summary import write_summary
     from kvbench.replay.reference import ReferenceRunError, check_comparable, read_run_config
@@ -113,16 +111,13 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
         if floor_dir is not None:
             if read_run_config(floor_dir).get("prompt_mode") != "drop_shared":
                 raise ReferenceRunError(f"{floor_dir} is not a --drop-shared run: it cannot be PGR's floor")
-            ids = pd.read_parquet(floor_dir / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
-            check_comparable(floor_dir, reference_dir, sorted(set(ids)))
+            check_comparable(floor_dir, reference_dir)
         if naive_dir is not None:
             if floor_dir is None:
                 raise click.UsageError("--naive compares PGRs: it needs --floor")
-            ids = pd.read_parquet(naive_dir / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
-            check_comparable(naive_dir, reference_dir, sorted(set(ids)))
+            check_comparable(naive_dir, reference_dir)
         for run in runs:
-            ids = pd.read_parquet(run / run_files.REQUESTS, columns=["trajectory_id"])["trajectory_id"]
-            check_comparable(run, reference_dir, sorted(set(ids)))
+            check_comparable(run, reference_dir)
             write_quality(run, reference_dir, floor_dir, naive_dir)
             summary = write_summary(run)
             line = (f"{run}: exact match {summary['exact_match_rate']:.1%} (reuse turns "
