@@ -12,11 +12,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from kvbench.analysis import fidelity
 from kvbench.analysis.aggregate import average_repeats, runs_frame
 from kvbench.analysis.paper_values import table7_values
 from kvbench.analysis.runs import find_runs
 
 DEFAULT_METHODS = ["nonshared", "fullshared"]
+# The cache-fidelity sweep (Figs 2, 3, 7, Table 2): single stream, prompts kept, anchor pools
+# primed; FullShared's cells measure the segments (in NonShared's prompts), every connector
+# method's cells what they served.
+FIDELITY_GRID = {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [4],
+                 "methods": ["nonshared", "fullshared", "kvcmas", "kvcmas-nonchained"],
+                 "save_prompt_ids": True, "prime_method_state": True, "num_trajectories": 4}
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,9 @@ class PaperTable:
     # The default grid of `kvbench paper NAME --run` (scaled to what a 2-core CPU sustains).
     grid: dict = field(default_factory=dict)
     render: Callable[[pd.DataFrame, Path, bool], str] | None = None
+    # Cache-fidelity entries render from the measurements their sweep's cells kept
+    # (kvbench.experiment.fidelity), not from the runs' summaries.
+    render_measured: Callable[[Path, Path], str] | None = None
 
 
 def _fmt(value: float, ci: float | None = None, digits: int = 2) -> str:
@@ -190,13 +200,24 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
     PaperTable("table15", "Table 15: scaling with the number of rounds",
                {"shared_tokens": [2048], "qps": [0.0], "agents": [3], "rounds": [2, 4, 8]},
                _render_scaling("rounds", "R")),
+    *[PaperTable(name, title, FIDELITY_GRID, render_measured=renderer) for name, title, renderer in (
+        ("fig2", "Fig 2: effective rank of base caches and cross-agent corrections", fidelity.render_fig2),
+        ("fig3", "Fig 3: KV error of chained and non-chained correction, by layer and by agent", fidelity.render_fig3),
+        ("table2", "Table 2: reconstruction coverage of selective recomputation", fidelity.render_table2),
+        ("fig7", "Fig 7: effective rank of PF-induced and PH-induced corrections", fidelity.render_fig7))],
 ]}
+FIDELITY_TABLES = [name for name, table in TABLES.items() if table.render_measured is not None]
 
 
 def render(name: str, results: Path, out: Path, with_paper: bool = True) -> Path:
     table = TABLES[name]
-    frame = average_repeats(runs_frame([r for r in find_runs([results]) if not r.is_quality_baseline]))
     out.mkdir(parents=True, exist_ok=True)
+    if table.render_measured is not None:
+        body = table.render_measured(results, out)
+        path = out / f"{name}.md"
+        path.write_text(f"# {table.title}\n\nFrom `{results}`.\n\n{body}\n")
+        return path
+    frame = average_repeats(runs_frame([r for r in find_runs([results]) if not r.is_quality_baseline]))
     frame.to_csv(out / f"{name}.csv", index=False)
     assert table.render is not None
     body = table.render(frame, out, with_paper)

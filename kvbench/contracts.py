@@ -117,6 +117,78 @@ class WorkerRpc(StrEnum):
     RESET = "kvbench_reset"  # (keep_method_state) -> True
     KV_ERROR = "kvbench_kv_error"  # (key, reference, start, stop) -> per-layer normalized error
     SAVED_ROWS = "kvbench_saved_rows"  # (key, layer, start, stop) -> K/V rows of a saved cache
+    # (request: FidelityRequest JSON) -> SegmentFidelity: one shared segment's dense caches in two
+    # agents' contexts compared (spectra, reuse error, selection coverage); added without a version
+    # bump (no existing field changed): an older server answers it with an unknown-method error
+    SEGMENT_FIDELITY = "kvbench_segment_fidelity"
+
+
+@dataclass(frozen=True)
+class FidelityRequest:
+    """One shared segment, prefilled densely in the target's prompt and in its source's cache (the
+    source turn's prompt and output), compared inside the worker (WorkerRpc.SEGMENT_FIDELITY)."""
+
+    target_tokens: list[int]
+    target_start: int
+    length: int
+    source_tokens: list[int]
+    source_start: int
+    check_layer: int  # where the token criteria are measured (CacheBlend's check layer)
+    recompute_tokens: int  # the token criteria's budget: tokens recomputed in every layer
+    query_tail: int = 10  # the target prompt's last rows whose attention ranks tokens (RelayCaching)
+    version: int = CONTRACT_VERSION
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> FidelityRequest:
+        import json
+
+        raw = json.loads(text)
+        if raw.get("version") != CONTRACT_VERSION:
+            raise ContractError(f"fidelity request version {raw.get('version')!r}, this kvbench reads {CONTRACT_VERSION}")
+        try:
+            request = cls(**raw)
+        except TypeError as exc:
+            raise ContractError(f"bad fidelity request: {exc}") from None
+        if not (0 <= request.target_start and request.target_start + request.length <= len(request.target_tokens)
+                and 0 <= request.source_start and request.source_start + request.length <= len(request.source_tokens)):
+            raise ContractError(f"fidelity request: the segment [{request.target_start}, +{request.length}) or "
+                                f"[{request.source_start}, +{request.length}) lies outside its prompt")
+        return request
+
+
+class LayerFidelity(TypedDict):
+    """One layer of a SegmentFidelity: singular values of the reused (source, re-aligned) rows and
+    of the correction target - reused, keys and values over [tokens, heads x head_dim] of this
+    rank's heads; and this rank's share of the squared reuse error and target norm."""
+
+    k_base_sv: list[float]
+    v_base_sv: list[float]
+    k_delta_sv: list[float]
+    v_delta_sv: list[float]
+    k_sq_err: float
+    k_sq_ref: float
+    v_sq_err: float
+    v_sq_ref: float
+
+
+class SegmentFidelity(TypedDict):
+    """Answer of WorkerRpc.SEGMENT_FIDELITY (one per worker). Error energies are each layer's K and
+    V squared reuse errors over that layer's squared target norm (all ranks), summed: `layer_error`
+    per layer; `*_removed` the part of their total that the token criteria's chosen tokens hold."""
+
+    layers: list[LayerFidelity]
+    layer_error: list[float]
+    deviation_removed: float
+    attention_removed: float
+    tokens: int
+    feature_dim: int  # heads x head_dim of this rank: the spectra's full rank
+    recompute_tokens: int
+    contract_version: int
 
 
 # ---------------------------------------------------------------------------------- stats

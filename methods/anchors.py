@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench.methods.kv_codec import Encoded, KVCodec
+
 EVICTION_WINDOW = 5  # LFU among the 5 oldest anchors (KVComm's policy, kept by KVCMAS)
 # Widest feature dimension factorized with a full eigensolve. Wider ones (Llama-3.1-8B: D = 1024)
 # use subspace iteration: a full fp64 eigh of 32 [1024, 1024] Gram matrices took 340 ms on an
@@ -112,11 +114,67 @@ class LowRank:
         return self.a.nbytes + self.b.nbytes
 
 
-Stored = FullRank | LowRank
+class Coded:
+    """A [layers, n, D] tensor held by a KV codec (PolyKV: int8 keys, 3-bit rotated values) and
+    decoded layer by layer when read: KVComm's full-size anchor bases, which only serve matching."""
+
+    def __init__(self, z: torch.Tensor, codec: KVCodec, head_dim: int, values: bool, dtype: torch.dtype) -> None:
+        heads = z.reshape(z.shape[0], z.shape[1], -1, head_dim).to(dtype)
+        self.codec, self.values = codec, values
+        self.encoded = codec.encode_values(heads) if values else codec.encode_keys(heads)
+
+    @property
+    def length(self) -> int:
+        return self.encoded.shape[1]
+
+    def layer_rows(self, layer: int, n: int) -> torch.Tensor:
+        """Rows [0, n) of one layer, decoded, [n, D] in the stored dtype."""
+        return self._decode(layer)[:n]
+
+    def _decode(self, layer: int) -> torch.Tensor:
+        # every tensor a codec holds leads with the layer dimension (scales are kept with keepdim)
+        one = Encoded({name: t[layer:layer + 1] for name, t in self.encoded.tensors.items()},
+                      (1, *self.encoded.shape[1:]), self.encoded.dtype, self.encoded.meta)
+        decoded = self.codec.decode_values(one) if self.values else self.codec.decode_keys(one)
+        return decoded[0].reshape(self.encoded.shape[1], -1)
+
+    def rows(self, n: int, layer: int | None = None) -> torch.Tensor:
+        if layer is not None:
+            return self._decode(layer)[:n].float()
+        return torch.stack([self._decode(i)[:n] for i in range(self.encoded.shape[0])]).float()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        layers, n, heads, head_dim = self.encoded.shape
+        return (layers, n, heads * head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.encoded.nbytes
+
+
+Stored = FullRank | LowRank | Coded
 
 
 def store(z: torch.Tensor, rank: int | None, dtype: torch.dtype) -> Stored:
     return FullRank(z, dtype) if rank is None else LowRank(z, rank, dtype)
+
+
+def stored_dtype_device(s: Stored) -> tuple[torch.dtype, torch.device]:
+    """The dtype rows of a stored tensor are read in, and where they live."""
+    if isinstance(s, Coded):
+        return s.encoded.dtype, next(iter(s.encoded.tensors.values())).device
+    held = s.z if isinstance(s, FullRank) else s.b
+    return held.dtype, held.device
+
+
+@dataclass(frozen=True)
+class BaseCodec:
+    """How an anchor pool keeps full-size bases compressed: the codec and the model's head_dim
+    (the value codec rotates each head's vector)."""
+
+    codec: KVCodec
+    head_dim: int
 
 
 def edge_source(edge: str) -> str:
@@ -164,17 +222,25 @@ class AnchorPool:
         return [a for a in self.anchors.values() if a.covers(edge) >= max(1, min_length)]
 
     def add(self, anchor_id: str, edge: str, base_k: torch.Tensor, base_v: torch.Tensor, delta_k: torch.Tensor,
-            delta_v: torch.Tensor, rank_base: int | None, rank_delta: int | None, dtype: torch.dtype) -> None:
+            delta_v: torch.Tensor, rank_base: int | None, rank_delta: int | None, dtype: torch.dtype,
+            base_codec: BaseCodec | None = None) -> None:
         """Add a consumer's correction to the anchor of this content, creating it if needed. An
         anchor's corrections all come from its own source's cache: a correction observed from
-        another source (another edge's source) needs an anchor of its own, named apart."""
+        another source (another edge's source) needs an anchor of its own, named apart.
+        `base_codec` keeps a full-size base (rank_base None) compressed; corrections stay as they
+        are (they are applied to the served cache, a base only serves matching)."""
         source = edge_source(edge)
         anchor = self.anchors.get(anchor_id)
         if anchor is not None and anchor.source != source:
             raise ValueError(f"anchor {anchor_id!r} holds {anchor.source}'s cache as its base; a correction "
                              f"observed on edge {edge} needs an anchor of its own")
         if anchor is None:
-            anchor = Anchor(anchor_id, source, store(base_k, rank_base, dtype), store(base_v, rank_base, dtype))
+            if base_codec is not None and rank_base is None:
+                bases: tuple[Stored, Stored] = (Coded(base_k, base_codec.codec, base_codec.head_dim, False, dtype),
+                                                Coded(base_v, base_codec.codec, base_codec.head_dim, True, dtype))
+            else:
+                bases = (store(base_k, rank_base, dtype), store(base_v, rank_base, dtype))
+            anchor = Anchor(anchor_id, source, *bases)
             self.anchors[anchor_id] = anchor
             while len(self.anchors) > self.capacity:
                 self.evict()
@@ -204,11 +270,12 @@ def _rows_into(s: Stored, layer: int, n: int, out: torch.Tensor, minus: torch.Te
     [n, D] (same dtype) when given. Low-rank factors are multiplied straight into `out` (bf16
     GEMMs accumulate in fp32 and run on AVX512-BF16/AMX or tensor cores), the subtraction fused
     into the GEMM (beta = -1): no stacking copies, no extra pass."""
-    if isinstance(s, FullRank):
+    if isinstance(s, FullRank | Coded):
+        rows = s.z[layer, :n] if isinstance(s, FullRank) else s.layer_rows(layer, n).to(out.dtype)
         if minus is None:
-            out.copy_(s.z[layer, :n])
+            out.copy_(rows)
         else:
-            torch.sub(s.z[layer, :n], minus, out=out)
+            torch.sub(rows, minus, out=out)
     elif minus is None:
         torch.mm(s.a[layer, :n], s.b[layer], out=out)
     else:
@@ -261,8 +328,8 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
         if per_token:
             sums[into] += diff.abs_().sum(dim=-1).float()
 
-    first = stored[0].z if isinstance(stored[0], FullRank) else stored[0].b
-    buffer = None if stack is not None else torch.empty(1, n, first.shape[-1], dtype=first.dtype, device=first.device)
+    dtype, device = stored_dtype_device(stored[0])
+    buffer = None if stack is not None else torch.empty(1, n, stored[0].shape[-1], dtype=dtype, device=device)
     for layer in range(current.shape[0]):
         if stack is not None:  # A B - c for all anchors in one batched GEMM (beta = -1)
             a, b = stack[0][layer], stack[1][layer]
@@ -272,7 +339,7 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
         # One anchor at a time through one [n, D] buffer: its reductions read it while it is
         # still in cache. A [anchors, n, D] stack took twice as long at V = 10 on the CPU (43 vs
         # 23 ms at [4, 8192, 128], measured), its passes running from memory.
-        rows = current[layer, :n].to(first.dtype)
+        rows = current[layer, :n].to(dtype)
         for index, s in enumerate(stored):
             _rows_into(s, layer, n, buffer[0], minus=rows)
             accumulate(buffer, slice(index, index + 1))

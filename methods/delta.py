@@ -24,6 +24,7 @@ from kvbench.contracts import PlanSegment
 from kvbench.methods.anchors import (
     Anchor,
     AnchorPool,
+    BaseCodec,
     Correction,
     anchor_distances,
     edge_source,
@@ -32,6 +33,7 @@ from kvbench.methods.anchors import (
 )
 from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
 from kvbench.methods.forward import run_to_end
+from kvbench.methods.kv_codec import make_codec
 from kvbench.methods.match_memo import MatchMemo, SegmentDistances
 from kvbench.methods.store import SavedKV
 
@@ -495,8 +497,10 @@ class DeltaCorrection(SharingMethod):
         """A dense fallback becomes an anchor of its slot: the source's cache and the correction."""
         (source_k, source_v), (target_k, target_v) = self._observed_rows(job)
         pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
+        codec = self.params.get("base_codec", "none")
+        base_codec = BaseCodec(make_codec(codec), job.target_v.shape[-1]) if codec != "none" else None
         pool.add(job.anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
-                 rank_base, rank_delta, torch.bfloat16)
+                 rank_base, rank_delta, torch.bfloat16, base_codec)
 
     def _ready(self, items: list[Any]) -> tuple[list[Any], list[Any]]:
         """(items whose request vLLM has computed, items still waiting for theirs), order kept."""

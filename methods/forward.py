@@ -208,17 +208,21 @@ class PartialForward:
         return out
 
     @torch.inference_mode()  # entered again at every resumption of the generator
-    def context_free_steps(self, tokens: torch.Tensor) -> Generator[int, None, tuple[torch.Tensor, torch.Tensor]]:
+    def context_free_steps(self, tokens: torch.Tensor, tail_queries: list[torch.Tensor] | None = None,
+                           tail: int = 0) -> Generator[int, None, tuple[torch.Tensor, torch.Tensor]]:
         """K, V [layers, n, Hkv, hd] of `tokens` prefilled alone at positions 0..n-1 (dense causal
         attention over their own K/V, in no request's blocks): a context-free reference cache. One
-        layer at a time: yields the rows each layer computed (a caller may pause there, as with `steps`)."""
+        layer at a time: yields the rows each layer computed (a caller may pause there, as with `steps`).
+        `tail_queries`, when given, receives each layer's rotated queries of the last `tail` rows."""
         n = len(tokens)
-        positions = torch.arange(n, dtype=torch.long)
+        positions = torch.arange(n, dtype=torch.long, device=tokens.device)
         hidden, residual = self.embed(tokens), None
         keys, values = [], []
         for index, (layer, name) in enumerate(zip(self.layers, self.layer_names)):
             attn = layer.self_attn
             q, k, v, residual = self._qkv(layer, hidden, residual, positions)
+            if tail_queries is not None:
+                tail_queries.append(q[n - tail:].clone())
             keys.append(k)
             values.append(v)
             if index == len(self.layers) - 1:

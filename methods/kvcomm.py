@@ -4,7 +4,7 @@ the same test as normalized entropy > gamma), and layer 0 left uncorrected."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvbench.methods.base import MethodParams
 from kvbench.methods.delta import DeltaCorrection
@@ -15,6 +15,13 @@ class KVCommParams(MethodParams):
     V: int = Field(20, ge=1, description="anchors kept per shared slot")
     gamma: float = Field(0.3, ge=0, le=1, description="gate: dense when the match entropy > gamma * log2(anchors)")
     gate_tokens: int = Field(0, ge=0, description="tokens of a segment matched against anchors (0: all)")
+    base_codec: str = Field("none", description="a KV codec keeping the full-size anchor bases compressed (e.g. "
+                            "polykv, as `store_codec`): they only serve matching; corrections stay bf16")
+
+    @field_validator("base_codec")
+    @classmethod
+    def _known_base_codec(cls, value: str) -> str:
+        return MethodParams._known_codec(value)
 
 
 @register_method

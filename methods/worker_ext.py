@@ -65,6 +65,14 @@ class KVBenchWorkerExtension:
 
         return saved_rows(_worker().store, key, int(layer), int(start), int(stop))
 
+    def kvbench_segment_fidelity(self, request: str) -> dict[str, Any]:
+        """One shared segment's dense caches in a target prompt and its source's, compared (spectra,
+        reuse error, token-criteria coverage): the paper's cache-fidelity analyses."""
+        from kvbench.contracts import FidelityRequest
+        from kvbench.methods.connector.diagnostics import segment_fidelity
+
+        return dict(segment_fidelity(_worker(), FidelityRequest.from_json(request)))
+
 
 # Every contract RPC is a method here (a renamed one fails at import, not at a replay's first call).
 _missing = [rpc.value for rpc in WorkerRpc if not callable(getattr(KVBenchWorkerExtension, rpc.value, None))]

@@ -68,6 +68,15 @@ def check_same_content(run_dir: Path, config: dict[str, Any], trajectories: Sequ
         raise ReferenceRunError(f"{run_dir} ran model {config.get('model')!r}, this run {model!r}")
 
 
+def read_outputs(run_dir: Path) -> dict[tuple[str, str], list[int]]:
+    """(trajectory id, turn id) -> output token ids of a run's successful requests."""
+    requests = pd.read_parquet(run_dir / run_files.REQUESTS, columns=["trajectory_id", "turn_id", "success",
+                                                                      "output_token_ids"])
+    ok = requests[requests["success"]]
+    return {(str(r.trajectory_id), str(r.turn_id)): [int(i) for i in r.output_token_ids]
+            for r in ok.itertuples(index=False)}
+
+
 def load_reference(run_dir: Path, trajectories: Sequence[Trajectory], model: str | None) -> ReferenceRun:
     """The reference's outputs for every turn of `trajectories` (the ones this run measures)."""
     config = read_run_config(run_dir)
@@ -78,11 +87,7 @@ def load_reference(run_dir: Path, trajectories: Sequence[Trajectory], model: str
         raise ReferenceRunError(f"{run_dir} was itself replayed in {config['prompt_mode']!r} mode; a reference "
                              "must run free")
     check_same_content(run_dir, config, trajectories, model)
-    requests = pd.read_parquet(run_dir / run_files.REQUESTS, columns=["trajectory_id", "turn_id", "success",
-                                                                      "output_token_ids"])
-    ok = requests[requests["success"]]
-    outputs = {(str(r.trajectory_id), str(r.turn_id)): [int(i) for i in r.output_token_ids]
-               for r in ok.itertuples(index=False)}
+    outputs = read_outputs(run_dir)
     missing = [f"{t.trajectory_id}/{turn.turn_id}" for t in trajectories for turn in t.turns
                if (t.trajectory_id, turn.turn_id) not in outputs]
     if missing:

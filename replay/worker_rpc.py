@@ -8,7 +8,15 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kvbench.contracts import ContractError, ServerInfo, WorkerRpc, WorkerStats
+from kvbench.contracts import (
+    CONTRACT_VERSION,
+    ContractError,
+    FidelityRequest,
+    SegmentFidelity,
+    ServerInfo,
+    WorkerRpc,
+    WorkerStats,
+)
 from kvbench.replay.server import ServerError
 
 
@@ -83,3 +91,12 @@ class WorkerClient:
 
     def saved_rows(self, key: str, layer: int, start: int, stop: int) -> list[dict[str, Any]]:
         return self.call(WorkerRpc.SAVED_ROWS, key=key, layer=str(layer), start=str(start), stop=str(stop))
+
+    def segment_fidelity(self, request: FidelityRequest) -> list[SegmentFidelity]:
+        """Per rank: one shared segment's cache-fidelity measures (`FidelityRequest`)."""
+        answers = self.call(WorkerRpc.SEGMENT_FIDELITY, request=request.to_json())
+        for answer in answers:
+            if not isinstance(answer, dict) or answer.get("contract_version") != CONTRACT_VERSION:
+                raise ServerError(f"the server at {self.base_url} answered {WorkerRpc.SEGMENT_FIDELITY} in another "
+                                  "contract version; install the same kvbench on both sides")
+        return answers

@@ -372,7 +372,8 @@ def test_method_parameters_are_validated() -> None:
         method_class("cacheblend")({"check_layer": -1})
     with pytest.raises(MethodConfigError, match="deviation: Input should be 'value' or 'key'"):
         method_class("cacheblend")({"deviation": "norm"})
-    assert method_class("kvcomm")({}).params == {"V": 20, "gamma": 0.3, "gate_tokens": 0, "store_codec": "none"}
+    assert method_class("kvcomm")({}).params == {"V": 20, "gamma": 0.3, "gate_tokens": 0, "base_codec": "none",
+                                                 "store_codec": "none"}
     assert math.isclose(method_class("kvcmas")({"tau": 0.5}).threshold(), 0.5)
 
 
@@ -722,3 +723,32 @@ def test_graphflow_starts_its_budget_afresh_when_a_measured_run_follows_warm_ups
     assert (method.budget.eligible, method.budget.reused) == (0, 0) and method.calibrations
     reused = sum(len(method.select(_context("graphflow", f"m{i}", seed=10 + i)[0])) for i in range(4))
     assert reused == 2  # half of four equal segments
+
+
+def test_coded_bases_are_compressed_and_still_match() -> None:
+    """KVComm's `base_codec`: full-size bases kept by PolyKV's codec take >= 2.5x fewer bytes than
+    bf16 and still single out the right anchor; corrections are kept as they are."""
+    from kvbench.methods.anchors import BaseCodec, Coded
+    from kvbench.methods.kv_codec import make_codec
+
+    contents = [_low_rank_plus_noise(64, 8, 0.1, seed=s) for s in range(3)]
+    plain, coded = AnchorPool(10), AnchorPool(10)
+    for index, base in enumerate(contents):
+        delta = 0.1 * _low_rank_plus_noise(64, 4, 0.0, seed=100 + index)
+        plain.add(f"t{index}", "A0->A1", base, base, delta, delta, None, None, torch.bfloat16)
+        coded.add(f"t{index}", "A0->A1", base, base, delta, delta, None, None, torch.bfloat16,
+                  BaseCodec(make_codec("polykv"), HEAD_DIM))
+    anchor = coded.anchors["t1"]
+    assert isinstance(anchor.base_k, Coded) and isinstance(anchor.base_v, Coded)
+    bases = sum(a.base_k.nbytes + a.base_v.nbytes for a in plain.anchors.values())
+    coded_bases = sum(a.base_k.nbytes + a.base_v.nbytes for a in coded.anchors.values())
+    assert bases / coded_bases >= 2.5
+    assert coded.nbytes - coded_bases == plain.nbytes - bases  # the corrections are untouched
+    for stored, original in ((anchor.base_k, contents[1]), (anchor.base_v, contents[1])):
+        assert stored.shape == tuple(original.shape)
+        assert float((stored.rows(64) - original).norm() / original.norm()) < 0.2
+        assert torch.equal(stored.rows(64)[2], stored.rows(64, layer=2))
+    result = reliability_gate(contents[1], coded.compatible("A0->A1", 64), 64, tau=0.3)
+    assert result.accept and int(result.weights.argmax()) == 1
+    with pytest.raises(Exception, match="unknown KV codec 'lz4'"):
+        method_class("kvcomm")({"base_codec": "lz4"})

@@ -67,8 +67,8 @@ def _sweep_options(func):
         click.option("--output-len", type=click.IntRange(min=1), default=None,
                      help="Tokens per agent output [default: 128; with --task recall, the longest name plus a "
                           "newline under the model's tokenizer]."),
-        click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True,
-                     help="Measured trajectories per cell."),
+        click.option("--num-trajectories", type=click.IntRange(min=1), default=None,
+                     help="Measured trajectories per cell [default: 8; 4 for the cache-fidelity entries]."),
         click.option("--num-warmups", type=click.IntRange(min=0), default=1, show_default=True),
         click.option("--prime-method-state", is_flag=True,
                      help="Warm-ups also fill the methods' anchor pools (steady state, not a cold start)."),
@@ -85,7 +85,7 @@ def _sweep_options(func):
     return func
 
 
-def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
+def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **options: Any) -> Path:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -107,8 +107,11 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
         methods=_method_configs(methods, param_specs),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
-        **{key: options[key] for key in ("workflow", "task", "output_len", "num_trajectories", "num_warmups",
-                                         "prime_method_state", "repeats", "seed", "model", "quality")})
+        **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",
+                                         "quality")},
+        num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
+        prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
+        save_prompt_ids=defaults.get("save_prompt_ids", False))
     cells = spec.cells(out)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
@@ -116,7 +119,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], **options: Any) -> Path:
         with progress:
             extra = 2 * len(spec.trace_specs()) if spec.quality else 0  # the reference and floor runs
             task = progress.add_task("", total=len(cells) + extra)
-            run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name))
+            run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name), after_cell)
     except (ValueError, ServerError, ReplayError) as exc:
         raise click.ClickException(f"{exc} (finished cells are kept; rerun the same command to resume)") from None
     return out
@@ -133,7 +136,8 @@ def sweep_command(out: Path, **options: Any) -> None:
 
 
 @click.command("paper")
-@click.argument("table", type=click.Choice(["table7", "table11", "table12", "table13", "table14", "table15"]))
+@click.argument("table", type=click.Choice(["table7", "table11", "table12", "table13", "table14", "table15", "fig2",
+                                            "fig3", "table2", "fig7"]))
 @click.option("--results", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Render from an existing sweep directory.")
 @click.option("--run", "run_sweep", is_flag=True, help="Run the table's sweep first (at --shared-tokens/--qps...).")
@@ -144,7 +148,8 @@ def sweep_command(out: Path, **options: Any) -> None:
 @_sweep_options
 def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path | None, paper_values: bool,
                   **options: Any) -> None:
-    """Render a table of the KVCMAS paper (Tables 7, 11-15 and Figs 5, 6, 8, 12) from sweep results."""
+    """Render a table of the KVCMAS paper (Tables 7, 11-15 and Figs 5, 6, 8, 12) from sweep results, or
+    one of its cache-fidelity analyses (Figs 2, 3, 7 and Table 2: one sweep measures all four)."""
     from kvbench.analysis import paper
     from kvbench.analysis.runs import RunLoadError
 
@@ -152,11 +157,16 @@ def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path |
     if run_sweep == (results is not None):
         raise click.UsageError("give exactly one of --results DIR or --run")
     if run_sweep:
-        results = _run_sweep(out / "sweep", paper.TABLES[table].grid, **options)
+        after_cell = None
+        if table in paper.FIDELITY_TABLES:
+            from kvbench.experiment.fidelity import record_fidelity
+
+            after_cell = record_fidelity()
+        results = _run_sweep(out / "sweep", paper.TABLES[table].grid, after_cell=after_cell, **options)
     assert results is not None
     try:
         path = paper.render(table, results, out, paper_values)
-    except RunLoadError as exc:
+    except (RunLoadError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(path.read_text())
     click.echo(f"written: {path}", err=True)
