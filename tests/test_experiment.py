@@ -47,3 +47,36 @@ def test_a_stored_sweep_reads_back_and_older_files_still_match() -> None:
            "prime_method_state": False, "repeats": 1, "seed": 0, "model": None, "cpu_kv_cache_gib": 2.0,
            "request_timeout_s": 1800.0}
     assert SweepSpec(methods=[MethodConfig("nonshared")]).extends(SweepSpec.from_json(old))
+
+
+def test_calibration_probes_a_budget_first_and_stops_within_tolerance(monkeypatch) -> None:
+    """A threshold named rho (GraphFlow's budget) realizes about itself: the target is probed first;
+    a gate threshold is bisected from 0.5; both stop at the first step within tolerance."""
+    from kvbench.experiment import calibrate, run
+    from kvbench.replay import worker_rpc
+
+    probes: list[float] = []
+
+    class FakeClient:
+        def __init__(self, base_url: str) -> None:
+            pass
+
+        def set_params(self, params: dict) -> dict:
+            probes.append(next(iter(params.values())))
+            return params
+
+    def fake_replay(config) -> dict:
+        threshold = probes[-1]
+        return {"realized_rho": threshold ** 0.5 if realizes == "sqrt" else threshold * 0.98}
+
+    monkeypatch.setattr(worker_rpc, "WorkerClient", FakeClient)
+    monkeypatch.setattr(run, "replay_and_summarize", fake_replay)
+    realizes = "budget"
+    steps = calibrate.calibrate_threshold(None, None, "graphflow", "http://x", 0.8, "rho", iterations=6, tolerance=0.05)
+    assert [s.threshold for s in steps] == [0.8]  # realized 0.784: within 0.05 at once
+    probes.clear()
+    realizes = "sqrt"
+    steps = calibrate.calibrate_threshold(None, None, "kvcmas", "http://x", 0.8, "tau", iterations=6, tolerance=0.05)
+    assert steps[0].threshold == 0.5 and calibrate.within(steps[-1].realized_rho, 0.8, 0.05)
+    assert len(steps) < 6
+    assert calibrate.within(0.75, 0.8, 0.05) and not calibrate.within(0.74, 0.8, 0.05)

@@ -346,7 +346,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
                       base_url: str | None, seed: int, server: ServerOptions) -> None:
     """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho) that reaches a target
     reuse ratio, or DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
-    from kvbench.experiment.calibrate import calibrate_threshold, summary_dict
+    from kvbench.experiment.calibrate import calibrate_threshold, summary_dict, within
     from kvbench.methods.registry import method_class
     from kvbench.replay.server import ServerError, VLLMServer
 
@@ -370,16 +370,16 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     try:
         if base_url is not None:
             steps = calibrate_threshold(trace, tokenizer, method, base_url.rstrip("/"), target_rho, cls.threshold_name,
-                                        iterations, show, num_warmups)
+                                        iterations, show, num_warmups, tolerance)
         else:
             with VLLMServer(server.server_config(method, params, served)) as running:
                 steps = calibrate_threshold(trace, tokenizer, method, running.base_url, target_rho, cls.threshold_name,
-                                            iterations, show, num_warmups)
+                                            iterations, show, num_warmups, tolerance)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
     report = summary_dict(steps, target_rho, cls.threshold_name)
     click.echo(json.dumps(report, indent=2))
-    if abs(report["realized_rho"] - target_rho) > tolerance:
+    if not within(report["realized_rho"], target_rho, tolerance):
         raise click.ClickException(
             f"target rho {target_rho:g} is out of reach on this trace: the closest step realized "
             f"{report['realized_rho']:.3f} ({cls.threshold_name}={report[cls.threshold_name]:.4f}); more --iterations, "

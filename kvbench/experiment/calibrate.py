@@ -22,8 +22,10 @@ class CalibrationStep:
 def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, base_url: str, target_rho: float,
                         threshold_name: str, iterations: int = 6,
                         on_step: Callable[[CalibrationStep], None] | None = None,
-                        num_warmups: int = 0) -> list[CalibrationStep]:
-    """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1].
+                        num_warmups: int = 0, tolerance: float | None = None) -> list[CalibrationStep]:
+    """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1],
+    stopping at a step within `tolerance` of the target. A threshold named `rho` is a reuse
+    budget (GraphFlow's), which realizes about itself: its first probe is the target.
     Each replay starts from a reset method state, filled by the trace's first `num_warmups`
     trajectories (not measured), as a measured run with --prime-method-state does."""
     from kvbench.experiment.run import replay_and_summarize
@@ -42,17 +44,24 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
 
     steps: list[CalibrationStep] = []
     low, high = 0.0, 1.0
-    for _ in range(iterations):
-        middle = (low + high) / 2
+    for index in range(iterations):
+        middle = target_rho if index == 0 and threshold_name == "rho" else (low + high) / 2
         step = CalibrationStep(middle, rho_at(middle))
         steps.append(step)
         if on_step is not None:
             on_step(step)
+        if tolerance is not None and within(step.realized_rho, target_rho, tolerance):
+            break
         if step.realized_rho < target_rho:
             low = middle
         else:
             high = middle
     return steps
+
+
+def within(realized_rho: float, target_rho: float, tolerance: float) -> bool:
+    """|realized - target| <= tolerance, up to float rounding (0.75 is within 0.05 of 0.8)."""
+    return abs(realized_rho - target_rho) <= tolerance + 1e-9
 
 
 def best_step(steps: list[CalibrationStep], target_rho: float) -> CalibrationStep:
