@@ -61,7 +61,8 @@ def main() -> None:
                 run = find_runs([cell.path])[0]
                 summaries[(cell.method.name, cell.shared_tokens)] = run.summary
                 # the method's own state (anchor pools), apart from the segment store
-                pools[(cell.method.name, cell.shared_tokens)] = run.memory["method_state_mib"] - run.memory["store_peak_mib"]
+                memory = run.memory()
+                pools[(cell.method.name, cell.shared_tokens)] = memory["method_state_mib"] - memory["store_peak_mib"]
     print(f"{'method':<30} {'ctx':>5} {'bytes/token':>11} {'vs FullShared':>13} {'p50 TTFT ms':>11} "
           f"{'vs FullShared':>13} {'enc ms/1K':>9} {'dec ms/1K':>9} {'PGR':>6} {'KL (reuse)':>10} {'rho':>5} "
           f"{'pool MiB':>8}")
