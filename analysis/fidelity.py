@@ -218,7 +218,7 @@ def render_fig7(results: Path, out: Path) -> str:
         lines += [_context_header(context), "", "(a) effective rank per layer", "",
                   by_layer.to_markdown(index=False, floatfmt=".1f"), "", "(b) relative error at rank r", "",
                   curves.pivot(index="rank", columns="preceded_by", values="relative_error").reset_index()
-                  .to_markdown(index=False, floatfmt=".3f"), ""]
+                  .astype({"rank": str}).to_markdown(index=False, floatfmt=".3f"), ""]
         per_layer = by_layer[by_layer["layer"] != "mean"]
         for kind in [c for c in per_layer.columns if c != "layer"]:
             axes[0][column].plot(per_layer["layer"].astype(int), per_layer[kind], "-o", label=kind)
@@ -256,8 +256,10 @@ def render_fig3(results: Path, out: Path) -> str:
     figure, axes = _panels(2, len(contexts))
     for column, (context, group) in enumerate(contexts):
         by_layer, by_agent = fig3_tables(group)
-        lines += [_context_header(context), "", "(a) per layer", "", by_layer.to_markdown(index=False, floatfmt=".4f"),
-                  "", "(b) per agent, in execution order", "", by_agent.to_markdown(index=False, floatfmt=".4f"), ""]
+        lines += [_context_header(context), "", "(a) per layer", "",
+                  by_layer.astype({"layer": str}).to_markdown(index=False, floatfmt=".4f"), "",
+                  "(b) per agent, in execution order", "",
+                  by_agent.astype({"agent_index": str}).to_markdown(index=False, floatfmt=".4f"), ""]
         for method in [c for c in by_layer.columns if c != "layer"]:
             axes[0][column].plot(by_layer["layer"], by_layer[method], "-o", label=method)
             axes[1][column].plot(by_agent["agent_index"], by_agent[method], "-o", label=method)
