@@ -27,13 +27,19 @@ def dense_reference(base_url: str, model: str, prompt: list[int], key: str, time
         response.read()
 
 
+def dense_reference_of(base_url: str, model: str, request_id: str, prompt: list[int]) -> str:
+    """A dense prefill of a replayed request's prompt, saved beside its cache; returns its key."""
+    reference = str(request_id).replace("/", "_") + "-dense"
+    dense_reference(base_url, model, prompt, reference)
+    return reference
+
+
 def turn_layer_errors(base_url: str, model: str, turn: pd.Series) -> list[dict[str, float]]:
     """Per layer {k_rel, v_rel}: ||C - C_dense||_F / ||C_dense||_F over the turn's whole prompt.
     `turn` is a row of requests.parquet recorded with --save-prompt-ids."""
     if turn.get("prompt_token_ids") is None:
         raise ValueError("the run did not store prompt token ids (replay with --save-prompt-ids)")
-    reference = str(turn["request_id"]).replace("/", "_") + "-dense"
-    dense_reference(base_url, model, [int(t) for t in turn["prompt_token_ids"]], reference)
+    reference = dense_reference_of(base_url, model, turn["request_id"], [int(t) for t in turn["prompt_token_ids"]])
     ranks = WorkerClient(base_url).kv_error(turn["request_id"], reference, 0, int(turn["prompt_tokens"]) - 1)
     return combine_ranks([rank["layers"] for rank in ranks])
 

@@ -100,11 +100,10 @@ def _segment_rows(client: Any, turn: TurnSpans, row: Any, outputs: dict[tuple[st
 
 def _error_rows(base_url: str, model: str, turn: TurnSpans, row: Any, first_context: int,
                 context: int, method: str) -> list[dict[str, Any]]:
-    from kvbench.replay.kv_error import dense_reference
+    from kvbench.replay.kv_error import dense_reference_of
     from kvbench.replay.worker_rpc import WorkerClient
 
-    reference = str(row.request_id).replace("/", "_") + "-dense"
-    dense_reference(base_url, model, turn.prompt.token_ids, reference)
+    reference = dense_reference_of(base_url, model, row.request_id, turn.prompt.token_ids)
     client = WorkerClient(base_url)
     rows = []
     for segment in turn.prompt.plan.segments:
