@@ -32,9 +32,7 @@ def engine_sweep_dir(vllm_server: VLLMServer, fullshared_server: VLLMServer, tmp
     """One small trace replayed with both methods into one directory (like a sweep)."""
     root = Path(tmp_path_factory.mktemp("sweep"))
     trace = root / "trace.jsonl"
-    # 3K shared tokens: at 1K a reuse turn's prefill is about as fast as the connector's placement on
-    # a fast CPU (35 against 42 ms at A3), so the comparison below would measure noise
-    assert _invoke("gen-trace", "-o", str(trace), "--num-trajectories", "4", "--shared-tokens", "3072",
+    assert _invoke("gen-trace", "-o", str(trace), "--num-trajectories", "4", "--shared-tokens", "1024",
                    "--output-len", "16", "--qps", "0").exit_code == 0
     for method, server in (("nonshared", vllm_server), ("fullshared", fullshared_server)):
         result = _invoke("replay", "--trace", str(trace), "--method", method, "--base-url", server.base_url,
@@ -83,9 +81,28 @@ def test_tables_agree_with_requests_recomputed(sweep_dir: Path) -> None:
 
 @pytest.mark.engine
 def test_fullshared_saves_prefill_on_reuse_turns(engine_sweep_dir: Path) -> None:
-    by_agent = ttft_by_agent(find_runs([engine_sweep_dir]))
-    by_agent.columns = [c.split()[0] for c in by_agent.columns]  # cells, named by their method first
-    assert by_agent.loc["A3", "fullshared"] < by_agent.loc["A3", "nonshared"]
+    """Work, not time: on every reuse turn FullShared's server computed the reused rows fewer prompt
+    rows than NonShared's. Whether that is faster on a given machine is the benchmarks' measurement (a
+    timed assertion here failed a clean-clone CI at 174 against 171 ms)."""
+    turns = {}
+    for method in ("nonshared", "fullshared"):
+        requests = pd.read_parquet(engine_sweep_dir / method / "requests.parquet")
+        reuse = requests[requests["success"] & requests["edge_source"].notna()]
+        assert len(reuse) == 3 * reuse["trajectory_id"].nunique() > 0  # A1..A3 of each recorded trajectory
+        turns[method] = reuse.set_index(["trajectory_id", "turn_id"])
+    nonshared = turns["nonshared"]
+    fullshared = turns["fullshared"].loc[nonshared.index]
+    assert (fullshared["prompt_tokens"] == nonshared["prompt_tokens"]).all()  # the same prompts
+    assert (fullshared["reused_tokens"] == fullshared["reusable_tokens"]).all()
+    assert (fullshared["reusable_tokens"] > 0.9 * fullshared["shared_tokens"]).all()
+    # NonShared: vLLM prefilled every row its prefix cache did not hold. FullShared: the connector
+    # claims the prompt (vLLM's cached_tokens), then computes its recomputed rows itself.
+    nonshared_computed = nonshared["prompt_tokens"] - nonshared["cached_tokens"]
+    fullshared_computed = fullshared["recomputed_tokens"] + fullshared["prompt_tokens"] - fullshared["cached_tokens"]
+    assert (fullshared_computed + fullshared["reused_tokens"] == fullshared["prompt_tokens"]).all()
+    # every reused row is a row NonShared computed, unless its own prefix cache held it
+    saved = nonshared_computed - fullshared_computed
+    assert (saved >= fullshared["reused_tokens"] - nonshared["cached_tokens"]).all()
 
 
 def test_report_writes_tables_and_plots(sweep_dir: Path, tmp_path: Path) -> None:
