@@ -102,6 +102,28 @@ def reuse_figures(requests: pd.DataFrame) -> dict[str, Any]:
     }
 
 
+def recompute_share(requests: pd.DataFrame) -> float | None:
+    """Shared (token, layer) entries computed / all the method could have served from reuse
+    (realized rho's denominator, in every layer): 1 - rho where each reused row is served in
+    every layer, more where reused rows compute some layers (CacheBlend's first layers,
+    DroidSpeak's group). None without method stats, or where a request reused rows but its
+    connector did not count entries (runs recorded before the count)."""
+    columns = _reuse_columns(requests)
+    if columns is None:
+        return None
+    reused, eligible, lost = columns
+    denominator = eligible.sum() + lost.sum()
+    served = 0.0  # in whole-row units: entries / layers
+    stats_column = requests["method_stats"] if "method_stats" in requests else pd.Series(None, index=requests.index)
+    for raw, reused_rows in zip(stats_column.loc[reused.index], reused, strict=True):
+        stats = json.loads(raw) if isinstance(raw, str) else {}
+        if "served_entries" in stats:
+            served += stats["served_entries"] / stats["layers"]
+        elif reused_rows:
+            return None
+    return float(1 - served / denominator) if denominator else None
+
+
 def store_codec_figures(requests: pd.DataFrame) -> dict[str, Any]:
     """From the connector's per-request stats: bytes the segment store held per stored token
     (measured from the tensors kept: K/V as stored, with scales and norms, and token ids), and
@@ -162,6 +184,7 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     summary["shared_tokens"] = shared
     summary["reusable_tokens"] = reusable
     summary |= reuse_figures(ok)
+    summary["recompute_share"] = recompute_share(ok)
     # What vLLM's own prefix cache served, what the method reused and what was computed, apart:
     # vLLM's `cached_tokens` also counts every token a connector claimed.
     for column in ("cached_tokens", "prefix_cached_tokens", "reused_tokens", "recomputed_tokens"):

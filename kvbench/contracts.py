@@ -204,6 +204,8 @@ class LoadStats(TypedDict, total=False):
 
     reused_tokens: int  # rows served from a source (whole-token units)
     recomputed_tokens: int  # rows computed by the partial forward
+    served_entries: int  # (token, layer) entries of reused rows served from reuse (the recompute share's)
+    layers: int
     eligible_tokens: int  # rows a source held with identical tokens
     source_missing_tokens: int  # rows whose named source the store no longer held
     ph_without_source_tokens: int

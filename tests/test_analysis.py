@@ -103,6 +103,8 @@ def test_fullshared_saves_prefill_on_reuse_turns(engine_sweep_dir: Path) -> None
     # every reused row is a row NonShared computed, unless its own prefix cache held it
     saved = nonshared_computed - fullshared_computed
     assert (saved >= fullshared["reused_tokens"] - nonshared["cached_tokens"]).all()
+    # every reused row was served in every layer: no (token, layer) entry of them computed
+    assert _summary(engine_sweep_dir / "fullshared")["recompute_share"] == pytest.approx(0.0)
 
 
 def test_report_writes_tables_and_plots(sweep_dir: Path, tmp_path: Path) -> None:

@@ -29,7 +29,8 @@ def check_layer(default_model: str) -> int:
     return first_context_layer(default_model)
 
 
-def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict, check_layer: int) -> None:
+def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict, check_layer: int,
+                                                   model_layers: int) -> None:
     source, dense = new_key(), new_key()
     dense_prefill(server, prompts["p0"], source)  # A0: q after A0's system prompt
     dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
@@ -45,6 +46,9 @@ def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: 
         assert stats["blend"]["check_layer"] == check_layer
         assert stats["blend"]["picked_tokens"] == picked and stats["blend"]["candidate_tokens"] == q
         assert stats["reused_tokens"] == q - picked and stats["recomputed_tokens"] == n - q + picked
+        # (token, layer) entries served from reuse: the unpicked rows, past the check layer only
+        assert stats["served_entries"] == (q - picked) * (model_layers - check_layer - 1)
+        assert stats["layers"] == model_layers
     close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
     for ratio, layers in errors.items():  # up to the check layer every row is computed: dense
         assert all(close(layer) for layer in layers[:check_layer + 1]), (ratio, layers)
@@ -71,3 +75,5 @@ def test_replay_reports_the_reuse_ratio(server: VLLMServer, tmp_path: Path) -> N
     # rho counts the reused tokens not recomputed past the check layer: about 1 - 0.15.
     assert summary["realized_rho"] == pytest.approx(requests["reused_tokens"].sum() / requests["eligible_tokens"].sum())
     assert 0.8 <= summary["realized_rho"] <= 0.85
+    # the reused rows still computed every layer up to the check: more computed than 1 - rho says
+    assert 1 - summary["realized_rho"] < summary["recompute_share"] < 1

@@ -11,7 +11,7 @@ import torch
 from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.base import MethodConfigError
 from kvbench.methods.connector.loads import AsyncLoads, LoadJob, SyncLoads
-from kvbench.methods.connector.materialize import count_rows, find_candidates
+from kvbench.methods.connector.materialize import count_rows, find_candidates, served_entries
 from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import LoadSpec
 from kvbench.methods.store import SavedKV, SegmentStore
@@ -162,14 +162,16 @@ def test_finished_stats_say_where_the_load_ran() -> None:
     assert stats["local_tokens"] == 1 and stats["load_s"] >= 0
 
 
-@pytest.mark.parametrize("check, group, picked, expected", [
-    (None, None, 0, (6, 4)),  # plain reuse: reused rows reused, the rest computed
-    (1, None, 2, (4, 6)),  # CacheBlend: 2 reused rows picked for recomputation past the check layer
-    (None, (2, 4), 0, (3, 7)),  # DroidSpeak: 6 reused rows computed in 2 of 4 layers
+@pytest.mark.parametrize("check, group, picked, expected, entries", [
+    (None, None, 0, (6, 4), 24),  # plain reuse: reused rows reused in every layer, the rest computed
+    (1, None, 2, (4, 6), 8),  # CacheBlend: every row computes layers 0-1; 2 reused rows picked for the rest
+    (None, (2, 4), 0, (3, 7), 12),  # DroidSpeak: 6 reused rows computed in 2 of 4 layers
+    (2, (1, 4), 1, (3, 7), 11),  # a group checked at layer 2: all compute 1-2, the picked row also layer 3
 ])
 def test_row_accounting(check: int | None, group: tuple[int, int] | None, picked: int,
-                        expected: tuple[int, int]) -> None:
+                        expected: tuple[int, int], entries: int) -> None:
     reused = torch.zeros(10, dtype=torch.bool)
     reused[4:] = True
     compute = torch.arange(10) if check is not None and group is None else torch.arange(4)
     assert count_rows(reused, compute, picked, check, group, layers=4) == expected
+    assert served_entries(6, picked, check, group, layers=4) == entries

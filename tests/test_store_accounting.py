@@ -3,13 +3,15 @@ and inject faults."""
 
 from __future__ import annotations
 
+import json
+
 import click
 import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from kvbench.analysis.metrics import realized_rho, reuse_figures
+from kvbench.analysis.metrics import realized_rho, recompute_share, reuse_figures
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.methods.store import SavedKV, SegmentStore
 
@@ -51,6 +53,20 @@ def test_reuse_lost_to_eviction_is_counted_beside_realized_rho() -> None:
     assert reuse_figures(old)["realized_rho"] == pytest.approx(17 / 20)
     assert reuse_figures(requests.assign(reused_tokens=None))["realized_rho"] is None
 
+
+
+def test_recompute_share_counts_layers_the_reused_rows_computed() -> None:
+    stats = [{"served_entries": 0, "layers": 4}, {"served_entries": 17 * 4, "layers": 4},  # every layer
+             {"served_entries": 40 * 3, "layers": 4}]  # 40 rows served in 3 of 4 layers
+    requests = pd.DataFrame({
+        "reusable_tokens": [0, 100, 100], "reused_tokens": [0, 17, 40], "eligible_tokens": [0, 20, 100],
+        "source_missing_tokens": [0, 80, 0], "method_stats": [json.dumps(s) for s in stats]})
+    assert recompute_share(requests) == pytest.approx(1 - (17 + 30) / 200)
+    assert realized_rho(requests) == pytest.approx((17 + 40) / 200)  # rho counts rows, not entries
+    # a connector that reused rows without counting entries (an older run): no figure, not a guess
+    older = requests.assign(method_stats=[json.dumps({"layers": 4})] * 3)
+    assert recompute_share(older) is None
+    assert recompute_share(requests.assign(reused_tokens=None)) is None
 
 def _server_options(*args: str) -> tuple[Result, ServerOptions | None]:
     """The server options a command gets from these arguments (None when click refused them)."""

@@ -143,10 +143,20 @@ def count_rows(reused: torch.Tensor, compute: torch.Tensor, picked: int, check: 
     if group_layers is None:
         recomputed = (int((~reused[compute]).sum()) + picked) if check is not None else int(len(compute))
         return reused_count - picked, recomputed
-    start, stop = group_layers
-    all_width = (check + 1 - start) if check is not None else (stop - start)  # layers every reused row computes
-    served = round((reused_count * (layers - all_width) - picked * ((stop - start) - all_width)) / layers)
+    served = round(served_entries(reused_count, picked, check, group_layers, layers) / layers)
     return served, int(len(compute)) + reused_count - served
+
+
+def served_entries(reused_count: int, picked: int, check: int | None, group_layers: tuple[int, int] | None,
+                   layers: int) -> int:
+    """(token, layer) entries of the reused rows served from reuse, not computed: a check layer's
+    rows compute every layer up to it (CacheBlend: from layer 0), a layer group's rows compute its
+    layers, and the rows picked past the check compute the rest of the group (or of the model)."""
+    if check is None and group_layers is None:
+        return reused_count * layers
+    start, stop = group_layers if group_layers is not None else (0, layers)
+    all_width = (check + 1 - start) if check is not None else (stop - start)  # layers every reused row computes
+    return reused_count * (layers - all_width) - picked * ((stop - start) - all_width)
 
 
 @torch.inference_mode()
@@ -205,6 +215,9 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
         "method": method.name,
         "reused_tokens": reused_count,
         "recomputed_tokens": recomputed,
+        "served_entries": served_entries(int(reused.sum()), narrowing.picked if narrowing else 0, check, group_layers,
+                                         worker.num_layers),
+        "layers": worker.num_layers,
         "ph_without_source_tokens": found.missing,
         "source_missing_tokens": found.evicted,
         "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in found.reuses)),
