@@ -31,13 +31,13 @@ import torch
 
 from kvbench.methods.anchors import (
     Anchor,
-    LowRank,
     anchor_distances,
     distance_paths,
     gate_from_distances,
     interpolated_delta,
 )
 from kvbench.methods.rope import RopeAligner
+from kvbench.methods.stored import LowRank
 
 EDGE = "A0->A1"
 

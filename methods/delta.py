@@ -24,7 +24,6 @@ from kvbench.contracts import PlanSegment
 from kvbench.methods.anchors import (
     Anchor,
     AnchorPool,
-    BaseCodec,
     Correction,
     anchor_distances,
     edge_source,
@@ -36,6 +35,7 @@ from kvbench.methods.forward import run_to_end
 from kvbench.methods.kv_codec import make_codec
 from kvbench.methods.match_memo import MatchMemo, SegmentDistances
 from kvbench.methods.store import SavedKV
+from kvbench.methods.stored import BaseCodec
 
 OUTPUT_SEGMENT_PREFIX = "out:"  # an agent's output segment (kvbench.tracegen.schema.OUT_PREFIX)
 

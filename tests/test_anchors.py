@@ -9,20 +9,12 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.anchors import (
-    EXACT_EIGH_MAX_FEATURES,
-    AnchorPool,
-    Correction,
-    FullRank,
-    LowRank,
-    anchor_distances,
-    interpolated_delta,
-    reliability_gate,
-)
+from kvbench.methods.anchors import AnchorPool, Correction, anchor_distances, interpolated_delta, reliability_gate
 from kvbench.methods.base import LoadContext, SegmentReuse
 from kvbench.methods.registry import method_class
 from kvbench.methods.rope import RopeAligner
 from kvbench.methods.store import SavedKV
+from kvbench.methods.stored import EXACT_EIGH_MAX_FEATURES, FullRank, LowRank
 
 LAYERS, HEADS, HEAD_DIM = 4, 4, 32
 D = HEADS * HEAD_DIM
@@ -728,8 +720,8 @@ def test_graphflow_starts_its_budget_afresh_when_a_measured_run_follows_warm_ups
 def test_coded_bases_are_compressed_and_still_match() -> None:
     """KVComm's `base_codec`: full-size bases kept by PolyKV's codec take >= 2.5x fewer bytes than
     bf16 and still single out the right anchor; corrections are kept as they are."""
-    from kvbench.methods.anchors import BaseCodec, Coded
     from kvbench.methods.kv_codec import make_codec
+    from kvbench.methods.stored import BaseCodec, Coded
 
     contents = [_low_rank_plus_noise(64, 8, 0.1, seed=s) for s in range(3)]
     plain, coded = AnchorPool(10), AnchorPool(10)
