@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
+from matplotlib.lines import Line2D
 
 from kvbench.analysis.runs import Run
 
@@ -71,24 +72,41 @@ def memory_plot(table: pd.DataFrame, path: Path) -> Path:
 
 def speed_quality_plot(table: pd.DataFrame, path: Path) -> Path | None:
     """p50 TTFT against quality per run (PGR with its interval where measured, else exact match
-    with the reference): the Pareto picture. None when no run here has a quality figure."""
+    with the reference): the Pareto picture, one panel per context length, a colour per method and
+    a marker per QPS (a sweep has too many cells for one label each). None when no run here has a
+    quality figure."""
     metric = "pgr" if table["pgr"].notna().any() else "exact_match_rate" if table["exact_match_rate"].notna().any() \
         else None
     if metric is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in table[table[metric].notna()].itertuples():
-        value = getattr(row, metric)
-        yerr = None
-        if metric == "pgr" and pd.notna(row.pgr_low) and pd.notna(row.pgr_high):
-            yerr = [[max(0.0, value - row.pgr_low)], [max(0.0, row.pgr_high - value)]]
-        ax.errorbar([row.p50_ttft_ms], [value], yerr=yerr, marker="o", capsize=3, label=row.run)
-    ax.set(xlabel="p50 TTFT (ms)", ylabel="PGR (1: as NonShared, 0: no context)" if metric == "pgr"
-           else "exact match with the NonShared reference", title="What each method saves against what it costs")
-    ax.set_xscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    measured = table[table[metric].notna()]
+    contexts = sorted(measured["shared_tokens"].dropna().unique()) or [None]
+    methods = sorted(measured["method"].unique())
+    colors = dict(zip(methods, sns.color_palette("tab10" if len(methods) <= 10 else "tab20", len(methods))))
+    rates = sorted(measured["qps"].dropna().unique())
+    markers = dict(zip(rates, "os^Dvp*hX"))
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts) + 2.5, 4.5), squeeze=False, sharey=True)
+    for ax, context in zip(axes[0], contexts):
+        cells = measured if context is None else measured[measured["shared_tokens"] == context]
+        for row in cells.itertuples():
+            value = getattr(row, metric)
+            yerr = None
+            if metric == "pgr" and pd.notna(row.pgr_low) and pd.notna(row.pgr_high):
+                yerr = [[max(0.0, value - row.pgr_low)], [max(0.0, row.pgr_high - value)]]
+            ax.errorbar([row.p50_ttft_ms], [value], yerr=yerr, marker=markers.get(row.qps, "o"), capsize=3,
+                        color=colors[row.method], alpha=0.85)
+        ax.set(xlabel="p50 TTFT (ms)", title=f"{int(context)} shared tokens" if context is not None else "")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("PGR (1: as NonShared, 0: no context)" if metric == "pgr"
+                          else "exact match with the NonShared reference")
+    handles = [Line2D([], [], color=colors[m], marker="o", linestyle="", label=m) for m in methods]
+    if len(rates) > 1:
+        handles += [Line2D([], [], color="black", markerfacecolor="none", marker=markers[r], linestyle="",
+                           label=f"QPS {r:g}") for r in rates]
+    fig.legend(handles=handles, loc="center right", fontsize=8)
+    fig.suptitle("What each method saves against what it costs")
+    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
