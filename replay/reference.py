@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench import run_files
+from kvbench.model.store import model_identity
 from kvbench.tracegen.schema import Trajectory, trajectory_digest
 
 
@@ -64,7 +65,7 @@ def check_same_content(run_dir: Path, config: dict[str, Any], trajectories: Sequ
     if differing:
         raise ReferenceRunError(f"{run_dir} replayed another trace: trajectories {_listed(differing)} are absent from it or "
                              "differ (another seed, shared length or output length?)")
-    if model is not None and config.get("model") not in (None, model):
+    if model is not None and config.get("model") is not None and model_identity(config["model"]) != model_identity(model):
         raise ReferenceRunError(f"{run_dir} ran model {config.get('model')!r}, this run {model!r}")
 
 
@@ -112,5 +113,5 @@ def check_comparable(run_dir: Path, reference_dir: Path) -> None:
     if differing:
         raise ReferenceRunError(f"{run_dir} and {reference_dir} replayed other traces: trajectories {_listed(differing)} "
                                 "differ or are missing from the reference")
-    if run.get("model") != reference.get("model"):
+    if model_identity(run.get("model")) != model_identity(reference.get("model")):
         raise ReferenceRunError(f"{run_dir} ran model {run.get('model')!r}, {reference_dir} {reference.get('model')!r}")

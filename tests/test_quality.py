@@ -165,3 +165,28 @@ def test_pgr_gain_over_naive_reuse_and_over_a_task_score() -> None:
     task = pgr_from_scores(pd.Series([1.0] * 6 + [0.0] * 6, index=ids), pd.Series(0.0, index=ids), oracle,
                            prefix="pgr_task")
     assert task["pgr_task"] == pytest.approx(0.5 / 0.75) and task["pgr_task_oracle_score"] == 0.75
+
+
+def test_one_embedded_model_is_the_same_model_wherever_it_lies(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Runs of the shipped model from two checkouts (another worktree, another machine) compare:
+    a model is its name and weights digest, not its path; other weights are refused."""
+    from kvbench.model.store import MANIFEST_NAME, default_model_dir, model_identity
+    from kvbench.replay.reference import ReferenceRunError, check_comparable
+
+    manifest = json.loads((default_model_dir() / MANIFEST_NAME).read_text())
+    for checkout, digest in (("a", manifest["weights_sha256"]), ("b", manifest["weights_sha256"]), ("c", "0" * 64)):
+        (tmp_path / checkout / "recall-v1").mkdir(parents=True)
+        (tmp_path / checkout / "recall-v1" / MANIFEST_NAME).write_text(json.dumps({**manifest, "weights_sha256": digest}))
+    assert model_identity(str(tmp_path / "a" / "recall-v1")) == model_identity(str(default_model_dir()))
+    assert model_identity("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    with StubServer() as stub:
+        assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir).exit_code == 0
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    for run, checkout in (("ref", "a"), ("run", "b")):
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        (tmp_path / run / "config.json").write_text(json.dumps({**config, "model": str(tmp_path / checkout / "recall-v1")}))
+    check_comparable(tmp_path / "run", tmp_path / "ref")  # same weights, other path: comparable
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    (tmp_path / "run" / "config.json").write_text(json.dumps({**config, "model": str(tmp_path / "c" / "recall-v1")}))
+    with pytest.raises(ReferenceRunError, match="ran model"):
+        check_comparable(tmp_path / "run", tmp_path / "ref")

@@ -63,6 +63,19 @@ def embedded_name(path: str | Path) -> str:
     return str(path)
 
 
+def model_identity(model: str | None) -> str | None:
+    """What makes two runs' models the same: an embedded model's name and weights digest (from its
+    manifest, wherever the checkout or cache holding it lies), else the name or path as given."""
+    if model is None:
+        return None
+    manifest = Path(model) / MANIFEST_NAME
+    try:
+        recorded = json.loads(manifest.read_text())
+        return f"{EMBEDDED_PREFIX}{recorded['name']}@{recorded['weights_sha256']}"
+    except (OSError, ValueError, KeyError):
+        return model
+
+
 # Models whose weights ship inside the package (kvbench/model/weights/<name>): every machine runs
 # the same bytes, and nothing is trained on a fresh install. `kvbench model build --recipe` rebuilds.
 SHIPPED_DIR = Path(__file__).parent / "weights"
