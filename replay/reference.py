@@ -57,6 +57,11 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def recorded_model(config: dict[str, Any]) -> str | None:
+    """A run's model identity: as recorded, else (runs before it was) from the path, if still there."""
+    return config.get("model_identity") or model_identity(config.get("model"))
+
+
 def check_same_content(run_dir: Path, config: dict[str, Any], trajectories: Sequence[Trajectory],
                        model: str | None) -> None:
     """Refuse a run of another trace (trajectory contents) or another model."""
@@ -65,7 +70,7 @@ def check_same_content(run_dir: Path, config: dict[str, Any], trajectories: Sequ
     if differing:
         raise ReferenceRunError(f"{run_dir} replayed another trace: trajectories {_listed(differing)} are absent from it or "
                              "differ (another seed, shared length or output length?)")
-    if model is not None and config.get("model") is not None and model_identity(config["model"]) != model_identity(model):
+    if model is not None and config.get("model") is not None and recorded_model(config) != model_identity(model):
         raise ReferenceRunError(f"{run_dir} ran model {config.get('model')!r}, this run {model!r}")
 
 
@@ -113,5 +118,5 @@ def check_comparable(run_dir: Path, reference_dir: Path) -> None:
     if differing:
         raise ReferenceRunError(f"{run_dir} and {reference_dir} replayed other traces: trajectories {_listed(differing)} "
                                 "differ or are missing from the reference")
-    if model_identity(run.get("model")) != model_identity(reference.get("model")):
+    if recorded_model(run) != recorded_model(reference):
         raise ReferenceRunError(f"{run_dir} ran model {run.get('model')!r}, {reference_dir} {reference.get('model')!r}")

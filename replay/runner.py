@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from kvbench import __version__, run_files
+from kvbench.model.store import model_identity
 from kvbench.replay.client import stream_completion
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
 from kvbench.replay.method_stats import MethodStatsCollector
@@ -213,6 +214,8 @@ class Replayer:
             "host": platform.node(),
             "segments": [],
             **cfg.extra_config,
+            # the model as `kvbench quality` compares it, readable after the path has gone
+            "model_identity": model_identity(cfg.extra_config.get("model")),
         }
 
     # -- the run -----------------------------------------------------------------------------

@@ -181,12 +181,22 @@ def test_one_embedded_model_is_the_same_model_wherever_it_lies(tiny_tokenizer_di
     assert model_identity("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
     with StubServer() as stub:
         assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir).exit_code == 0
+    recorded = json.loads((tmp_path / "ref" / "config.json").read_text())
+    assert recorded["model_identity"] == model_identity(str(tiny_tokenizer_dir))  # recorded with the run
     shutil.copytree(tmp_path / "ref", tmp_path / "run")
-    for run, checkout in (("ref", "a"), ("run", "b")):
+
+    def record(run: str, **keys: str | None) -> None:
         config = json.loads((tmp_path / run / "config.json").read_text())
-        (tmp_path / run / "config.json").write_text(json.dumps({**config, "model": str(tmp_path / checkout / "recall-v1")}))
+        (tmp_path / run / "config.json").write_text(json.dumps({**config, **keys}))
+
+    # runs recorded before the identity was: read from the path, where it still lies
+    record("ref", model=str(tmp_path / "a" / "recall-v1"), model_identity=None)
+    record("run", model=str(tmp_path / "b" / "recall-v1"), model_identity=None)
     check_comparable(tmp_path / "run", tmp_path / "ref")  # same weights, other path: comparable
-    config = json.loads((tmp_path / "run" / "config.json").read_text())
-    (tmp_path / "run" / "config.json").write_text(json.dumps({**config, "model": str(tmp_path / "c" / "recall-v1")}))
+    record("run", model=str(tmp_path / "c" / "recall-v1"))
     with pytest.raises(ReferenceRunError, match="ran model"):
         check_comparable(tmp_path / "run", tmp_path / "ref")
+    # recorded identities still compare after the weights' folders are gone
+    record("ref", model="/gone/a", model_identity=model_identity(str(tmp_path / "a" / "recall-v1")))
+    record("run", model="/gone/b", model_identity=model_identity(str(tmp_path / "b" / "recall-v1")))
+    check_comparable(tmp_path / "run", tmp_path / "ref")
