@@ -102,6 +102,12 @@ def reuse_figures(requests: pd.DataFrame) -> dict[str, Any]:
     }
 
 
+def method_stats_of(requests: pd.DataFrame) -> pd.Series:
+    """Each request's connector stats as a dict (empty where it has none), index-aligned."""
+    raw = requests["method_stats"] if "method_stats" in requests else pd.Series(None, index=requests.index, dtype=object)
+    return raw.map(lambda r: json.loads(r) if isinstance(r, str) else {})
+
+
 def recompute_share(requests: pd.DataFrame) -> float | None:
     """Shared (token, layer) entries computed / all the method could have served from reuse
     (realized rho's denominator, in every layer): 1 - rho where each reused row is served in
@@ -114,9 +120,7 @@ def recompute_share(requests: pd.DataFrame) -> float | None:
     reused, eligible, lost = columns
     denominator = eligible.sum() + lost.sum()
     served = 0.0  # in whole-row units: entries / layers
-    stats_column = requests["method_stats"] if "method_stats" in requests else pd.Series(None, index=requests.index)
-    for raw, reused_rows in zip(stats_column.loc[reused.index], reused, strict=True):
-        stats = json.loads(raw) if isinstance(raw, str) else {}
+    for stats, reused_rows in zip(method_stats_of(requests).loc[reused.index], reused, strict=True):
         if "served_entries" in stats:
             served += stats["served_entries"] / stats["layers"]
         elif reused_rows:
@@ -131,8 +135,7 @@ def store_codec_figures(requests: pd.DataFrame) -> dict[str, Any]:
     totals = dict.fromkeys(("store_entry_bytes", "store_entry_tokens", "store_encode_s", "store_decode_s",
                             "store_decoded_tokens"), 0.0)
     seen = False
-    for raw in requests.get("method_stats", pd.Series(dtype=object)).dropna():
-        stats = json.loads(raw) if isinstance(raw, str) else {}
+    for stats in method_stats_of(requests):
         for key in totals:
             if key in stats:
                 totals[key] += float(stats[key])

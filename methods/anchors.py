@@ -1,5 +1,6 @@
 """Anchor pools for delta correction (KVComm, KVCMAS): the pool, the reliability gate and
-token-wise interpolation (how bases and deltas are stored: `kvbench.methods.stored`). Pure tensor code, independent of vLLM.
+token-wise interpolation (how bases and deltas are stored: `kvbench.methods.stored`). Pure tensor
+code, independent of vLLM.
 
 Shapes: a cache of one segment is [layers, tokens, features] with features = KV heads x head dim;
 keys are kept in canonical positions (the segment rotated as if it started at position 0).

@@ -17,6 +17,7 @@ EXACT_EIGH_MAX_FEATURES = 256
 SUBSPACE_OVERSAMPLING = 16
 SUBSPACE_ITERATIONS = 4
 
+
 def top_right_singular_vectors(z: torch.Tensor, rank: int, exact: bool | None = None) -> torch.Tensor:
     """The top-`rank` right singular vectors of each layer of z [layers, n, D] (fp32), as [layers, rank, D].
 

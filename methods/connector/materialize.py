@@ -209,14 +209,13 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
     forward = yield from worker.forward.steps(tokens, block_ids, slots, compute, placement, narrowing, group, capture)
     if capture is not None and forward.captured is not None:
         keep_hidden(str(spec.plan.save_as), (*forward.captured, capture))
-    reused_count, recomputed = count_rows(reused, compute, narrowing.picked if narrowing else 0, check,
-                                          group_layers, worker.num_layers)
+    picked = narrowing.picked if narrowing else 0
+    reused_count, recomputed = count_rows(reused, compute, picked, check, group_layers, worker.num_layers)
     stats: dict[str, Any] = {
         "method": method.name,
         "reused_tokens": reused_count,
         "recomputed_tokens": recomputed,
-        "served_entries": served_entries(int(reused.sum()), narrowing.picked if narrowing else 0, check, group_layers,
-                                         worker.num_layers),
+        "served_entries": served_entries(int(reused.sum()), picked, check, group_layers, worker.num_layers),
         "layers": worker.num_layers,
         "ph_without_source_tokens": found.missing,
         "source_missing_tokens": found.evicted,
