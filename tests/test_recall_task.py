@@ -116,6 +116,8 @@ def test_scores_on_hand_made_outputs(tokenizer) -> None:
     assert figures["task_accuracy_turns"] == 6 / 8
     assert figures["task_accuracy_A1"] == 0.5 and figures["task_accuracy_A2"] == 0.5
     assert figures["task_accuracy_A0"] == 1.0 and figures["task_scored_trajectories"] == 2
+    # A0 reads no earlier cache: the first turns (2 of 2 right); A1-A3 reuse (4 of 6 right)
+    assert figures["task_accuracy_first"] == 1.0 and figures["task_accuracy_reuse"] == 4 / 6
     failed = scores[(scores["trajectory_id"] == trajectories[1].trajectory_id) & (scores["agent"] == "A2")]
     assert failed["answer"].isna().all() and not failed["correct"].any()
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from kvbench import __version__
 from kvbench.tracegen.arrivals import arrival_times
+from kvbench.tracegen.role_recall import role_recall_context, role_recall_task
 from kvbench.tracegen.roles import MAX_AGENTS, Role, roles_for
 from kvbench.tracegen.schema import (
     OUT_PREFIX,
@@ -26,7 +27,9 @@ from kvbench.tracegen.tokenizer import TraceTokenizer
 from kvbench.tracegen.workflows import workflow_turns
 
 MAX_ROUNDS = 8
-TASKS = ("none", "recall")
+TASKS = ("none", "recall", "role-recall")
+# The role preset a task uses unless --roles says otherwise.
+TASK_ROLES = {"none": "math", "recall": "recall", "role-recall": "role-recall"}
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,9 @@ class TraceSpec:
     qps: float = 1.0
     arrival: str = "poisson"
     burstiness: float = 1.0
-    task: str = "none"  # "recall": answers in the shared context, scored (tracegen/tasks.py)
+    # "recall": answers in the shared context, scored (tracegen/tasks.py); "role-recall": answers
+    # that depend on the reading agent's role too (tracegen/role_recall.py)
+    task: str = "none"
 
     def validate(self) -> None:
         if not 2 <= self.num_agents <= MAX_AGENTS:
@@ -62,6 +67,9 @@ class TraceSpec:
         workflow_turns(self.workflow, self.num_agents, self.rounds)  # raises on an unknown workflow
         if self.task not in TASKS:
             raise ValueError(f"unknown --task {self.task!r}; choose from {', '.join(TASKS)}")
+        if self.task == "role-recall" and any(r.reading is None for r in roles_for(self.roles, self.num_agents)):
+            raise ValueError(f"--task role-recall needs roles that name a reading (--roles role-recall), "
+                             f"not {self.roles!r}")
 
 
 class TokenCounter:
@@ -168,6 +176,12 @@ def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: 
                                                 _single_token_filler(counter, rng))
         q = SharedText(text=text, num_tokens=spec.shared_tokens)
         return draft.model_copy(update={"shared": {"q": q}, "task": recall_task(draft, chain, positions)})
+    if spec.task == "role-recall":
+        draft = Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, turns=turns)
+        context = role_recall_context(rng, spec.shared_tokens, counter, _single_token_filler(counter, rng))
+        q = SharedText(text=context.text, num_tokens=spec.shared_tokens)
+        draft = draft.model_copy(update={"shared": {"q": q}})
+        return draft.model_copy(update={"task": role_recall_task(draft, context)})
     q = SharedText(text=shared_context(counter, rng, spec.shared_tokens), num_tokens=spec.shared_tokens)
     return Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, shared={"q": q},
                       turns=turns)

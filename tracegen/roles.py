@@ -17,6 +17,8 @@ class Role:
     peer_intro: str  # PF glue before the first peer output
     peer_glue: str  # PF glue before each peer output; {agent} and {role} are filled in
     answer_prefix: str  # PF glue at the end of the prompt
+    # `--task role-recall`: which route of a record this role follows (tracegen/role_recall.py)
+    reading: int | None = None
 
 
 _MATH_GLUE = dict(
@@ -49,6 +51,15 @@ _RECALL_GLUE = dict(
 _RECALL_RULE = ("Take the name in the last note (or, if there are no notes yet, the name the tool output "
                 "starts from), find the line of the table that begins with that name, and write the name "
                 "after its arrow on a line of its own. Copy names exactly.")
+
+# `--task role-recall`: a role's system prompt names its reading once, with one of these words,
+# and the arrow its lines carry (tracegen/role_recall.py defines the table).
+ROUTE_WORDS = ("main", "fallback")
+ROUTE_ARROWS = ("->", ">>")
+_ROLE_RECALL_RULE = ("Every queue in the table has two lines, one with -> and one with >>. You follow the {word} route: "
+                     "take the name in the last note (or, if there are no notes yet, the name the tool output starts "
+                     "from), find the line of the table that begins with that name and has {arrow}, and write the name "
+                     "after it on a line of its own. Copy names exactly.")
 
 # kvbench's own wording; each role's system prompt keeps about the token length of the agent
 # prompts of published multi-agent benchmarks (60-120 tokens), which the PF segments' sizes follow.
@@ -114,6 +125,20 @@ ROLE_POOL: dict[str, Role] = {r.name: r for r in [
         ("Auditor", "Your job on this team is auditing the chain: you add the next verified hop."),
         ("Responder", "Your job on this team is giving the answer: the next name in the chain."),
     )],
+    # `--task role-recall`: readings alternate along the preset, so consecutive agents read the
+    # table differently and a cache written under one reading is wrong for the next agent.
+    *[Role(name, f"{duty} " + _ROLE_RECALL_RULE.format(word=ROUTE_WORDS[i % 2], arrow=ROUTE_ARROWS[i % 2]),
+           **_RECALL_GLUE, reading=i % 2)
+      for i, (name, duty) in enumerate((
+          ("Route Planner", "Your job on this team is planning where a ticket goes first."),
+          ("Failover Officer", "Your job on this team is failover: you send work where it goes when a queue is down."),
+          ("Queue Router", "Your job on this team is routing tickets between queues."),
+          ("Recovery Lead", "Your job on this team is recovery planning for queues that stopped."),
+          ("Shift Dispatcher", "Your job on this team is dispatching the work of each shift."),
+          ("Outage Handler", "Your job on this team is handling outages, one queue at a time."),
+          ("Ticket Tracer", "Your job on this team is tracing where a ticket ends up."),
+          ("Continuity Auditor", "Your job on this team is auditing the plan that keeps work moving."),
+      ))],
     Role("Test Analyst",
          "Your job on this team is testing. Given a function signature, its documentation and your "
          "teammates' code, write test cases for ordinary inputs, edge values and invalid calls, "
@@ -133,6 +158,9 @@ ROLE_PRESETS: dict[str, tuple[str, ...]] = {
     # for `--task recall`: the four-agent default ends with the Responder
     "recall": ("Table Reader", "Link Follower", "Cross-Checker", "Responder",
                "Router", "Dispatcher", "Tracer", "Auditor"),
+    # for `--task role-recall`: main and fallback readings alternate
+    "role-recall": ("Route Planner", "Failover Officer", "Queue Router", "Recovery Lead",
+                    "Shift Dispatcher", "Outage Handler", "Ticket Tracer", "Continuity Auditor"),
 }
 MAX_AGENTS = 8
 

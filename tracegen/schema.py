@@ -138,10 +138,10 @@ class TurnAnswer(_Strict):
 
 
 class Task(_Strict):
-    """A scorable task (`gen-trace --task recall`): every turn's gold answer, and which turn's
+    """A scorable task (`gen-trace --task recall|role-recall`): every turn's gold answer, and which turn's
     answer is the trajectory's final one."""
 
-    name: Literal["recall"]
+    name: Literal["recall", "role-recall"]
     answers: list[TurnAnswer] = Field(min_length=1)
     final_turn: Identifier
 

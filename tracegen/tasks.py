@@ -62,7 +62,7 @@ def recall_output_len(encode: Callable[[str], list[int]]) -> int:
 
 def default_output_len(task: str, encode: Callable[[str], list[int]]) -> int:
     """`--output-len` when not given: a recall answer line, else 128 tokens of free text."""
-    return recall_output_len(encode) if task == "recall" else 128
+    return recall_output_len(encode) if task in ("recall", "role-recall") else 128
 
 
 def _question(start: str) -> str:

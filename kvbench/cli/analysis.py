@@ -81,9 +81,12 @@ def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> Non
         except (OSError, ValueError, KeyError, TraceError) as exc:
             raise click.ClickException(f"cannot score {run}: {exc}") from None
         agents = "  ".join(f"{k.removeprefix('task_accuracy_')} {v:.0%}" for k, v in summary.items()
-                           if k.startswith("task_accuracy_") and k != "task_accuracy_turns")
+                           if k.startswith("task_accuracy_A"))
+        split = ", ".join(f"{part} turns {summary[f'task_accuracy_{part}']:.1%}" for part in ("reuse", "first")
+                          if f"task_accuracy_{part}" in summary)
         click.echo(f"{run}: task_accuracy {summary['task_accuracy']:.1%} over {summary['task_scored_trajectories']} "
-                   f"trajectories (all turns {summary['task_accuracy_turns']:.1%}; {agents})")
+                   f"trajectories (all turns {summary['task_accuracy_turns']:.1%}"
+                   f"{'; ' + split if split else ''}; {agents})")
 
 
 @click.command("quality")

@@ -264,6 +264,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         rows.append(("Realized rho (reused / eligible shared tokens)", f"{summary['realized_rho']:.3f}"))
     if summary.get("task_accuracy") is not None:  # ...and what it cost
         rows.append(("Task accuracy", f"{summary['task_accuracy']:.1%}"))
+        if summary.get("task_accuracy_reuse") is not None:
+            rows.append(("Task accuracy, reuse turns", f"{summary['task_accuracy_reuse']:.1%}"))
     sampling = summary["config"].get("sampling")
     if sampling:
         rows.append(("Sampling", "greedy" if sampling.get("greedy") else

@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from kvbench.tracegen.generate import TASKS
+
 
 def _csv(kind: type):
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list | None:
@@ -62,10 +64,10 @@ def _sweep_options(func):
         click.option("--agents", callback=_csv(int), default=None, help="Comma-separated agent counts."),
         click.option("--rounds", callback=_csv(int), default=None, help="Comma-separated round counts."),
         click.option("--workflow", default="sequential", show_default=True),
-        click.option("--task", type=click.Choice(["none", "recall"]), default="none", show_default=True,
-                     help="recall: scored task traces (gen-trace --task recall); runs get task_accuracy."),
+        click.option("--task", type=click.Choice(TASKS), default="none", show_default=True,
+                     help="recall, role-recall: scored task traces (gen-trace --task ...); runs get task_accuracy."),
         click.option("--output-len", type=click.IntRange(min=1), default=None,
-                     help="Tokens per agent output [default: 128; with --task recall, the longest name plus a "
+                     help="Tokens per agent output [default: 128; with a recall task, the longest name plus a "
                           "newline under the model's tokenizer]."),
         click.option("--num-trajectories", type=click.IntRange(min=1), default=None,
                      help="Measured trajectories per cell [default: 8; 4 for the cache-fidelity entries]."),

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
-from kvbench.tracegen.generate import TASKS
+from kvbench.tracegen.generate import TASK_ROLES, TASKS
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
 from kvbench.tracegen.workflows import WORKFLOWS
 
@@ -36,11 +36,13 @@ def _trace_error(exc: Exception) -> click.ClickException:
               help="Workflow instances, each with its own shared context.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
 @click.option("--roles", type=click.Choice(sorted(ROLE_PRESETS)), default=None,
-              help="Role preset: system prompts and glue text of the agents [default: math; recall with "
-                   "--task recall].")
+              help="Role preset: system prompts and glue text of the agents [default: math; the task's own "
+                   "preset with --task recall or role-recall].")
 @click.option("--task", type=click.Choice(TASKS), default="none", show_default=True,
               help="recall: the shared context is a forwarding table, each agent follows one line of it from the "
-                   "previous agent's answer, and every turn's gold answer is in the trace (`kvbench score`).")
+                   "previous agent's answer, and every turn's gold answer is in the trace (`kvbench score`). "
+                   "role-recall: every queue has a main and a fallback route and each agent's role says which "
+                   "one it follows, so answers depend on the reading agent (for the kvbench:roles-* models).")
 @click.option("--qps", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Trajectory (workflow) arrivals per second recorded in the trace; 0 = single stream.")
 @click.option("--arrival", type=click.Choice(ARRIVAL_PROCESSES), default="poisson", show_default=True,
@@ -58,8 +60,7 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     from kvbench.tracegen.tasks import default_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
 
-    recall = params["task"] == "recall"
-    params["roles"] = params["roles"] or ("recall" if recall else "math")
+    params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)

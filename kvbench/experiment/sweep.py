@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import run_files
-from kvbench.tracegen.generate import TraceSpec
+from kvbench.tracegen.generate import TASK_ROLES, TraceSpec
 
 SWEEP_FILE = "sweep.json"
 QUALITY_BASELINE = "quality-baseline"  # config.json's `sweep_role` of a sweep's reference and floor runs
@@ -68,7 +68,7 @@ class SweepSpec:
     agents: list[int] = field(default_factory=lambda: [4])
     rounds: list[int] = field(default_factory=lambda: [1])
     workflow: str = "sequential"
-    task: str = "none"  # "recall": a scored task trace (its roles preset too)
+    task: str = "none"  # "recall" / "role-recall": a scored task trace (its roles preset too)
     output_len: int = 128
     num_trajectories: int = 8
     num_warmups: int = 1
@@ -121,7 +121,7 @@ class SweepSpec:
         for context, agents, rounds in itertools.product(longest, self.agents, self.rounds):
             specs[trace_id(context, agents, rounds)] = TraceSpec(
                 num_agents=agents, rounds=rounds, workflow=self.workflow, shared_tokens=context, task=self.task,
-                roles="recall" if self.task == "recall" else "math",
+                roles=TASK_ROLES[self.task],
                 output_len=self.output_len, num_trajectories=longest[context] + self.num_warmups, seed=self.seed)
         return specs
 

@@ -128,7 +128,7 @@ class FrozenParams:
                 grad.masked_fill_(mask, 0.0)
 
 
-def _inv_freq(config: object) -> torch.Tensor:
+def rope_inv_freq(config: object) -> torch.Tensor:
     head_dim = config.head_dim  # type: ignore[attr-defined]
     theta = config.rope_theta if hasattr(config, "rope_theta") else config.rope_parameters["rope_theta"]  # type: ignore[attr-defined]
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -149,7 +149,7 @@ def install(model: torch.nn.Module, spec: CircuitSpec, norm_scale: float) -> Fro
     lay = Layout(hidden)
     circ = slice(lay.start, hidden)
     half = head_dim // 2
-    inv_freq = _inv_freq(config)
+    inv_freq = rope_inv_freq(config)
     codes = word_codes(sorted(spec.name_token_ids))
     params = dict(model.named_parameters())
     masks = {name: torch.zeros_like(p, dtype=torch.bool) for name, p in params.items()}
@@ -203,7 +203,7 @@ def install(model: torch.nn.Module, spec: CircuitSpec, norm_scale: float) -> Fro
         """Key of a positional head: the constant in the fast pairs' real parts."""
         rows = slice(kv_head * head_dim, (kv_head + 1) * head_dim)
         k = torch.zeros(head_dim, hidden)
-        amplitude = math.sqrt(_pair_amplitude(inv_freq) / scale) / ONE
+        amplitude = math.sqrt(positional_pair_amplitude(inv_freq) / scale) / ONE
         k[:FAST_PAIRS, lay.idx("one")] = amplitude
         own(attn(layer, "k"), (rows, slice(None)), k)
 
@@ -211,7 +211,7 @@ def install(model: torch.nn.Module, spec: CircuitSpec, norm_scale: float) -> Fro
         """Query peaking `offset` tokens back: the key's pattern turned back by offset * theta."""
         rows = slice(head * head_dim, (head + 1) * head_dim)
         q = torch.zeros(head_dim, hidden)
-        amplitude = math.sqrt(_pair_amplitude(inv_freq) / scale) / ONE
+        amplitude = math.sqrt(positional_pair_amplitude(inv_freq) / scale) / ONE
         angles = offset * inv_freq[:FAST_PAIRS]
         q[:FAST_PAIRS, lay.idx("one")] = (amplitude * torch.cos(angles)).float()
         q[half:half + FAST_PAIRS, lay.idx("one")] = (-amplitude * torch.sin(angles)).float()
@@ -328,7 +328,7 @@ def install(model: torch.nn.Module, spec: CircuitSpec, norm_scale: float) -> Fro
     return FrozenParams({n: m for n, m in masks.items() if m.any()}, values)
 
 
-def _pair_amplitude(inv_freq: torch.Tensor) -> float:
+def positional_pair_amplitude(inv_freq: torch.Tensor) -> float:
     """Per-pair logit amplitude giving the positional heads POSITION_MARGIN over their neighbours."""
     gap = float((1 - torch.cos(inv_freq[:FAST_PAIRS])).sum())
     return POSITION_MARGIN / gap

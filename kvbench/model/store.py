@@ -51,7 +51,10 @@ def first_context_layer(model_path: str | Path) -> int:
     manifest = Path(model_path) / MANIFEST_NAME
     if not manifest.is_file():
         return 1
-    circuit_layers = json.loads(manifest.read_text()).get("circuit", {}).get("layers", [])
+    recorded = json.loads(manifest.read_text())
+    if "first_context_layer" in recorded:  # constructed models say where (kvbench.model.roles)
+        return int(recorded["first_context_layer"])
+    circuit_layers = recorded.get("circuit", {}).get("layers", [])
     return max(1, max(circuit_layers, default=-1) + 1)
 
 
@@ -91,7 +94,9 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
     """Map `--model` to what vLLM and transformers accept.
 
     None means the embedded default (the shipped recall model); `kvbench:<name>` a shipped or cached
-    embedded model, `kvbench:tiny` the old 4-layer model (built on first use, about 3 minutes).
+    embedded model, `kvbench:tiny` the old 4-layer model (built on first use, about 3 minutes),
+    `kvbench:roles-*` a constructed role-family model (kvbench.model.roles; built on first use, and
+    rebuilt when the cached copy is not the recorded weights).
     Anything else (a local directory or a hub name such as meta-llama/Llama-3.1-8B-Instruct) is
     passed through unchanged.
     """
@@ -99,6 +104,8 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
         name = model[len(EMBEDDED_PREFIX):]
         if (shipped := shipped_models().get(name)) is not None:
             return str(shipped)
+        if name.startswith(ROLES_PREFIX):
+            return _role_model(name, build_if_missing)
         path = tiny_model_dir() if name == TINY_ALIAS else cache_root() / "models" / name
         if not is_built(path):
             if path == tiny_model_dir() and build_if_missing:
@@ -113,6 +120,30 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
     if not is_built(path):
         raise FileNotFoundError(f"the shipped model is missing from this installation ({path}); reinstall kvbench, "
                                 "or rebuild it with `kvbench model build --recipe recall`")
+    return str(path)
+
+
+ROLES_PREFIX = "roles-"
+
+
+def _role_model(name: str, build_if_missing: bool) -> str:
+    from kvbench.model.roles import FAMILIES, ROLES_RECIPE_VERSION, WEIGHTS_SHA256, build_role_model
+
+    if name not in FAMILIES:
+        raise FileNotFoundError(f"no role-family model {EMBEDDED_PREFIX}{name}; the families: "
+                                + ", ".join(EMBEDDED_PREFIX + f for f in FAMILIES))
+    path = cache_root() / "models" / name
+    try:
+        recorded = json.loads((path / MANIFEST_NAME).read_text())
+        current = (recorded.get("recipe_version") == ROLES_RECIPE_VERSION
+                   and recorded.get("weights_sha256") == WEIGHTS_SHA256.get(name, recorded.get("weights_sha256")))
+    except (OSError, ValueError):
+        current = False
+    if not current:
+        if not build_if_missing:
+            raise FileNotFoundError(f"{EMBEDDED_PREFIX}{name} is not built on this machine ({path}); any command "
+                                    "that uses it builds it (about a second)")
+        build_role_model(name, path)
     return str(path)
 
 
