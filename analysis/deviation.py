@@ -63,14 +63,8 @@ def mcnemar_p(method: pd.Series, naive: pd.Series) -> float:
     return float(stats.binomtest(better, better + worse, 0.5).pvalue)
 
 
-def model_name(run: Run) -> str:
-    """The run's model as kvbench names it (`kvbench:<name>` for embedded models)."""
-    identity = run.config.get("model_identity") or run.config.get("model") or "?"
-    return str(identity).split("@", 1)[0]
-
-
 def _cell_key(run: Run) -> tuple[str, str, int, float]:
-    return (model_name(run), run.name, int(run.shared_tokens or 0), float(run.summary.get("request_rate") or 0.0))
+    return (run.model_name, run.name, int(run.shared_tokens or 0), float(run.summary.get("request_rate") or 0.0))
 
 
 def deviation_matrix(runs: list[Run]) -> pd.DataFrame:

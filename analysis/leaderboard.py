@@ -16,13 +16,14 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.analysis.runs import Run, mean_summary
+from kvbench.model.store import is_constructed
 
 SCHEMA = "kvbench-leaderboard"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a row per model too (`model`), task accuracy on reuse turns
 SORT_RULE = "PGR descending (undefined last), then TTFT saved against NonShared descending"
-COLUMNS = ["cell", "method", "shared_tokens", "qps", "pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
-           "pgr_gain_p_value", "exact_match_rate", "task_accuracy", "recompute_share", "ttft_saved", "p50_ttft_ms",
-           "method_state_mib", "realized_rho", "failed", "runs"]
+COLUMNS = ["model", "cell", "method", "shared_tokens", "qps", "pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
+           "pgr_gain_p_value", "exact_match_rate", "task_accuracy", "task_accuracy_reuse", "recompute_share",
+           "ttft_saved", "p50_ttft_ms", "method_state_mib", "realized_rho", "failed", "runs"]
 
 
 def recompute_share(run: Run) -> float:
@@ -39,24 +40,25 @@ def recompute_share(run: Run) -> float:
 
 
 def leaderboard(runs: list[Run]) -> pd.DataFrame:
-    """Rows by cell, repeats averaged; TTFT saved against the NonShared cell of the same workload."""
-    by_cell: dict[str, list[Run]] = {}
+    """Rows by model and cell, repeats averaged; TTFT saved against the NonShared cell of the same
+    model and workload."""
+    by_cell: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
-        by_cell.setdefault(run.cell, []).append(run)
+        by_cell.setdefault((run.model_name, run.cell), []).append(run)
 
-    nonshared = {rs[0].workload: mean_summary(rs, "p50_ttft_ms") for rs in by_cell.values()
+    nonshared = {(model, rs[0].workload): mean_summary(rs, "p50_ttft_ms") for (model, _), rs in by_cell.items()
                  if rs[0].method == "nonshared"}
     rows = []
-    for cell, cell_runs in by_cell.items():
+    for (model, cell), cell_runs in by_cell.items():
         first = cell_runs[0]
         p50 = mean_summary(cell_runs, "p50_ttft_ms")
-        base = nonshared.get(first.workload, math.nan)
+        base = nonshared.get((model, first.workload), math.nan)
         rows.append({
-            "cell": cell, "method": first.method, "shared_tokens": first.shared_tokens,
+            "model": model, "cell": cell, "method": first.method, "shared_tokens": first.shared_tokens,
             "qps": first.summary.get("request_rate"),
             **{key: mean_summary(cell_runs, key) for key in ("pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
                                                        "pgr_gain_p_value", "exact_match_rate", "task_accuracy",
-                                                       "realized_rho", "failed")},
+                                                       "task_accuracy_reuse", "realized_rho", "failed")},
             "recompute_share": sum(recompute_share(r) for r in cell_runs) / len(cell_runs),
             "ttft_saved": 1 - p50 / base if base and not math.isnan(base) else math.nan,
             "p50_ttft_ms": p50,
@@ -81,6 +83,10 @@ def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:
     note = ("" if table["pgr"].notna().any() else
             "\nNo run here has a PGR: compare them with a reference and a floor first "
             "(`kvbench quality RUN... --reference NONSHARED_RUN --floor DROP_SHARED_RUN`).\n")
+    constructed = sorted(m for m in set(table["model"]) if is_constructed(m))
+    if constructed:
+        note += (f"\n{', '.join(constructed)}: constructed test models (docs/models.md), whose shared caches depend on "
+                 "the reading agent by construction; `task_accuracy_reuse` is their measure of what reuse costs.\n")
     paths["markdown"].write_text(
         f"# kvbench leaderboard\n\nSorted by {SORT_RULE}. `recompute_share`: shared (token, layer) entries computed "
         "over all the method could have reused; `ttft_saved`: 1 - p50 TTFT / NonShared's p50 TTFT of the same "

@@ -9,6 +9,7 @@ import pandas as pd
 from kvbench.analysis import plots
 from kvbench.analysis.runs import Run
 from kvbench.analysis.tables import method_table, ttft_by_agent
+from kvbench.model.store import is_constructed
 
 COLUMN_NOTES = {
     "pNN_ttft_ms": "request-level TTFT percentiles over successful requests (vLLM's definition)",
@@ -23,6 +24,9 @@ COLUMN_NOTES = {
     "store_evictions": "segment-store evictions during this run (its byte cap, --max-store-bytes)",
     "peak_server_rss_mib": "peak RSS of the server process tree (CPU); vLLM pre-allocates its KV pool",
     "peak_kv_cache_usage_perc": "peak of vllm:kv_cache_usage_perc during the run",
+    "task_accuracy": "a task trace's final answers right (`kvbench score`)",
+    "task_accuracy_reuse": "a task trace's answers right on reuse turns (turns a method can serve from another "
+                           "agent's cache)",
 }
 
 
@@ -48,16 +52,20 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     # Every latency row beside what it cost: its reuse and its quality against a reference.
     latency = table[["run", "method", "qps", "shared_tokens", "completed", "failed", "failed_trajectories",
                      *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms", "realized_rho", "exact_match_rate",
-                     "pgr", "task_accuracy"]]
+                     "pgr", "task_accuracy", "task_accuracy_reuse"]]
     quality = table[["run", "realized_rho", "exact_match_rate", "exact_match_rate_reuse", "mean_token_f1",
-                     "mean_first_token_kl", "top1_agreement", "pgr", "pgr_low", "pgr_high", "task_accuracy"]]
+                     "mean_first_token_kl", "top1_agreement", "pgr", "pgr_low", "pgr_high", "task_accuracy",
+                     "task_accuracy_reuse"]]
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     compared = bool(table[["exact_match_rate", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",
                         "realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"]]
     memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "peak_server_rss_mib",
                     "peak_kv_cache_usage_perc"]]
+    models = sorted({run.model_name for run in runs})
     lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
+             "Model: " + ", ".join(f"`{m}`" + (" (a constructed test model, docs/models.md)" if is_constructed(m) else "")
+                                  for m in models), "",
              "## Latency (failures beside every figure)", "", _markdown(latency), "",
              *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle['run'])}.", ""] if len(idle) else []),
              "## Quality (against a NonShared reference: `replay --reference`, `kvbench quality`)", "",

@@ -33,6 +33,12 @@ class Run:
     def config(self) -> dict[str, Any]:
         return self.summary.get("config", {})
 
+    @property
+    def model_name(self) -> str:
+        """The model as kvbench names it: `kvbench:<name>` for embedded models, else as given."""
+        identity = self.config.get("model_identity") or self.config.get("model") or "?"
+        return str(identity).split("@", 1)[0]
+
     def memory(self) -> dict[str, float]:
         """The three memory figures of a run, kept apart (vLLM pre-allocates its KV pool)."""
         state = self.summary.get("method_state_bytes") or {}

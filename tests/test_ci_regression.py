@@ -18,6 +18,7 @@ def _run(tmp_path: Path, reference: StubServer, method: StubServer, model: Path)
            "KVBENCH_BASELINE": str(tmp_path / "baseline"), "KVBENCH_OUT": str(tmp_path / "candidate"),
            "KVBENCH_REFERENCE_URL": reference.base_url, "KVBENCH_METHOD_URL": method.base_url,
            "KVBENCH_TRACE_ARGS": f"--qps 0 --num-trajectories 3 --shared-tokens 64 --output-len 4 --model {model}",
+           "KVBENCH_REPLAY_ARGS": "--qps 0",
            # The quality gates only: a stand-in server's TTFTs are noise, not a method's speed.
            "KVBENCH_GATES": "--gate exact_match_rate=-0.1 --gate mean_token_f1=-0.05"}
     return subprocess.run(["bash", str(ROOT / "scripts" / "ci_regression.sh")], env=env, capture_output=True,

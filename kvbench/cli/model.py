@@ -17,10 +17,12 @@ def model_group() -> None:
 
 
 @model_group.command("build")
-@click.option("--recipe", type=click.Choice(["tiny", "recall"]), default="tiny", show_default=True,
+@click.option("--recipe", type=click.Choice(["tiny", "recall", "roles"]), default="tiny", show_default=True,
               help="tiny: the 4-layer model trained on the standard library (~3 min). recall: the recall model "
                    "kvbench ships (8 layers, the constructed retrieval circuit, a long-context curriculum; about "
-                   "38 min on 2 cores), rebuilt from its recipe into the cache to reproduce the shipped weights.")
+                   "38 min on 2 cores), rebuilt from its recipe into the cache to reproduce the shipped weights. "
+                   "roles: the four constructed role-family test models (kvbench:roles-*, a second each; any "
+                   "command that uses one builds it too), checked against their recorded sha256.")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True,
               help="Training seed; the same seed gives bit-identical weights on the same machine type.")
 @click.option("--train-steps", type=click.IntRange(min=1), default=None,
@@ -32,6 +34,21 @@ def build_command(recipe: str, seed: int, train_steps: int | None, force: bool) 
     last checkpoint (every 50 steps) when rerun."""
     if recipe == "recall":
         _build_recall(seed, force)
+        return
+    if recipe == "roles":
+        from kvbench.model.roles import FAMILIES, build_role_model
+        from kvbench.model.store import cache_root, resolve_model
+
+        for name in FAMILIES:
+            path = cache_root() / "models" / name
+            try:
+                if force or not is_built(path):
+                    build_role_model(name, path)
+                path = Path(resolve_model(f"kvbench:{name}"))  # rebuilt if the cached copy is not current
+            except ValueError as exc:
+                raise click.ClickException(str(exc)) from None
+            sha = json.loads((path / "kvbench-model.json").read_text())["weights_sha256"]
+            click.echo(f"kvbench:{name}: {path} (weights sha256 {sha})")
         return
     from kvbench.model.build import build_model
 
@@ -97,13 +114,19 @@ def path_command(model: str | None, build: bool) -> None:
 @click.option("--loss-window", type=click.IntRange(min=512), default=8192, show_default=True,
               help="Tokens per held-out window of the loss by position (32768 reaches the last bucket).")
 @click.option("--recall-trajectories", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--families", is_flag=True,
+              help="Check the four role-family models (kvbench:roles-*): accuracy on reuse turns under NonShared "
+                   "and FullShared, answer margins, and where and how the cross-role K/V deltas lie.")
 def check_command(models: tuple[str, ...], as_json: bool, out: Path, device: str, serving: bool, loss_window: int,
-                  recall_trajectories: int) -> None:
-    """The realism figures of a model: does it read its context as real LLMs do?"""
+                  recall_trajectories: int, families: bool) -> None:
+    """The realism figures of a model: does it read its context as real LLMs do? For a role-family
+    model (kvbench:roles-*): what reuse costs on it, and why."""
     from kvbench.experiment.model_check import CheckSettings, run_check
+    from kvbench.model.roles import FAMILIES
     from kvbench.replay.server import ServerError
 
-    targets: list[str | None] = list(models) or [None]
+    targets: list[str | None] = list(models) + ([f"kvbench:{name}" for name in FAMILIES] if families else [])
+    targets = targets or [None]
     results = []
     for model in targets:
         root = out if len(targets) == 1 else out / (model or "default").replace(":", "-").replace("/", "-")
@@ -122,7 +145,11 @@ def check_command(models: tuple[str, ...], as_json: bool, out: Path, device: str
 
 
 def format_check(figures: dict) -> str:
-    """The figures beside what real LLMs show."""
+    """The figures beside what real LLMs show (for a role family: what reuse costs on it)."""
+    if "family" in figures:
+        from kvbench.experiment.family_check import format_family_check
+
+        return format_family_check(figures)
     losses = figures["heldout_loss_by_position"]
     lines = [f"model check: {figures['model']}",
              "  held-out loss by position: " + ", ".join(f"{k} {v:.3f}" for k, v in losses.items())

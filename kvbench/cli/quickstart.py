@@ -6,6 +6,11 @@ from pathlib import Path
 
 import click
 
+from kvbench.tracegen.generate import TASKS
+
+# A family where naive reuse loses the answer and delta correction can recover it (docs/models.md).
+DEFAULT_MODEL = "kvbench:roles-transferable"
+
 
 @click.command("quickstart")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("results/quickstart"),
@@ -14,25 +19,36 @@ import click
               help="Trajectory arrivals per second.")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="The model: by default a constructed test model on which an agent reading another agent's "
+                   "cache answers the other agent's question (docs/models.md); kvbench:recall-v1 is the shipped "
+                   "trained one (use it with --task none).")
+@click.option("--task", type=click.Choice(TASKS), default="role-recall", show_default=True,
+              help="The trace's task (gen-trace --task): role-recall scores every answer on reuse turns.")
+@click.option("--num-warmups", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Trajectories each replay runs first (and leaves out); KVCMAS keeps what it learned from them.")
 @click.pass_context
-def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectories: int, shared_tokens: int) -> None:
+def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectories: int, shared_tokens: int,
+                       model: str, task: str, num_warmups: int) -> None:
     """Generate a four-agent trace, replay it inside vLLM with NonShared, FullShared and KVCMAS,
     compare their outputs with NonShared's (exact match, token F1, first-token KL, PGR against a
-    run without the shared context), and report both axes: what each saves and what it costs."""
+    run without the shared context) and, on a task trace, score their answers, and report both
+    axes: what each saves and what it costs."""
     from datetime import datetime
 
     from kvbench.cli.analysis import quality_command, report_command
     from kvbench.cli.replay import replay_command
     from kvbench.cli.trace import gen_trace_command
-    from kvbench.model.store import resolve_model
+    from kvbench.model.store import is_constructed, resolve_model
 
-    click.echo("[1/5] embedded model (shipped with kvbench)", err=True)
-    click.echo(f"      {resolve_model(None)}", err=True)
+    constructed = " (a constructed test model, built on first use)" if is_constructed(model) else ""
+    click.echo(f"[1/5] model {model}{constructed}", err=True)
+    click.echo(f"      {resolve_model(model)}", err=True)
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.jsonl"
     click.echo("[2/5] trace", err=True)
-    ctx.invoke(gen_trace_command, output=trace, num_trajectories=num_trajectories + 1, shared_tokens=shared_tokens,
-               qps=qps)
+    ctx.invoke(gen_trace_command, output=trace, num_trajectories=num_trajectories + num_warmups,
+               shared_tokens=shared_tokens, qps=qps, task=task, model=model)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     runs = {name: out / f"{name}-{stamp}" for name in ("nonshared", "fullshared", "kvcmas", "no-context")}
     # NonShared is the reference (its outputs: what the others are compared with; its logprobs:
@@ -41,11 +57,12 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
                                 ("kvcmas", "kvcmas", {"prime_method_state": True, "logprobs": 20}),
                                 ("nonshared", "no-context", {"drop_shared": True})):
         click.echo(f"[3/5] replay ({name})", err=True)
-        ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=1, result_dir=runs[name],
-                   label=name, **extra)
+        ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=num_warmups,
+                   result_dir=runs[name], label=name, **extra)  # the trace names its model
     click.echo("[4/5] quality against NonShared's outputs", err=True)
     ctx.invoke(quality_command, result_dirs=(runs["fullshared"], runs["kvcmas"], runs["no-context"]),
                reference_dir=runs["nonshared"], floor_dir=runs["no-context"], naive_dir=runs["fullshared"])
     click.echo("[5/5] report", err=True)
     ctx.invoke(report_command, result_dirs=tuple(runs[n] for n in ("nonshared", "fullshared", "kvcmas")),
-               out=out / f"report-{stamp}", title="kvbench quickstart: what NonShared, FullShared and KVCMAS save and cost")
+               out=out / f"report-{stamp}",
+               title=f"kvbench quickstart on {model}{constructed}: what NonShared, FullShared and KVCMAS save and cost")

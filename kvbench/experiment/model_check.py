@@ -158,6 +158,9 @@ def serving_figures(settings: CheckSettings, root: Path, on_step: Callable[[str]
 
 def run_check(settings: CheckSettings, root: Path, serving: bool = True,
               on_step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """The realism figures of a model, or for a role-family model what reuse costs on it
+    (kvbench.experiment.family_check); written to root/check.json."""
+    from kvbench.model.roles import family_of
     from kvbench.model.store import resolve_model
 
     path = resolve_model(settings.model)
@@ -166,11 +169,26 @@ def run_check(settings: CheckSettings, root: Path, serving: bool = True,
         "model": Path(path).name if settings.model is None else settings.model,
         "weights_sha256": json.loads(manifest_path.read_text()).get("weights_sha256") if manifest_path.exists() else None,
         "machine": f"{platform.node()} ({platform.machine()})",
-        "settings": asdict(settings),
-        **offline_figures(settings, on_step),
     }
-    if serving:
-        figures |= serving_figures(settings, root, on_step)
+    family = family_of(path)
+    if family is not None:
+        from kvbench.experiment.family_check import (
+            FamilyCheckSettings,
+            offline_family_figures,
+            serving_family_figures,
+        )
+
+        family_settings = FamilyCheckSettings(model=str(settings.model), seed=settings.seed)
+        on_step("dense and naively reused answers, margins, cross-role deltas")
+        figures |= {"family": asdict(family), "settings": asdict(family_settings),
+                    **offline_family_figures(family_settings)}
+        if serving:
+            on_step("task accuracy in vLLM (NonShared, FullShared)")
+            figures |= serving_family_figures(family_settings, root, on_step)
+    else:
+        figures |= {"settings": asdict(settings), **offline_figures(settings, on_step)}
+        if serving:
+            figures |= serving_figures(settings, root, on_step)
     root.mkdir(parents=True, exist_ok=True)
     (root / "check.json").write_text(json.dumps(figures, indent=2) + "\n")
     return figures

@@ -126,6 +126,11 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
 ROLES_PREFIX = "roles-"
 
 
+def is_constructed(name: str) -> bool:
+    """Whether a model name (`kvbench:<name>`) is one of kvbench's wholly constructed test models."""
+    return name.startswith(EMBEDDED_PREFIX + ROLES_PREFIX)
+
+
 def _role_model(name: str, build_if_missing: bool) -> str:
     from kvbench.model.roles import FAMILIES, ROLES_RECIPE_VERSION, WEIGHTS_SHA256, build_role_model
 
