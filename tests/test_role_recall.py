@@ -77,3 +77,30 @@ def test_too_small_a_context_is_refused(tokenizer) -> None:
     with pytest.raises(ValueError, match="too small for a role-recall table"):
         generate_trace(TraceSpec(task="role-recall", roles="role-recall", shared_tokens=40, output_len=3,
                                  num_trajectories=1), tokenizer)
+
+
+def test_scores_the_other_route_as_wrong(tokenizer) -> None:
+    """Hand-made outputs: trajectory 0 all right; trajectory 1's reuse turns answer with the other
+    route of the record they read (what a reused cache gives), its first turn right."""
+    import pandas as pd
+
+    from kvbench.analysis.task_score import score_requests, task_figures
+
+    _, trajectories = generate_trace(TraceSpec(task="role-recall", roles="role-recall", shared_tokens=600,
+                                               output_len=3, num_trajectories=2, seed=3), tokenizer)
+    rows = []
+    for k, trajectory in enumerate(trajectories):
+        routes = parse_table(trajectory.shared["q"].text)
+        gold = {a.turn_id: a.answer for a in trajectory.task.answers}
+        previous = re.search(r"Start from (.+)\.$", trajectory.shared["q"].text).group(1)
+        for turn in trajectory.turns:
+            reading = reading_of(trajectory.agents[turn.agent].system)
+            other = routes[previous][1 - reading]
+            answer = other if k == 1 and turn.turn_id != "A0.r0" else gold[turn.turn_id]
+            rows.append({"trajectory_id": trajectory.trajectory_id, "turn_id": turn.turn_id, "success": True,
+                         "output_token_ids": tokenizer.encode(answer + "\n")})
+            previous = gold[turn.turn_id]  # reference-anchored: the next turn reads the gold note
+    scores = score_requests(pd.DataFrame(rows), trajectories, tokenizer.decode)
+    figures = task_figures(scores)
+    assert figures["task_accuracy_first"] == 1.0 and figures["task_accuracy_reuse"] == 0.5
+    assert figures["task_accuracy"] == 0.5 and scores["reuse_turn"].sum() == 6
