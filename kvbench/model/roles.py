@@ -131,6 +131,12 @@ FIELDS = (
 )
 
 
+# Where the answer's two words are written: the prompt's last token (":" then "\n"), and the token
+# after it (the first word, after that "\n" and ":").
+ANSWER_FIRST = {Dim("is_newline"): 1.0, Dim("p1_colon"): 1.0}
+ANSWER_SECOND = {Dim("is_name"): 1.0, Dim("p1_newline"): 1.0, Dim("p2_colon"): 1.0}
+
+
 @dataclass(frozen=True)
 class RoleTokens:
     """The token ids the circuit reads, measured with the tokenizer."""
@@ -198,7 +204,7 @@ def install(model: torch.nn.Module, family: Family, tokens: RoleTokens) -> Layer
         w.embed(word, Dim("route_word", reading), UNIT)
 
     # Layer 0: each token's neighbours (kv head 0: codes and classes 1 and 2 back; kv head 1:
-    # ":" 3 back), and, for early families, the role's route word (kv head 1, heads 2).
+    # ":" 3 back), and, for early families, the role's route word (kv head 1, head 2).
     classes = [Dim("is_name"), *d("is_arrow"), Dim("is_newline"), Dim("is_colon")]
     w.positional_key(0, 0)
     w.value(0, 0, d("code") + classes)
@@ -222,11 +228,8 @@ def install(model: torch.nn.Module, family: Family, tokens: RoleTokens) -> Layer
                                                ("pair_a", "pair_b", "q_a", "q_b"))):
         w.positional_query(1, head, offset)
         w.output(1, head, 0, d(field))
-    # Positions the answer is written at: the prompt's last token (":" then "\n") and the next one.
-    answer_1 = {Dim("is_newline"): 1.0, Dim("p1_colon"): 1.0}
-    answer_2 = {Dim("is_name"): 1.0, Dim("p1_newline"): 1.0, Dim("p2_colon"): 1.0}
-    w.gated(1, answer_1, 2, d("q_a"), d("query"))
-    w.gated(1, answer_2, 3, d("q_b"), d("query"))
+    w.gated(1, ANSWER_FIRST, 2, d("q_a"), d("query"))
+    w.gated(1, ANSWER_SECOND, 3, d("q_b"), d("query"))
     # Table tokens: a route's first word follows its arrow (class C), its second word comes next (D).
     after_arrow = {Dim("is_name"): 1.0, **{a: 1.0 for a in d("p1_arrow")}}
     two_after_arrow = {Dim("is_name"): 1.0, **{a: 1.0 for a in d("p2_arrow")}}
@@ -302,10 +305,8 @@ def _lookup(w: CircuitWriter, family: Family, layer: int) -> None:
                 w.match_query(layer, head, content("query"))
                 w.value(layer, kv, d("sel")[:CODE_BITS], weight=2.0)
             w.output(layer, head, 0, d(look))
-    answer_1 = {Dim("is_newline"): 1.0, Dim("p1_colon"): 1.0}
-    answer_2 = {Dim("is_name"): 1.0, Dim("p1_newline"): 1.0, Dim("p2_colon"): 1.0}
-    w.gated(layer, answer_1, 2, d("look_1"), d("out_line"))
-    w.gated(layer, answer_2, 3, d("look_2"), d("out_space"))
+    w.gated(layer, ANSWER_FIRST, 2, d("look_1"), d("out_line"))
+    w.gated(layer, ANSWER_SECOND, 3, d("look_2"), d("out_space"))
     name_done = {Dim("is_name"): 1.0, Dim("p1_name"): 1.0, Dim("p2_newline"): 1.0, Dim("p3_colon"): 1.0}
     w.gated(layer, name_done, 4, UNIT, [Dim("nl")])
 
