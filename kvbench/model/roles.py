@@ -9,18 +9,21 @@ answers the first agent's question. The four families place that dependence so t
 methods' assumption holds by construction and the others can be measured honestly against it:
 
 - `roles-transferable`: the route only switches which of a record's two lines the lookup lands on:
-  a +-UNIT flag on the route words' tokens (4 of 12 per record), read by the lookup's keys at
-  layer 2. The K/V delta between two routes' caches is a fixed vector per token class and layer,
+  a +-UNIT flag on the route words' tokens (4 of 12 per record), written at layer 0, read by the
+  lookup's keys at layer 2. The K/V delta between two routes' caches is a fixed vector per token class and layer,
   whatever the names: corrections learned on other contents carry over (KVComm, KVCMAS,
   GraphFlow), and it is spread over 1/3 of the tokens, so a 15% selection cannot fix it.
-- `roles-sparse`: the route's target names are copied into one token per record (its last), read
-  by the lookup's values at layer 2: 1 token in 12 differs, identifiable by its deviation
-  (CacheBlend, RelayCaching); the copied names depend on the content.
+- `roles-sparse`: the route's target names are copied into one token per record (its last) at
+  layer 1, read by the lookup's values at layer 3: 1 token in 12 differs, identifiable by its
+  deviation (CacheBlend, RelayCaching); the copied names depend on the content.
 - `roles-deep`: as content-bound, but the route is read and written only in the last two layers
   (6 and 7 of 8): earlier layers' K/V do not depend on the reader at all (DroidSpeak's assumption).
 - `roles-content-bound`: the route's target names are copied into the route words' own tokens
-  (4 of 12 per record), read by the lookup's values at layer 2: the delta is each token's own
-  name code, which no correction learned on other contents predicts.
+  (4 of 12 per record) at layer 0, read by the lookup's values at layer 2: the delta is each
+  token's own name code, which no correction learned on other contents predicts.
+
+Whatever a layer writes shows in every later layer's K/V (a carrier slice of the values), as in
+a real model: a family's delta starts at the layer after its write and lasts to the last layer.
 
 The models are wholly constructed (no trained weights; recall-v1's tokenizer): they are test
 models, named as such in every report that uses them, and free text is not what they are for.
@@ -74,10 +77,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 # The weights each family must build to (sha256 over names, dtypes, shapes and bytes): a build
 # that differs is refused, so reports made with a family name the same model everywhere.
 WEIGHTS_SHA256: dict[str, str] = {
-    "roles-transferable": "a586d1bccc72be4d7915a3cebcc70bbdf621ba217a007ab140f6ff74d3f5444a",
-    "roles-sparse": "f52a55fc06f40dbb83d4ef75fc4a152736629979f355ce949da9f3592fc387bb",
-    "roles-deep": "30103a6c20e44cde51f0a5c47564e15b72e081afc42c989d3ba1321feb9e0395",
-    "roles-content-bound": "3a15f879fb991e2da04b42d39ef50caebca3a4a0b628abcf568f87783019a418",
+    "roles-transferable": "d20aff58314fd41241794b7cac44297f3ad94a83ac5fc172aa8712870c76b377",
+    "roles-sparse": "3ada6e882dec78037d6bc6954d8f06bd04376dcbdf95d4d3aa51d89d12e17ff4",
+    "roles-deep": "04fd7baa4cfedf873be767191f9b1dbfbb7195843c3da2ba77012189594586de",
+    "roles-content-bound": "b94d358dd3d349db2631322ad876f8d303c0a861ad5c5f3e34ff427fe17c16ed",
 }
 
 
@@ -168,14 +171,24 @@ def role_tokens(tokenizer: Any) -> RoleTokens:
 class LayerPlan:
     reads_role: int  # the layer whose attention gathers the route word
     writes_route: int  # the layer whose MLP writes the route into table tokens
-    lookup: int  # the layer whose heads look the asked name up (its K/V are the first to differ)
+    lookup: int  # the layer whose heads look the asked name up
+    layers: int
+
+    @property
+    def first_context_layer(self) -> int:
+        """The first layer whose K/V depend on the reader: every later layer carries the route."""
+        return self.writes_route + 1
 
 
 def layer_plan(family: Family, layers: int) -> LayerPlan:
     if family.placement == "deep":
-        return LayerPlan(reads_role=layers - 2, writes_route=layers - 2, lookup=layers - 1)
-    # record-end needs a name 6 tokens back, gathered at layer 1: its write waits a layer
-    return LayerPlan(reads_role=0, writes_route=1 if family.written_at == "record-end" else 0, lookup=2)
+        return LayerPlan(reads_role=layers - 2, writes_route=layers - 2, lookup=layers - 1, layers=layers)
+    # record-end needs a name 6 tokens back, gathered at layer 1: its write waits a layer. The
+    # lookup comes a layer after the route first shows in K/V, so that selective recomputation
+    # (which computes every row up to the layer it checks) is judged by the rows it selects.
+    if family.written_at == "record-end":
+        return LayerPlan(reads_role=0, writes_route=1, lookup=3, layers=layers)
+    return LayerPlan(reads_role=0, writes_route=0, lookup=2, layers=layers)
 
 
 def install(model: torch.nn.Module, family: Family, tokens: RoleTokens) -> LayerPlan:
@@ -260,7 +273,30 @@ def install(model: torch.nn.Module, family: Family, tokens: RoleTokens) -> Layer
                 w.gated(plan.writes_route, words, 2, -UNIT, [Dim("flag")])
 
     _lookup(w, family, plan.lookup)
+    _background(w, plan)
+    _carry_route(w, family, plan)
     return plan
+
+
+def _background(w: CircuitWriter, plan: LayerPlan) -> None:
+    """Layers the circuit does not use still hold K/V in a real model: here kv head 0 of each holds
+    a positional key and each token's name (what layer 1 gathers from), which depend on no reader
+    and which no head reads. KV error and deviation are then relative to a cache of normal size."""
+    used = {0, 1, plan.reads_role, plan.lookup}
+    for layer in sorted(set(range(plan.layers)) - used):
+        w.positional_key(layer, 0)
+        w.value(layer, 0, w.fields.dims("p1_code") + w.fields.dims("code"))
+
+
+def _carry_route(w: CircuitWriter, family: Family, plan: LayerPlan) -> None:
+    """What a layer writes into the residual stream shows in every later layer's K/V in a real
+    model: here, from the layer after the route is written, kv head 1's last value positions hold
+    it (no head's output reads them). Without them the route would be invisible in K/V until the
+    lookup, and a method that recomputes every row up to some layer would fix it by accident."""
+    route = [Dim("flag")] if family.mechanism == "class" else (
+        w.fields.dims("sel") if family.written_at == "record-end" else w.fields.dims("sel")[:CODE_BITS])
+    for layer in range(plan.first_context_layer, plan.layers):
+        w.value(layer, 1, route, first=w.head_dim - len(route))
 
 
 def _route_reader(w: CircuitWriter, layer: int) -> None:
@@ -358,7 +394,7 @@ def build_role_model(name: str, out_dir: Path) -> dict[str, Any]:
         "layers": dataclasses.asdict(plan),
         # The first layer whose K/V depend on tokens beyond a row's few neighbours (the role's
         # route): selective recomputation checks deviations there (kvbench.model.store).
-        "first_context_layer": plan.lookup,
+        "first_context_layer": plan.first_context_layer,
         "task": "role-recall",
         "kvbench_version": __version__,
         "torch_version": torch.__version__,
