@@ -136,3 +136,21 @@ def test_unknown_family_is_refused_with_the_list() -> None:
 
     with pytest.raises(FileNotFoundError, match="kvbench:roles-transferable"):
         resolve_model("kvbench:roles-shallow")
+
+
+def test_model_check_figures_of_a_family() -> None:
+    """`kvbench model check` on a role family (small settings): what reuse costs, and its format."""
+    from dataclasses import asdict
+
+    from kvbench.experiment.family_check import FamilyCheckSettings, format_family_check, offline_family_figures
+
+    settings = FamilyCheckSettings(model="kvbench:roles-content-bound", context=CONTEXT, trajectories=2)
+    figures = offline_family_figures(settings)
+    assert figures["reuse_turns"] == 6
+    assert figures["nonshared_accuracy_reuse"] == 1.0 and figures["fullshared_accuracy_reuse"] == 0.0
+    assert min(figures["margin_min"].values()) > 15
+    assert figures["delta_transfer_error"] > 1.2 and figures["delta_token_share"] > 0.25
+    assert figures["delta_effective_rank_by_layer"][0] == 0 and figures["delta_effective_rank_by_layer"][2] > 0
+    text = format_family_check({"model": settings.model, "family": asdict(FAMILIES["roles-content-bound"]),
+                                "settings": asdict(settings), **figures})
+    assert "constructed test model" in text and "naive reuse (FullShared) 0%" in text
