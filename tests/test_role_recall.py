@@ -104,3 +104,19 @@ def test_scores_the_other_route_as_wrong(tokenizer) -> None:
     figures = task_figures(scores)
     assert figures["task_accuracy_first"] == 1.0 and figures["task_accuracy_reuse"] == 0.5
     assert figures["task_accuracy"] == 0.5 and scores["reuse_turn"].sum() == 6
+
+
+def test_a_role_recall_trace_names_a_model_that_reads_roles(tmp_path) -> None:
+    """Replay serves the trace's model by default: a role-recall trace names a role family."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.tracegen.schema import read_trace
+
+    out = tmp_path / "t.jsonl"
+    made = CliRunner().invoke(main, ["gen-trace", "-o", str(out), "--task", "role-recall", "--shared-tokens", "300",
+                                     "--num-trajectories", "1"])
+    assert made.exit_code == 0, made.output
+    trace = read_trace(out)
+    assert trace.header.tokenizer == "kvbench:roles-transferable"
+    assert trace.header.generator["roles"] == "role-recall" and trace.trajectories[0].turns[0].max_tokens == 3

@@ -30,6 +30,9 @@ MAX_ROUNDS = 8
 TASKS = ("none", "recall", "role-recall")
 # The role preset a task uses unless --roles says otherwise.
 TASK_ROLES = {"none": "math", "recall": "recall", "role-recall": "role-recall"}
+# The model a task's traces name unless --model says otherwise: role-recall needs a model that
+# reads the role's route (a constructed role family, kvbench.model.roles); the others the default.
+TASK_MODELS = {"role-recall": "kvbench:roles-transferable"}
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,7 @@ from pathlib import Path
 
 import click
 
-from kvbench.tracegen.generate import TASKS
-
-# A family where naive reuse loses the answer and delta correction can recover it (docs/models.md).
-DEFAULT_MODEL = "kvbench:roles-transferable"
+from kvbench.tracegen.generate import TASK_MODELS, TASKS
 
 
 @click.command("quickstart")
@@ -19,17 +16,17 @@ DEFAULT_MODEL = "kvbench:roles-transferable"
               help="Trajectory arrivals per second.")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--model", default=DEFAULT_MODEL, show_default=True,
-              help="The model: by default a constructed test model on which an agent reading another agent's "
-                   "cache answers the other agent's question (docs/models.md); kvbench:recall-v1 is the shipped "
-                   "trained one (use it with --task none).")
+@click.option("--model", default=None,
+              help="The model [default: with role-recall, kvbench:roles-transferable, a constructed test model on "
+                   "which an agent reading another agent's cache answers the other agent's question and delta "
+                   "correction can recover it (docs/models.md); with --task none, the shipped kvbench:recall-v1].")
 @click.option("--task", type=click.Choice(TASKS), default="role-recall", show_default=True,
               help="The trace's task (gen-trace --task): role-recall scores every answer on reuse turns.")
 @click.option("--num-warmups", type=click.IntRange(min=0), default=3, show_default=True,
               help="Trajectories each replay runs first (and leaves out); KVCMAS keeps what it learned from them.")
 @click.pass_context
 def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectories: int, shared_tokens: int,
-                       model: str, task: str, num_warmups: int) -> None:
+                       model: str | None, task: str, num_warmups: int) -> None:
     """Generate a four-agent trace, replay it inside vLLM with NonShared, FullShared and KVCMAS,
     compare their outputs with NonShared's (exact match, token F1, first-token KL, PGR against a
     run without the shared context) and, on a task trace, score their answers, and report both
@@ -41,6 +38,7 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     from kvbench.cli.trace import gen_trace_command
     from kvbench.model.store import is_constructed, resolve_model
 
+    model = model or TASK_MODELS.get(task) or "kvbench:recall-v1"
     constructed = " (a constructed test model, built on first use)" if is_constructed(model) else ""
     click.echo(f"[1/5] model {model}{constructed}", err=True)
     click.echo(f"      {resolve_model(model)}", err=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from kvbench.tracegen.generate import TASKS
+from kvbench.tracegen.generate import TASK_MODELS, TASKS
 
 
 def _csv(kind: type):
@@ -77,7 +77,8 @@ def _sweep_options(func):
         click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Runs per cell (other arrival seeds); tables show 95% confidence intervals."),
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--model", default=None, help="Model [default: the embedded one]."),
+        click.option("--model", default=None,
+                     help="Model [default: the embedded one; with --task role-recall, kvbench:roles-transferable]."),
         click.option("--quality", is_flag=True,
                      help="Also measure what each cell costs in outputs: a NonShared reference and a no-context "
                           "floor per trace (QPS 0), every cell compared with them (exact match, token F1, "
@@ -100,6 +101,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
     for method, grid in defaults.get("method_params", {}).items():
         if not any(p.startswith(method + ":") for p in param_specs):
             param_specs += tuple(f"{method}:{key}={','.join(map(str, values))}" for key, values in grid.items())
+    options["model"] = options["model"] or TASK_MODELS.get(options["task"])
     if options["output_len"] is None:
         from kvbench.tracegen.tasks import default_output_len
         from kvbench.tracegen.tokenizer import load_tokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
-from kvbench.tracegen.generate import TASK_ROLES, TASKS
+from kvbench.tracegen.generate import TASK_MODELS, TASK_ROLES, TASKS
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
 from kvbench.tracegen.workflows import WORKFLOWS
 
@@ -50,7 +50,9 @@ def _trace_error(exc: Exception) -> click.ClickException:
 @click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Gamma shape for --arrival gamma (1 = Poisson, <1 burstier, >1 smoother).")
 @click.option("--model", "--tokenizer", "model", default=None,
-              help="Model (or tokenizer) whose tokenizer counts tokens [default: the embedded model].")
+              help="Model (or tokenizer) whose tokenizer counts tokens; the trace names it, and replay serves it "
+                   "unless told otherwise [default: the embedded model; with --task role-recall, "
+                   "kvbench:roles-transferable, a model that reads its role's route].")
 def gen_trace_command(output: Path, model: str | None, **params: object) -> None:
     """Generate a controlled multi-agent workflow trace."""
     from rich.progress import Progress
@@ -61,6 +63,7 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
+    model = model or TASK_MODELS.get(str(params["task"]))  # the header's tokenizer names the replay's model
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)
