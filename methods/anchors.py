@@ -85,10 +85,13 @@ class AnchorPool:
                                                 Coded(base_v, base_codec.codec, base_codec.head_dim, True, dtype))
             else:
                 bases = (store(base_k, rank_base, dtype), store(base_v, rank_base, dtype))
+            # Evict before inserting, as the paper (a full pool makes room) and KVComm's code do:
+            # inserting first let a newcomer (0 uses) be the least used of the window when V < 5,
+            # so it was evicted at once and the first used anchor stayed forever.
+            while len(self.anchors) >= self.capacity:
+                self.evict()
             anchor = Anchor(anchor_id, source, *bases)
             self.anchors[anchor_id] = anchor
-            while len(self.anchors) > self.capacity:
-                self.evict()
         anchor.deltas[edge] = (store(delta_k, rank_delta, dtype), store(delta_v, rank_delta, dtype))
 
     def evict(self) -> str:

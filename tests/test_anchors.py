@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.anchors import AnchorPool, Correction, anchor_distances, interpolated_delta, reliability_gate
+from kvbench.methods.anchors import (
+    AnchorPool,
+    Correction,
+    anchor_distances,
+    gate_from_distances,
+    interpolated_delta,
+    reliability_gate,
+)
 from kvbench.methods.base import LoadContext, SegmentReuse
 from kvbench.methods.registry import method_class
 from kvbench.methods.rope import RopeAligner
@@ -97,6 +104,43 @@ def test_gate_rejects_with_fewer_than_two_anchors_and_accepts_a_distinctive_matc
     assert pool.compatible("A1->A2", 64) == [] and pool.compatible("A0->A1", 65) == []
 
 
+def test_gate_normalizes_the_entropy_by_the_anchor_count() -> None:
+    """Eq. 10-11 at an intermediate entropy with four anchors, computed here by hand: the weights
+    are a softmax of minus the (root) distances and the entropy is divided by log2(4). A rule
+    that compares the unnormalized entropy, or scales tau by log2(count), decides otherwise."""
+    distances = torch.tensor([0.0, 0.4, 0.9, 1.5], dtype=torch.float64)
+    weights = torch.exp(-distances) / torch.exp(-distances).sum()
+    normalized = float(-(weights * torch.log2(weights)).sum()) / 2.0
+    assert 0.4 < normalized < 0.95  # intermediate: between tau and tau * log2(4) for the taus below
+    accepted = gate_from_distances(distances ** 2, tau=normalized + 0.02)
+    rejected = gate_from_distances(distances ** 2, tau=normalized - 0.02)
+    assert accepted.accept and not rejected.accept
+    assert accepted.normalized_entropy == pytest.approx(normalized, abs=1e-6)
+    assert torch.allclose(accepted.weights.double(), weights, atol=1e-6)
+    assert not gate_from_distances(distances ** 2, tau=normalized / 2).accept  # tau * log2(4) would accept
+
+
+def test_the_gate_compares_only_the_first_gate_tokens_rows() -> None:
+    """gate_tokens = k: the gate's distances (Eq. 9) are over the first k rows. A source whose first
+    4 rows are content t1's and whose other 60 are content t2's: the gate credits t1 with
+    gate_tokens 4, and t2 (nearer over all 64 rows) without."""
+    credited = {}
+    for gate_tokens in (4, 0):
+        method, _ = _three_anchors("kvcmas", {"r_c": 64, "r_delta": 64, "tau": 0.0, "gate_tokens": gate_tokens})
+        method.params["tau"] = 1.0  # the anchors are in: now accept whatever the gate prefers
+        _, _, t1 = _context("kvcmas", "t1", seed=1)
+        ctx, reuse, mixed = _context("kvcmas", "mixed", seed=2)
+        rows = slice(7, 11)  # the segment's first 4 rows in the source cache (q starts at 7 there)
+        mixed.k[:, rows], mixed.v[:, rows] = t1.k[:, rows], t1.v[:, rows]
+        anchors = list(method.pools["q"].anchors.values())  # t0, t1, t2 in insertion order
+        before = [a.uses for a in anchors]
+        (chosen,) = method.select(ctx)
+        assert ctx.stats["decisions"][0]["decision"] == "accepted"
+        gained = [a.uses - b for a, b in zip(anchors, before)]
+        credited[gate_tokens] = gained.index(max(gained))
+    assert credited == {4: 1, 0: 2}
+
+
 def test_one_exact_anchor_reproduces_the_dense_cache() -> None:
     source = _low_rank_plus_noise(128, 8, 0.1, seed=0)
     dense = source + 0.2 * _low_rank_plus_noise(128, 4, 0.0, seed=50)
@@ -157,6 +201,21 @@ def test_eviction_is_least_frequently_used_among_the_five_oldest() -> None:
     # Inserting past capacity evicts automatically.
     small = _pool_with([_low_rank_plus_noise(16, 2, 0.1, seed=s) for s in range(3)], capacity=2)
     assert list(small.anchors) == ["t1", "t2"]
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 4])
+def test_a_full_small_pool_makes_room_for_the_newcomer(capacity: int) -> None:
+    """V < 5: the window of five holds every anchor and the newcomer; the newcomer (0 uses) must
+    not be the one evicted, or the pool would never change once its anchors were used."""
+    contents = [_low_rank_plus_noise(16, 2, 0.1, seed=s) for s in range(capacity + 2)]
+    pool = _pool_with(contents[:capacity], capacity=capacity)
+    for anchor in pool.anchors.values():
+        anchor.uses = 3
+    for index in (capacity, capacity + 1):  # two newcomers in a row
+        base = contents[index]
+        pool.add(f"t{index}", "A0->A1", base, base, 0.1 * base, 0.1 * base, 4, 4, torch.float32)
+        assert f"t{index}" in pool.anchors and len(pool.anchors) == capacity
+    assert "t0" not in pool.anchors  # the oldest of the least used made room first
 
 
 @pytest.mark.parametrize("length", [2048, 8192])

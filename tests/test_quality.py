@@ -147,6 +147,22 @@ def test_a_reference_of_another_trace_or_method_is_refused(tiny_tokenizer_dir: P
     assert refused.exit_code == 1 and "free-running NonShared run" in refused.output
 
 
+def test_pgr_interval_resamples_the_three_scores_together() -> None:
+    """A paired bootstrap, checked by hand: the method recovers exactly half of every trajectory's
+    own gap (floors and oracles differ per trajectory), so every paired resample's PGR is 0.5 and
+    the interval is [0.5, 0.5]. Resampling the method apart from its floor and oracle would mix
+    trajectories and widen it."""
+    from kvbench.analysis.quality import pgr_from_scores
+
+    ids = [f"t{i}" for i in range(8)]
+    floor = pd.Series([0.0, 0.1, 0.2, 0.05, 0.3, 0.0, 0.15, 0.25], index=ids)
+    oracle = pd.Series([1.0, 0.6, 0.9, 0.4, 1.0, 0.8, 0.55, 0.95], index=ids)
+    method = floor + 0.5 * (oracle - floor)
+    figures = pgr_from_scores(method, floor, oracle)
+    assert figures["pgr"] == pytest.approx(0.5)
+    assert figures["pgr_low"] == pytest.approx(0.5) and figures["pgr_high"] == pytest.approx(0.5)
+
+
 def test_pgr_gain_over_naive_reuse_and_over_a_task_score() -> None:
     from kvbench.analysis.quality import pgr_from_scores
 
