@@ -97,6 +97,37 @@ def mismatches(baseline: list[Run], candidate: list[Run], pairs: dict[str, str] 
     return warnings
 
 
+def comparable_runs(baseline: list[Run], candidate: list[Run], pairs: dict[str, str] | None = None
+                    ) -> tuple[list[Run], list[Run], str | None]:
+    """The runs of the cells on both sides that replayed the same trajectories with the same
+    model: what gates are evaluated on. With none, ([], [], why): a gate then compares nothing."""
+    base, cand = cells(baseline), cells(candidate, pairs)
+    shared = sorted(set(base) & set(cand))
+    if not shared:
+        return [], [], (f"no cell is on both sides (baseline: {'; '.join(sorted(base)) or 'none'}; candidate: "
+                        f"{'; '.join(sorted(cand)) or 'none'}); pair different methods with --pair BASE=CAND")
+    same = [key for key in shared if base[key][0].mismatch(cand[key][0]) is None]
+    if not same:
+        reasons = sorted({str(base[key][0].mismatch(cand[key][0])) for key in shared})
+        return [], [], "every cell on both sides replayed something else: " + "; ".join(reasons)
+    return [r for key in same for r in base[key]], [r for key in same for r in cand[key]], None
+
+
+def unknown_gate_metrics(runs: list[Run], gates: list[Gate]) -> list[str]:
+    """Gates on a key no run's summary holds (a typo would otherwise fail as NaN), each with the
+    nearest keys."""
+    import difflib
+
+    known = set().union(*(run.summary for run in runs)) if runs else set()
+    problems = []
+    for gate in gates:
+        if gate.metric not in known:
+            close = difflib.get_close_matches(gate.metric, sorted(known), n=3)
+            problems.append(f"{gate.metric!r} is no summary.json key of these runs"
+                            + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    return problems
+
+
 def compare_table(baseline: list[Run], candidate: list[Run], metrics: list[str],
                   pairs: dict[str, str] | None = None) -> pd.DataFrame:
     """Per grid cell present on both sides: baseline, candidate and candidate/baseline for each

@@ -148,9 +148,9 @@ def test_compare_gates_exit_codes(sweep_dir: Path, tmp_path: Path) -> None:
     _regress(candidate / "nonshared", 1.5)
     assert _invoke("compare", str(baseline), str(candidate),
                    "--gate", "p50_ttft_ms:nonshared/fullshared=-10%").exit_code == 0
-    # Within tolerance passes; a missing metric fails loudly.
+    # Within tolerance passes; a metric no run has is a usage error, not a pass.
     assert _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+60%").exit_code == 0
-    assert _invoke("compare", str(baseline), str(candidate), "--gate", "no_such_metric=+10%").exit_code == 1
+    assert _invoke("compare", str(baseline), str(candidate), "--gate", "no_such_metric=+10%").exit_code == 2
 
 
 def test_compare_gives_p50_ratios_an_interval_over_trajectories(sweep_dir: Path, tmp_path: Path) -> None:
@@ -296,6 +296,29 @@ def test_compare_pairs_cells_and_warns_about_other_traces(tmp_path: Path) -> Non
     (candidate / "fullshared" / "summary.json").write_text(json.dumps(summary))
     other = _invoke("compare", str(baseline), str(candidate), "--pair", "fullshared=fullshared-v2")
     assert "models differ" in other.output
+
+
+def test_a_gate_that_compares_nothing_is_a_usage_error(tmp_path: Path) -> None:
+    """Gates need a cell both sides replayed with the same trace and model: otherwise exit 2 with the
+    reason (before, two different traces failed and a 2K run against a 64-token one passed). A key
+    no run has is a usage error too, with the nearest keys (a typo used to fail as NaN)."""
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    shutil.copytree(GOLDEN / "fullshared", baseline)
+    shutil.copytree(GOLDEN / "fullshared", candidate)
+    typo = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft=+10%")
+    assert typo.exit_code == 2 and "'p50_ttft' is no summary.json key" in typo.output and "p50_ttft_ms" in typo.output
+    summary = json.loads((candidate / "summary.json").read_text())
+    summary["label"] = "kvcomm"  # another method, not paired: no cell in common
+    (candidate / "summary.json").write_text(json.dumps(summary))
+    unpaired = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+10%")
+    assert unpaired.exit_code == 2 and "no cell is on both sides" in unpaired.output
+    summary["label"] = "fullshared"  # the same cell, but another trace's trajectories
+    summary["config"].pop("trajectory_digests", None)
+    summary["config"]["trace_header"]["generator"]["seed"] += 1
+    (candidate / "summary.json").write_text(json.dumps(summary))
+    other = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft_ms=+10%")
+    assert other.exit_code == 2 and "replayed something else" in other.output
+    assert _invoke("compare", str(baseline), str(candidate)).exit_code == 0  # no gate: shown, warned about
 
 
 def test_a_gate_failure_within_noise_is_reported_as_such(tmp_path: Path) -> None:

@@ -180,9 +180,20 @@ def leaderboard_command(result_dirs: tuple[Path, ...], out_dir: Path) -> None:
               help="Whether a gate failure within the runs' noise (the p50 ratio's interval holds 1) fails.")
 def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], metrics: tuple[str, ...],
                     markdown_path: Path | None, pairs: tuple[str, ...], noise: str) -> None:
-    """Compare two runs (or sweeps) cell by cell; exit 1 when a gated metric regressed. Gates may
-    be on quality too (e.g. --gate pgr=-0.05, --gate exact_match_rate=-0.02)."""
-    from kvbench.analysis.compare import Gate, compare_table, evaluate_gates, failed, markdown_report, mismatches
+    """Compare two runs (or sweeps) cell by cell; exit 1 when a gated metric regressed, 2 when a
+    gate cannot be evaluated (no cell on both sides replayed the same trace with the same model,
+    or a key no run has). Gates may be on quality too (e.g. --gate pgr=-0.05, --gate
+    exact_match_rate=-0.02), and are evaluated on the cells both sides share."""
+    from kvbench.analysis.compare import (
+        Gate,
+        comparable_runs,
+        compare_table,
+        evaluate_gates,
+        failed,
+        markdown_report,
+        mismatches,
+        unknown_gate_metrics,
+    )
     from kvbench.analysis.runs import RunLoadError, find_runs
 
     try:
@@ -202,8 +213,15 @@ def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], met
     warnings = mismatches(base_runs, cand_runs, pairing)
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
+    gated_base, gated_cand = base_runs, cand_runs
+    if parsed:
+        if problems := unknown_gate_metrics(base_runs + cand_runs, parsed):
+            raise click.UsageError("--gate: " + "; ".join(problems))
+        gated_base, gated_cand, reason = comparable_runs(base_runs, cand_runs, pairing)
+        if reason:
+            raise click.UsageError(f"--gate compares nothing: {reason}")
     table = compare_table(base_runs, cand_runs, list(metrics or DEFAULT_COMPARE_METRICS), pairing)
-    results = evaluate_gates(base_runs, cand_runs, parsed, noise)  # type: ignore[arg-type]
+    results = evaluate_gates(gated_base, gated_cand, parsed, noise)  # type: ignore[arg-type]
     text = markdown_report(table, results, warnings)
     click.echo(text)
     if markdown_path is not None:
