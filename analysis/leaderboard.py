@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.analysis.runs import Run, mean_summary
+from kvbench.analysis.runs import Run, mean_summary, referenced_runs
 from kvbench.model.store import is_constructed
 
 SCHEMA = "kvbench-leaderboard"
@@ -41,10 +41,13 @@ def recompute_share(run: Run) -> float:
 
 def leaderboard(runs: list[Run]) -> pd.DataFrame:
     """Rows by model and cell, repeats averaged; TTFT saved against the NonShared cell of the same
-    model and workload."""
+    model and workload. PGR's floors (no-context runs) are no rows; a run the others were compared
+    with has PGR 1 (its outputs are the oracle)."""
+    references = referenced_runs(runs)
     by_cell: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
-        by_cell.setdefault((run.model_name, run.cell), []).append(run)
+        if not run.is_floor:
+            by_cell.setdefault((run.model_name, run.cell), []).append(run)
 
     nonshared = {(model, rs[0].workload): mean_summary(rs, "p50_ttft_ms") for (model, _), rs in by_cell.items()
                  if rs[0].method == "nonshared"}
@@ -53,12 +56,14 @@ def leaderboard(runs: list[Run]) -> pd.DataFrame:
         first = cell_runs[0]
         p50 = mean_summary(cell_runs, "p50_ttft_ms")
         base = nonshared.get((model, first.workload), math.nan)
+        oracle = all(r.path.resolve() in references for r in cell_runs)
         rows.append({
             "model": model, "cell": cell, "method": first.method, "shared_tokens": first.shared_tokens,
             "qps": first.summary.get("request_rate"),
             **{key: mean_summary(cell_runs, key) for key in ("pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
                                                        "pgr_gain_p_value", "exact_match_rate", "task_accuracy",
                                                        "task_accuracy_reuse", "realized_rho", "failed")},
+            **({"pgr": 1.0, "pgr_low": 1.0, "pgr_high": 1.0} if oracle else {}),
             "recompute_share": sum(recompute_share(r) for r in cell_runs) / len(cell_runs),
             "ttft_saved": 1 - p50 / base if base and not math.isnan(base) else math.nan,
             "p50_ttft_ms": p50,

@@ -241,6 +241,12 @@ def write_quality(result_dir: Path, reference_dir: Path, floor_dir: Path | None 
     return quality
 
 
+def reference_has_logprobs(reference_dir: Path) -> bool:
+    """Whether a reference run recorded first-token logprobs (what first-token KL needs)."""
+    requests = _read_requests(reference_dir)
+    return "first_token_logprobs" in requests and bool(requests["first_token_logprobs"].notna().any())
+
+
 def _read_requests(run_dir: Path) -> pd.DataFrame:
     """The columns a comparison reads (runs recorded before first-token logprobs lack that one)."""
     import pyarrow.parquet as pq

@@ -10,6 +10,8 @@ from typing import Any
 
 import pandas as pd
 
+from kvbench import run_files
+
 
 class RunLoadError(ValueError):
     """A directory is not a readable kvbench run."""
@@ -23,7 +25,15 @@ class Run:
 
     @property
     def name(self) -> str:
-        return self.summary.get("label") or self.summary.get("method") or self.path.name
+        """The run's name in tables: its label, else `no-context` for PGR's floor (a NonShared
+        replay without the shared context), else its method."""
+        return (self.summary.get("label") or (run_files.FLOOR_LABEL if self.is_floor else None) or self.summary.get("method")
+                or self.path.name)
+
+    @property
+    def is_floor(self) -> bool:
+        """PGR's no-context floor (`replay --drop-shared`): its own kind of run, not a method's."""
+        return self.config.get("prompt_mode") == "drop_shared"
 
     @property
     def method(self) -> str:
@@ -102,6 +112,12 @@ class Run:
             return {k: v for k, v in run._generator().items() if k not in ("num_trajectories", "qps", "kvbench_version")}
 
         return None if content(self) == content(other) else "their trace generator settings differ"
+
+
+def referenced_runs(runs: list[Run]) -> set[Path]:
+    """The runs other runs here were compared with (`kvbench quality --reference`): their outputs
+    are the oracle, so their own PGR is 1 by definition."""
+    return {Path(str(run.summary["reference_run"])).resolve() for run in runs if run.summary.get("reference_run")}
 
 
 def summary_number(value: Any) -> float:

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.analysis.metrics import percentile_key, reuse_figures, trajectory_table
-from kvbench.analysis.runs import Run, summary_number
+from kvbench.analysis.runs import Run, referenced_runs, summary_number
 
 PERCENTILES = (50, 90, 99)
 QUALITY_KEYS = ("exact_match_rate", "exact_match_rate_reuse", "mean_token_f1", "mean_first_token_kl", "top1_agreement",
@@ -20,6 +20,7 @@ def _pct(values: pd.Series, p: float) -> float:
 
 def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) -> pd.DataFrame:
     """One row per run; every latency column has the run's failure counts beside it."""
+    references = referenced_runs(runs)
     rows = []
     for run in runs:
         requests = run.requests
@@ -45,6 +46,8 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         row.update(run.memory())
         for key in QUALITY_KEYS:  # what the speed cost (NaN: never compared or scored)
             row[key] = summary_number(run.summary.get(key))
+        if run.path.resolve() in references:  # the oracle the others were compared with
+            row.update({"pgr": 1.0, "pgr_low": 1.0, "pgr_high": 1.0})
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -19,6 +19,7 @@ TASK_SCORES = "task_scores.parquet"  # a task trace's turns against their gold a
 QUALITY = "quality.parquet"  # each turn's output against a reference run's (analysis)
 QUALITY_PGR = "quality_pgr.json"  # PGR against a no-shared-context floor run (analysis)
 SUMMARY = "summary.json"  # written by analysis from the files above
+FLOOR_LABEL = "no-context"  # the name of a `replay --drop-shared` run (PGR's floor) in reports
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -380,6 +380,54 @@ def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
     assert (out / "leaderboard.csv").exists() and "| cell" in (out / "leaderboard.md").read_text()
 
 
+def test_the_floor_is_its_own_kind_of_run_and_the_reference_has_pgr_one(tmp_path: Path) -> None:
+    """A `--drop-shared` run without a label is `no-context`, never a NonShared row: the leaderboard
+    leaves it out (before, it merged it with NonShared: PGR 0.5, p50 the mean of the two, every
+    method's ttft_saved wrong), and the run the others were compared with has PGR 1."""
+    results = tmp_path / "runs"
+    shutil.copytree(GOLDEN, results)
+    shutil.copytree(GOLDEN / "nonshared", results / "floor")
+    floor = _summary(results / "floor")
+    floor.pop("label", None)
+    floor["config"]["prompt_mode"] = "drop_shared"
+    floor["p50_ttft_ms"] = floor["p50_ttft_ms"] / 10  # no context: much faster
+    floor.update(pgr=0.0, pgr_low=0.0, pgr_high=0.0)
+    (results / "floor" / "summary.json").write_text(json.dumps(floor))
+    fullshared = _summary(results / "fullshared")
+    fullshared.update(pgr=0.4, pgr_low=0.3, pgr_high=0.5, reference_run=str(results / "nonshared"))
+    (results / "fullshared" / "summary.json").write_text(json.dumps(fullshared))
+    from kvbench.analysis.runs import find_runs
+
+    assert {r.name for r in find_runs([results])} == {"nonshared", "fullshared", "no-context"}
+    out = tmp_path / "board"
+    assert _invoke("leaderboard", str(results), "-o", str(out)).exit_code == 0
+    rows = {r["method"]: r for r in json.loads((out / "leaderboard.json").read_text())["rows"]}
+    assert set(rows) == {"nonshared", "fullshared"}  # the floor is no row
+    assert rows["nonshared"]["pgr"] == 1.0  # the oracle the others were compared with
+    ns = _summary(results / "nonshared")
+    assert rows["fullshared"]["ttft_saved"] == pytest.approx(1 - fullshared["p50_ttft_ms"] / ns["p50_ttft_ms"])
+
+
+def test_quality_warns_once_when_the_reference_has_no_logprobs(tmp_path: Path) -> None:
+    results = tmp_path / "runs"
+    shutil.copytree(GOLDEN, results)
+    requests = pd.read_parquet(results / "nonshared" / "requests.parquet")
+    requests["first_token_logprobs"] = None
+    requests.to_parquet(results / "nonshared" / "requests.parquet")
+    for copy in ("run-a", "run-b"):
+        shutil.copytree(GOLDEN / "fullshared", results / copy)
+    from kvbench.analysis.quality import reference_has_logprobs
+
+    assert not reference_has_logprobs(results / "nonshared")
+    requests["first_token_logprobs"] = json.dumps({"17": -0.1})
+    requests.to_parquet(results / "fullshared" / "requests.parquet")
+    assert reference_has_logprobs(results / "fullshared")
+    # before any run is compared (these golden runs predate trajectory digests and are refused after it)
+    result = _invoke("quality", str(results / "run-a"), str(results / "run-b"), "--reference",
+                     str(results / "nonshared"))
+    assert result.output.count("recorded no first-token logprobs") == 1
+
+
 def test_report_plots_speed_against_quality_where_measured(tmp_path: Path) -> None:
     results = tmp_path / "runs"
     shutil.copytree(GOLDEN, results)

@@ -3,6 +3,7 @@ saved results."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -105,7 +106,7 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
     reuse turns apart), and with --floor their PGR; writes quality.parquet and the quality keys
     into summary.json. Reference-anchored replays (replay --reference) are compared as they finish."""
 
-    from kvbench.analysis.quality import write_quality
+    from kvbench.analysis.quality import reference_has_logprobs, write_quality
     from kvbench.analysis.summary import write_summary
     from kvbench.replay.reference import ReferenceRunError, check_comparable, read_run_config
 
@@ -119,12 +120,16 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
             if floor_dir is None:
                 raise click.UsageError("--naive compares PGRs: it needs --floor")
             check_comparable(naive_dir, reference_dir)
+        if not reference_has_logprobs(reference_dir):
+            click.echo(f"warning: {reference_dir} recorded no first-token logprobs (replay it with --logprobs 20): "
+                       "first-token KL is left undefined", err=True)
         for run in runs:
             check_comparable(run, reference_dir)
             write_quality(run, reference_dir, floor_dir, naive_dir)
             summary = write_summary(run)
+            reuse = summary.get("exact_match_rate_reuse")
             line = (f"{run}: exact match {summary['exact_match_rate']:.1%} (reuse turns "
-                    f"{summary.get('exact_match_rate_reuse', float('nan')):.1%}), token F1 "
+                    f"{'none' if reuse is None or math.isnan(reuse) else f'{reuse:.1%}'}), token F1 "
                     f"{summary['mean_token_f1']:.3f}, first divergence {summary['mean_first_divergence']:.1f}")
             if floor_dir is not None:
                 pgr = summary.get("pgr")

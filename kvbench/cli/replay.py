@@ -81,7 +81,8 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
               help="Comma-separated percentiles reported as p{N}_{metric}_ms.")
 @click.option("--result-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where results go [default: results/<label|method>-<qps>qps-<time>].")
-@click.option("--label", default=None, help="Name of this run in reports.")
+@click.option("--label", default=None, help="Name of this run in reports [default: the method; `no-context` with "
+              "--drop-shared].")
 @click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="Recorded in summary.json (repeatable).")
 @click.option("--base-url", "base_urls", multiple=True, metavar="URL",
               help="Use running servers instead of starting one (repeatable; each trajectory sticks to one).")
@@ -147,6 +148,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
             reference = load_reference(reference_dir, trace.trajectories[num_warmups:], model)
         except ReferenceRunError as exc:
             raise click.BadParameter(str(exc), param_hint="--reference") from None
+    if drop_shared and label is None:
+        label = run_files.FLOOR_LABEL  # PGR's floor is its own kind of run, never another NonShared row
     if result_dir is None:
         result_dir = Path("results") / f"{label or method}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
     config = ReplayConfig(
