@@ -71,3 +71,16 @@ def test_unknown_flag_is_a_clear_click_error() -> None:
     result = CliRunner().invoke(main, ["model", "build", "--bogus"])
     assert result.exit_code == 2
     assert "No such option" in result.output
+
+
+def test_help_lists_every_command_with_a_whole_phrase() -> None:
+    """`kvbench --help` shows each command's short help: none cut mid-phrase (click cuts at the
+    first period, e.g. the one in "e.g.")."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    listing = CliRunner().invoke(main, ["--help"]).output.split("Commands:")[1]
+    assert "(e.g." not in listing and "vLLM's own CLI and benchmark client" in listing
+    paper = CliRunner().invoke(main, ["paper", "--help"]).output
+    assert "Figs 5, 6, 8 and 12 are drawn with the" in " ".join(paper.split())

@@ -174,3 +174,32 @@ def test_a_replay_of_a_task_trace_is_scored_as_it_finishes(tiny_tokenizer_dir: P
     first = requests.iloc[0]
     assert scores.iloc[0]["answer"] == answer_of(tokenizer.decode(list(first["output_token_ids"])))
     assert summary["task_accuracy"] == 0.0 and summary["task_accuracy_A0"] == 0.0
+
+
+def test_score_finds_the_trace_from_anywhere_or_regenerates_it(tiny_tokenizer_dir: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.json records the trace's absolute path (a relative one failed from another folder),
+    and when the file is gone `kvbench score` regenerates the trace from its gen-trace settings,
+    checked against the trajectories' recorded digests."""
+    from kvbench.replay.stub import StubServer
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert CliRunner().invoke(main, ["gen-trace", "-o", "recall.jsonl", "--task", "recall", "--shared-tokens", "300",
+                                     "--num-trajectories", "2", "--model", str(tiny_tokenizer_dir)]).exit_code == 0
+    with StubServer() as stub:
+        replayed = CliRunner().invoke(main, ["replay", "--trace", "recall.jsonl", "--base-url", stub.base_url,
+                                             "--qps", "0", "--result-dir", "run"])
+    assert replayed.exit_code == 0, replayed.output
+    config = json.loads((work / "run" / run_files.CONFIG).read_text())
+    assert Path(config["trace_path"]).is_absolute()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert CliRunner().invoke(main, ["score", str(work / "run")]).exit_code == 0
+    (work / "recall.jsonl").unlink()
+    (work / "run" / run_files.TASK_SCORES).unlink()
+    regenerated = CliRunner().invoke(main, ["score", str(work / "run")])
+    assert regenerated.exit_code == 0, regenerated.output
+    assert (work / "run" / run_files.TASK_SCORES).exists()

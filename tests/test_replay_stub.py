@@ -278,3 +278,36 @@ def test_prefix_cache_reuse_and_computation_are_counted_apart(tiny_tokenizer_dir
     plain_summary = json.loads((tmp_path / "ns" / "summary.json").read_text())
     assert plain_summary["prefix_cached_tokens"] == plain_summary["cached_tokens"] == 0
     assert plain_summary["computed_prompt_tokens"] == plain_summary["total_input_tokens"]
+
+
+def test_serve_names_its_log_while_it_starts_and_reports_a_dead_server(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvbench serve` says where vLLM's log goes before the (long) start, keeps it where asked,
+    and exits 1 naming the log when the server dies (a stand-in server that exits at once)."""
+    from types import SimpleNamespace
+
+    from kvbench.replay import server as server_module
+
+    started = {}
+
+    class DeadServer:
+        def __init__(self, config) -> None:
+            started["config"] = config
+            self.base_url, self.log_path = "http://127.0.0.1:1", config.log_path
+            self.process = SimpleNamespace(returncode=3)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+        def is_running(self) -> bool:
+            return False
+
+    monkeypatch.setattr(server_module, "VLLMServer", DeadServer)
+    log = tmp_path / "serve.log"
+    result = CliRunner().invoke(main, ["serve", "--method", "fullshared", "--port", "8123", "--log", str(log)])
+    assert result.exit_code == 1
+    assert f"log: {log}" in result.output and "starting vLLM (fullshared)" in result.output
+    assert "exited with code 3" in result.output and started["config"].log_path == log

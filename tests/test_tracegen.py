@@ -200,3 +200,12 @@ def test_cli_stats_and_export(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
 def test_gen_trace_rejects_bad_flags(tmp_path: Path, args: list[str], message: str) -> None:
     result = _invoke("gen-trace", "-o", str(tmp_path / "t.jsonl"), *args)
     assert result.exit_code == 2 and message in result.output
+
+
+def test_a_fan_in_agent_reads_the_shared_context_through_one_edge(embedded_tokenizer) -> None:
+    """Every predecessor of a fan-in agent holds q, but the agent reads it once: from the latest
+    predecessor (where a method reuses it), and each other edge carries only that agent's output."""
+    spec = TraceSpec(workflow="fan-in", num_agents=6, shared_tokens=400, output_len=16, num_trajectories=1)
+    header, trajectories = generate_trace(spec, embedded_tokenizer)
+    edges = trace_stats(Trace(header=header, trajectories=trajectories))["shared_tokens_per_edge"]
+    assert edges == {"A0->A5": 16.0, "A1->A5": 16.0, "A2->A5": 16.0, "A3->A5": 16.0, "A4->A5": 416.0}

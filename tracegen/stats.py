@@ -15,6 +15,9 @@ def trace_stats(trace: Trace, percentiles: tuple[float, ...] = (50, 90, 99)) -> 
 
     The reusable part of a prompt is every PH token some earlier turn's cache already holds
     (`Trajectory.source_of`); PF tokens and first-seen PH tokens must be prefilled by any method.
+    An edge's shared tokens are those the target reuses from that source's cache: each segment
+    counted once, on the edge a method reuses it through (a fan-in agent reads the context once,
+    from its latest predecessor, not once per predecessor holding it).
     """
     prompt_lengths: list[int] = []
     edge_shared: dict[str, list[int]] = defaultdict(list)
@@ -27,17 +30,18 @@ def trace_stats(trace: Trace, percentiles: tuple[float, ...] = (50, 90, 99)) -> 
             prompt = trajectory.prompt_tokens(turn)
             prompt_lengths.append(prompt)
             reusable = 0
+            by_source: dict[str, int] = defaultdict(int)  # each PH segment once, from the cache reused for it
             for segment in turn.segments:
                 if segment.ph is None:
                     continue
                 tokens = trajectory.segment_tokens(segment, turn)
                 total_shared += tokens
-                if trajectory.source_of(turn, segment.ph) is not None:
+                source = trajectory.source_of(turn, segment.ph)
+                if source is not None:
                     reusable += tokens
-            for source in turn.after:
-                held = trajectory.cache_keys(trajectory.turn_by_id[source])
-                shared = sum(trajectory.segment_tokens(s, turn) for s in turn.segments if s.ph in held)
-                edge_shared[f"{trajectory.turn_by_id[source].agent}->{turn.agent}"].append(shared)
+                    by_source[source] += tokens
+            for source in sorted(set(turn.after) | set(by_source)):
+                edge_shared[f"{trajectory.turn_by_id[source].agent}->{turn.agent}"].append(by_source.get(source, 0))
             total_reusable += reusable
             agent_prompt[turn.agent] += prompt
             agent_reusable[turn.agent] += reusable

@@ -162,7 +162,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
         method_params=params,
         extra_config={"model": model, "method_params": params,
-                      "trace_path": str(trace_path) if trace_path else None,
+                      "trace_path": str(trace_path.resolve()) if trace_path else None,
                       "max_load_tokens_per_step": server.max_load_tokens_per_step if not base_urls else None},
     )
     try:
@@ -286,8 +286,10 @@ def print_summary(summary: dict[str, Any]) -> None:
 @click.option("--method", default="nonshared", show_default=True, help="KV sharing method the server runs.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="vLLM's log [default: kvbench-serve-<method>-<port>.log in the current folder].")
 @server_options
-def serve_command(method: str, host: str, port: int, server: ServerOptions) -> None:
+def serve_command(method: str, host: str, port: int, log_path: Path | None, server: ServerOptions) -> None:
     """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
     import time
 
@@ -295,7 +297,11 @@ def serve_command(method: str, host: str, port: int, server: ServerOptions) -> N
     from kvbench.replay.server import ServerError, VLLMServer
 
     params = _check_method(method, server.method_params)
-    config = server.server_config(method, params, resolve_model(server.model), host=host, port=port)
+    log_path = log_path or Path(f"kvbench-serve-{method}-{port}.log")
+    config = server.server_config(method, params, resolve_model(server.model), host=host, port=port,
+                                  log_path=log_path.resolve())
+    click.echo(f"starting vLLM ({method}) for {config.model} on {host}:{port} (a start takes a minute or two "
+               f"on a CPU) ... log: {config.log_path}", err=True)
     try:
         with VLLMServer(config) as running:
             click.echo(json.dumps({"base_url": running.base_url, "method": method, "model": config.model,

@@ -152,8 +152,9 @@ def sweep_command(out: Path, **options: Any) -> None:
 @_sweep_options
 def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path | None, paper_values: bool,
                   **options: Any) -> None:
-    """Render a table of the KVCMAS paper (Tables 7, 11-15 and Figs 5, 6, 8, 12) from sweep results, or
-    one of its cache-fidelity analyses (Figs 2, 3, 7 and Table 2: one sweep measures all four)."""
+    """Render a table of the KVCMAS paper (Tables 7, 11-15; Figs 5, 6, 8 and 12 are drawn with the
+    tables they plot) from sweep results, or one of its cache-fidelity analyses (Figs 2, 3, 7 and
+    Table 2: one sweep measures all four)."""
     from kvbench.analysis import paper
     from kvbench.analysis.runs import RunLoadError
 

@@ -30,7 +30,8 @@ def _vllm_version_lookup() -> None:
 
 
 @click.command("vllm", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                                         "help_option_names": []})
+                                         "help_option_names": []},
+               short_help="vLLM's own CLI and benchmark client (CPU wheel too).")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def vllm_command(args: tuple[str, ...]) -> None:
     """vLLM's own CLI (e.g. `kvbench vllm bench serve --base-url URL --model M ...`), working

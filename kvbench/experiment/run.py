@@ -47,10 +47,12 @@ def trace_of_run(config: dict[str, Any], trace_path: Path | None = None) -> tupl
     """The trace a run replayed: `trace_path`, else the file its config names, else the trace
     regenerated from the generator settings in its header (gen-trace is deterministic)."""
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import read_trace
+    from kvbench.tracegen.schema import read_trace, trajectory_digest
     from kvbench.tracegen.tokenizer import load_tokenizer
 
-    path = trace_path or (Path(config["trace_path"]) if config.get("trace_path") else None)
+    recorded = Path(config["trace_path"]) if config.get("trace_path") else None
+    # A recorded path may be relative to where the run was made, or the file gone: regenerate then.
+    path = trace_path or (recorded if recorded is not None and recorded.is_file() else None)
     if path is not None:
         trace = read_trace(path)
         return trace, load_tokenizer(trace.header.tokenizer)
@@ -62,7 +64,13 @@ def trace_of_run(config: dict[str, Any], trace_path: Path | None = None) -> tupl
     generator.pop("kvbench_version", None)
     fields = set(TraceSpec.__dataclass_fields__)
     spec = TraceSpec(**{k: v for k, v in generator.items() if k in fields})
-    return Trace(header=TraceHeader(**header), trajectories=generate_trace(spec, tokenizer)[1]), tokenizer
+    trace = Trace(header=TraceHeader(**header), trajectories=generate_trace(spec, tokenizer)[1])
+    digests = config.get("trajectory_digests") or {}
+    regenerated = {t.trajectory_id: trajectory_digest(t) for t in trace.trajectories}
+    if any(regenerated.get(t) != d for t, d in digests.items()):
+        raise ValueError(f"the run's trace file {recorded} is gone and regenerating it from its gen-trace settings "
+                         "gave other trajectories (another kvbench version or tokenizer?): pass --trace")
+    return trace, tokenizer
 
 
 def rescore(result_dir: Path, trace_path: Path | None = None) -> dict[str, Any]:
