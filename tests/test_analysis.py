@@ -461,3 +461,21 @@ def test_a_quality_sweep_compares_every_cell_with_its_reference(default_model: s
     assert _invoke("paper", "table7", "--results", str(out), "-o", str(tmp_path / "t7")).exit_code == 0
     text = (tmp_path / "t7" / "table7.md").read_text()
     assert "### PGR" in text and "| reference" not in text  # the baselines are not grid cells
+
+
+def test_a_share_reads_the_same_in_every_report_table(tmp_path: Path) -> None:
+    """realized rho in the latency table and in the throughput table: three decimals in both
+    (it read 0.8 in one and 0.839 in the other)."""
+    results = tmp_path / "runs"
+    shutil.copytree(GOLDEN, results)
+    requests = pd.read_parquet(results / "fullshared" / "requests.parquet")
+    requests["reused_tokens"] = (requests["reused_tokens"] * 0.37).round()  # rho about 0.37: not round
+    requests.to_parquet(results / "fullshared" / "requests.parquet")
+    out = tmp_path / "report"
+    assert _invoke("report", str(results), "-o", str(out)).exit_code == 0
+    table = pd.read_csv(out / "methods.csv")
+    rho = float(table.loc[table["method"] == "fullshared", "realized_rho"].iloc[0])
+    text = (out / "report.md").read_text()
+    import re
+
+    assert text.count(f"{rho:.3f}") >= 2 and not re.search(rf"\|\s+{rho:.1f}\s+\|", text)
