@@ -11,7 +11,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
+from kvbench import run_files
 from kvbench.analysis.runs import Run
 
 
@@ -84,7 +86,8 @@ def speed_quality_plot(table: pd.DataFrame, path: Path) -> Path | None:
         else None
     if metric is None:
         return None
-    measured = table[table[metric].notna()]
+    # PGR's floor is a line at 0, not a method's point (its TTFT is that of no context at all)
+    measured = table[table[metric].notna() & ~table["run"].astype(str).str.startswith(run_files.FLOOR_LABEL)]
     contexts = sorted(measured["shared_tokens"].dropna().unique()) or [None]
     methods = sorted(measured["method"].unique())
     colors = dict(zip(methods, sns.color_palette("tab10" if len(methods) <= 10 else "tab20", len(methods))))
@@ -100,12 +103,22 @@ def speed_quality_plot(table: pd.DataFrame, path: Path) -> Path | None:
                 yerr = [[max(0.0, value - row.pgr_low)], [max(0.0, row.pgr_high - value)]]
             ax.errorbar([row.p50_ttft_ms], [value], yerr=yerr, marker=markers.get(row.qps, "o"), capsize=3,
                         color=colors[row.method], alpha=0.85)
+        if metric == "pgr":  # the paper's Fig. 4: what naive reuse loses, between it and dense prefill
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+            ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
+            naive = cells[cells["method"] == "fullshared"]["pgr"]
+            if len(naive):
+                ax.axhspan(float(naive.min()), 1.0, color="tab:orange", alpha=0.08, linewidth=0)
         ax.set(xlabel="p50 TTFT (ms)", title=f"{int(context)} shared tokens" if context is not None else "")
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("PGR (1: as NonShared, 0: no context)" if metric == "pgr"
                           else "exact match with the NonShared reference")
     handles = [Line2D([], [], color=colors[m], marker="o", linestyle="", label=m) for m in methods]
+    if metric == "pgr":
+        handles += [Line2D([], [], color="black", linewidth=0.8, linestyle="--", label="NonShared (PGR 1)"),
+                    Line2D([], [], color="grey", linewidth=0.8, linestyle=":", label="no context (PGR 0)"),
+                    Patch(color="tab:orange", alpha=0.2, label="FullShared to NonShared")]
     if len(rates) > 1:
         handles += [Line2D([], [], color="black", markerfacecolor="none", marker=markers[r], linestyle="",
                            label=f"QPS {r:g}") for r in rates]
