@@ -80,3 +80,39 @@ def test_calibration_probes_a_budget_first_and_stops_within_tolerance(monkeypatc
     assert steps[0].threshold == 0.5 and calibrate.within(steps[-1].realized_rho, 0.8, 0.05)
     assert len(steps) < 6
     assert calibrate.within(0.75, 0.8, 0.05) and not calibrate.within(0.74, 0.8, 0.05)
+
+
+def test_a_calibration_whose_rho_does_not_move_stops_and_says_why(monkeypatch) -> None:
+    """rho 0.5 at every tau (the pool never held two anchors): the bisection stops at the second
+    probe instead of suggesting more iterations, and names what limits it from the decisions."""
+    import json
+
+    import pandas as pd
+
+    from kvbench import run_files
+    from kvbench.experiment import calibrate, run
+    from kvbench.replay import worker_rpc
+
+    class FakeClient:
+        def __init__(self, base_url: str) -> None:
+            pass
+
+        def set_params(self, params: dict) -> dict:
+            return params
+
+    def fake_replay(config) -> dict:
+        config.result_dir.mkdir(parents=True)
+        stats = [json.dumps({"decisions": [{"decision": "dense_few_anchors"}, {"decision": "accepted"}]}),
+                 json.dumps({"decisions": [{"decision": "dense_few_anchors"}]})]
+        pd.DataFrame({"method_stats": stats}).to_parquet(config.result_dir / run_files.REQUESTS)
+        return {"realized_rho": 0.5}
+
+    monkeypatch.setattr(worker_rpc, "WorkerClient", FakeClient)
+    monkeypatch.setattr(run, "replay_and_summarize", fake_replay)
+
+    monkeypatch.setattr("kvbench.replay.runner.ReplayConfig", lambda **kw: type("C", (), kw)())  # no trace here
+    steps = calibrate.calibrate_threshold(None, None, "kvcmas", "http://x", 0.8, "tau", iterations=6, tolerance=0.05)
+    assert [s.threshold for s in steps] == [0.5, 0.75] and calibrate.flat_rho(steps)
+    assert steps[-1].decisions == {"dense_few_anchors": 2, "accepted": 1}
+    why = calibrate.what_limits(steps)
+    assert why.startswith("2 of 3 segments the pool held fewer than two anchors") and "--num-warmups" in why

@@ -357,7 +357,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
                       base_url: str | None, seed: int, server: ServerOptions) -> None:
     """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho) that reaches a target
     reuse ratio, or DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
-    from kvbench.experiment.calibrate import calibrate_threshold, summary_dict, within
+    from kvbench.experiment.calibrate import calibrate_threshold, flat_rho, summary_dict, what_limits, within
     from kvbench.methods.registry import method_class
     from kvbench.replay.server import ServerError, VLLMServer
 
@@ -390,6 +390,11 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
         raise click.ClickException(str(exc)) from None
     report = summary_dict(steps, target_rho, cls.threshold_name)
     click.echo(json.dumps(report, indent=2))
+    if not within(report["realized_rho"], target_rho, tolerance) and flat_rho(steps):
+        tried = ", ".join(f"{s.threshold:.4f}" for s in steps)
+        raise click.ClickException(
+            f"target rho {target_rho:g} is out of reach: rho is {steps[-1].realized_rho:.3f} at every "
+            f"{cls.threshold_name} tried ({tried}), so the threshold is not what limits it: {what_limits(steps)}")
     if not within(report["realized_rho"], target_rho, tolerance):
         raise click.ClickException(
             f"target rho {target_rho:g} is out of reach on this trace: the closest step realized "

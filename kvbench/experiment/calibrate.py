@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,34 @@ from kvbench.tracegen.tokenizer import TraceTokenizer
 class CalibrationStep:
     threshold: float
     realized_rho: float
+    decisions: dict[str, int] = field(default_factory=dict)  # the method's segment decisions, by kind
+
+
+# What a decision that served nothing from reuse says about why (the method's `decision` names).
+DENSE_REASONS = {
+    "dense_few_anchors": "the pool held fewer than two anchors for the edge (too few trajectories to build "
+                         "anchors: more --num-trajectories or --num-warmups)",
+    "dense_gate": "the gate rejected the match (what the threshold moves)",
+    "dense_budget": "the reuse budget was spent",
+}
+
+
+def flat_rho(steps: list[CalibrationStep]) -> bool:
+    """Two thresholds apart realized the same rho: the threshold does not move it on this trace."""
+    thresholds = {round(s.threshold, 9) for s in steps}
+    return len(thresholds) >= 2 and max(s.realized_rho for s in steps) - min(s.realized_rho for s in steps) < 1e-9
+
+
+def what_limits(steps: list[CalibrationStep]) -> str:
+    """Why a rho that the threshold does not move stays where it is, from the decisions of the
+    last probe: how many segments went dense for which reason."""
+    decisions = steps[-1].decisions
+    total = sum(decisions.values())
+    if not total:
+        return "the method reported no segment decision (no reuse turn in the measured trajectories?)"
+    parts = [f"{count} of {total} segments {DENSE_REASONS.get(kind, kind)}" for kind, count in
+             sorted(decisions.items(), key=lambda kv: -kv[1]) if kind != "accepted"]
+    return "; ".join(parts) or f"all {total} segments were accepted"
 
 
 def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, base_url: str, target_rho: float,
@@ -24,7 +52,8 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
                         on_step: Callable[[CalibrationStep], None] | None = None,
                         num_warmups: int = 0, tolerance: float | None = None) -> list[CalibrationStep]:
     """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1],
-    stopping at a step within `tolerance` of the target. A threshold named `rho` is a reuse
+    stopping at a step within `tolerance` of the target, or as soon as two thresholds realize the
+    same rho (`flat_rho`: the threshold is not what limits it; `what_limits` says what is). A threshold named `rho` is a reuse
     budget (GraphFlow's), which realizes about itself: its first probe is the target.
     Each replay starts from a reset method state, filled by the trace's first `num_warmups`
     trajectories (not measured), as a measured run with --prime-method-state does."""
@@ -32,25 +61,38 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
     from kvbench.replay.runner import ReplayConfig
     from kvbench.replay.worker_rpc import WorkerClient
 
-    def rho_at(threshold: float) -> float:
+    def probe(threshold: float) -> CalibrationStep:
+        import pandas as pd
+
+        from kvbench import run_files
+        from kvbench.analysis.metrics import method_stats_of
+
         WorkerClient(base_url).set_params({threshold_name: threshold})
         with tempfile.TemporaryDirectory() as tmp:
             summary = replay_and_summarize(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
                                                          result_dir=Path(tmp) / "run", qps=0, show_progress=False,
                                                          num_warmups=num_warmups,
                                                          prime_method_state=num_warmups > 0))
+            decisions: dict[str, int] = {}
+            requests = Path(tmp) / "run" / run_files.REQUESTS
+            for stats in method_stats_of(pd.read_parquet(requests)) if requests.exists() else []:
+                for decision in stats.get("decisions", []):
+                    kind = str(decision.get("decision"))
+                    decisions[kind] = decisions.get(kind, 0) + 1
         rho = summary.get("realized_rho")
-        return float(rho) if rho is not None else 0.0
+        return CalibrationStep(threshold, float(rho) if rho is not None else 0.0, decisions)
 
     steps: list[CalibrationStep] = []
     low, high = 0.0, 1.0
     for index in range(iterations):
         middle = target_rho if index == 0 and threshold_name == "rho" else (low + high) / 2
-        step = CalibrationStep(middle, rho_at(middle))
+        step = probe(middle)
         steps.append(step)
         if on_step is not None:
             on_step(step)
         if tolerance is not None and within(step.realized_rho, target_rho, tolerance):
+            break
+        if flat_rho(steps):  # more probes cannot help: the caller says what limits it
             break
         if step.realized_rho < target_rho:
             low = middle
