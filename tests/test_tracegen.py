@@ -25,8 +25,9 @@ def tokenizer(tiny_tokenizer_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def embedded_tokenizer(default_model: str):
-    """The embedded model's tokenizer: for figures that depend on its vocabulary."""
+def embedded_tokenizer():
+    """The embedded model's tokenizer: for figures that depend on its vocabulary (it ships with
+    the package: no engine and no build, so these tests stay in the unit tier)."""
     return load_tokenizer(None)
 
 
@@ -110,7 +111,7 @@ def test_same_seed_same_bytes_different_seed_different_content(tiny_tokenizer_di
     assert qa != qc
 
 
-def test_header_records_every_parameter(default_model: str, tmp_path: Path) -> None:
+def test_header_records_every_parameter(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     result = _invoke("gen-trace", "-o", str(path), "--agents", "3", "--rounds", "2", "--workflow", "loop",
                      "--shared-tokens", "64", "--output-len", "16", "--num-trajectories", "2", "--qps", "4",
