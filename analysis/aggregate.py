@@ -13,7 +13,7 @@ from kvbench.analysis.runs import Run, summary_number
 DIMENSIONS = ["method_config", "method", "shared_tokens", "agents", "rounds", "qps"]
 # What a method saves, and what it costs (the quality keys: NaN for runs never compared with a
 # reference or scored on a task).
-QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "pgr", "task_accuracy"]
+QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "output_pgr", "pgr", "task_accuracy"]
 METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "reuse_ttft_s", "throughput_tok_s", "method_state_mib",
            "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed", *QUALITY_METRICS]
 

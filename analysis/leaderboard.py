@@ -19,11 +19,17 @@ from kvbench.analysis.runs import Run, mean_summary, referenced_runs
 from kvbench.model.store import is_constructed
 
 SCHEMA = "kvbench-leaderboard"
-SCHEMA_VERSION = 2  # 2: a row per model too (`model`), task accuracy on reuse turns
-SORT_RULE = "PGR descending (undefined last), then TTFT saved against NonShared descending"
-COLUMNS = ["model", "cell", "method", "shared_tokens", "qps", "pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
-           "pgr_gain_p_value", "exact_match_rate", "task_accuracy", "task_accuracy_reuse", "recompute_share",
-           "ttft_saved", "p50_ttft_ms", "method_state_mib", "realized_rho", "failed", "runs"]
+# 2: a row per model too (`model`), task accuracy on reuse turns. 3: `pgr` is KVShareArena's (over
+# a task's score), `output_pgr` the one over token F1 (named `pgr` before).
+SCHEMA_VERSION = 3
+SORT_RULE = ("PGR over the task where any run has one, else output PGR, descending (undefined last), then TTFT "
+             "saved against NonShared descending")
+PGR_COLUMNS = ["pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive", "pgr_gain_p_value", "output_pgr",
+               "output_pgr_low", "output_pgr_high", "output_pgr_gain_over_naive", "output_pgr_gain_p_value"]
+COLUMNS = ["model", "cell", "method", "shared_tokens", "qps", *PGR_COLUMNS, "exact_match_rate", "task_accuracy",
+           "task_accuracy_reuse", "recompute_share", "ttft_saved", "p50_ttft_ms", "method_state_mib", "realized_rho",
+           "failed", "runs"]
+ORACLE = {key: 1.0 for key in ("pgr", "pgr_low", "pgr_high", "output_pgr", "output_pgr_low", "output_pgr_high")}
 
 
 def recompute_share(run: Run) -> float:
@@ -60,10 +66,9 @@ def leaderboard(runs: list[Run]) -> pd.DataFrame:
         rows.append({
             "model": model, "cell": cell, "method": first.method, "shared_tokens": first.shared_tokens,
             "qps": first.summary.get("request_rate"),
-            **{key: mean_summary(cell_runs, key) for key in ("pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
-                                                       "pgr_gain_p_value", "exact_match_rate", "task_accuracy",
+            **{key: mean_summary(cell_runs, key) for key in (*PGR_COLUMNS, "exact_match_rate", "task_accuracy",
                                                        "task_accuracy_reuse", "realized_rho", "failed")},
-            **({"pgr": 1.0, "pgr_low": 1.0, "pgr_high": 1.0} if oracle else {}),
+            **(ORACLE if oracle else {}),
             "recompute_share": sum(recompute_share(r) for r in cell_runs) / len(cell_runs),
             "ttft_saved": 1 - p50 / base if base and not math.isnan(base) else math.nan,
             "p50_ttft_ms": p50,
@@ -71,7 +76,8 @@ def leaderboard(runs: list[Run]) -> pd.DataFrame:
             "runs": len(cell_runs),
         })
     table = pd.DataFrame(rows, columns=COLUMNS)
-    return table.sort_values(["pgr", "ttft_saved"], ascending=False, na_position="last", kind="stable").reset_index(
+    first = "pgr" if table["pgr"].notna().any() else "output_pgr"  # the task's PGR where there is a task
+    return table.sort_values([first, "ttft_saved"], ascending=False, na_position="last", kind="stable").reset_index(
         drop=True)
 
 
@@ -85,7 +91,7 @@ def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:
             for row in table.to_dict(orient="records")]
     paths["json"].write_text(json.dumps({"schema": SCHEMA, "version": SCHEMA_VERSION, "sort": SORT_RULE,
                                          "columns": COLUMNS, "rows": rows}, indent=2) + "\n")
-    note = ("" if table["pgr"].notna().any() else
+    note = ("" if table[["pgr", "output_pgr"]].notna().any().any() else
             "\nNo run here has a PGR: compare them with a reference and a floor first "
             "(`kvbench quality RUN... --reference NONSHARED_RUN --floor DROP_SHARED_RUN`).\n")
     constructed = sorted(m for m in set(table["model"]) if is_constructed(m))

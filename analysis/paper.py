@@ -67,11 +67,11 @@ def what_it_cost(frame: pd.DataFrame, columns: list[str], names: list[str]) -> l
     lines = ["### realized rho (shared tokens served by reuse / reusable)", "",
              _flatten(_pivot(frame, ["method_config"], columns, "realized_rho", 2), names).to_markdown(index=False), ""]
     for metric, label in (("exact_match_rate", "exact match with the NonShared reference"),
-                          ("pgr", "PGR"), ("task_accuracy", "task accuracy")):
+                          ("output_pgr", "output PGR"), ("pgr", "task PGR"), ("task_accuracy", "task accuracy")):
         if metric in frame and frame[metric].notna().any():
             table = _flatten(_pivot(frame, ["method_config"], columns, metric, 3), names)
             lines += [f"### {label}", "", table.to_markdown(index=False), ""]
-    if not any(m in frame and frame[m].notna().any() for m in ("exact_match_rate", "pgr", "task_accuracy")):
+    if not any(m in frame and frame[m].notna().any() for m in ("exact_match_rate", "output_pgr", "pgr", "task_accuracy")):
         lines += ["No run here was compared with a NonShared reference (`kvbench quality`) or scored on a task: "
                   "these latencies say what the methods save, not what they cost in outputs.", ""]
     idle = frame[(frame["method"] != "nonshared") & ~(frame["realized_rho"] > 0)]

@@ -82,8 +82,7 @@ def speed_quality_plot(table: pd.DataFrame, path: Path) -> Path | None:
     with the reference): the Pareto picture, one panel per context length, a colour per method and
     a marker per QPS (a sweep has too many cells for one label each). None when no run here has a
     quality figure."""
-    metric = "pgr" if table["pgr"].notna().any() else "exact_match_rate" if table["exact_match_rate"].notna().any() \
-        else None
+    metric = next((m for m in ("pgr", "output_pgr", "exact_match_rate") if table[m].notna().any()), None)
     if metric is None:
         return None
     # PGR's floor is a line at 0, not a method's point (its TTFT is that of no context at all)
@@ -99,23 +98,25 @@ def speed_quality_plot(table: pd.DataFrame, path: Path) -> Path | None:
         for row in cells.itertuples():
             value = getattr(row, metric)
             yerr = None
-            if metric == "pgr" and pd.notna(row.pgr_low) and pd.notna(row.pgr_high):
-                yerr = [[max(0.0, value - row.pgr_low)], [max(0.0, row.pgr_high - value)]]
+            low, high = getattr(row, f"{metric}_low", None), getattr(row, f"{metric}_high", None)
+            if metric != "exact_match_rate" and pd.notna(low) and pd.notna(high):
+                yerr = [[max(0.0, value - low)], [max(0.0, high - value)]]
             ax.errorbar([row.p50_ttft_ms], [value], yerr=yerr, marker=markers.get(row.qps, "o"), capsize=3,
                         color=colors[row.method], alpha=0.85)
-        if metric == "pgr":  # the paper's Fig. 4: what naive reuse loses, between it and dense prefill
+        if metric != "exact_match_rate":  # the paper's Fig. 4: what naive reuse loses, between it and dense
             ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
             ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
-            naive = cells[cells["method"] == "fullshared"]["pgr"]
+            naive = cells[cells["method"] == "fullshared"][metric]
             if len(naive):
                 ax.axhspan(float(naive.min()), 1.0, color="tab:orange", alpha=0.08, linewidth=0)
         ax.set(xlabel="p50 TTFT (ms)", title=f"{int(context)} shared tokens" if context is not None else "")
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("PGR (1: as NonShared, 0: no context)" if metric == "pgr"
-                          else "exact match with the NonShared reference")
+    axes[0][0].set_ylabel({"pgr": "PGR over the task (1: as NonShared, 0: no context)",
+                           "output_pgr": "output PGR, token F1 (1: as NonShared, 0: no context)"}.get(
+                              metric, "exact match with the NonShared reference"))
     handles = [Line2D([], [], color=colors[m], marker="o", linestyle="", label=m) for m in methods]
-    if metric == "pgr":
+    if metric != "exact_match_rate":
         handles += [Line2D([], [], color="black", linewidth=0.8, linestyle="--", label="NonShared (PGR 1)"),
                     Line2D([], [], color="grey", linewidth=0.8, linestyle=":", label="no context (PGR 0)"),
                     Patch(color="tab:orange", alpha=0.2, label="FullShared to NonShared")]

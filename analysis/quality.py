@@ -10,13 +10,14 @@ one bucket for the rest of the mass. A request that failed in the run scores as 
 F1 0), as task scoring counts it; turns the reference lacks are not compared. First-agent turns
 (no shared segment any earlier turn held) are reported apart from reuse turns.
 
-PGR = (score_method - score_floor) / (score_oracle - score_floor), oracle = the reference itself
-(score 1: it is what the others are compared with), floor = a `--drop-shared` run, score = mean
-token F1 against the reference; on a task trace also over the task's score (`pgr_task`: final
-answers right, the oracle's own accuracy as its score). Undefined (NaN, with the reason) when the
-oracle is not above the floor by more than 1e-3; not clipped. The interval is a paired bootstrap
-over trajectories; against naive reuse (FullShared) the gain in PGR gets one too, with a
-Wilcoxon signed-rank p-value.
+PGR = (score_method - score_floor) / (score_oracle - score_floor), KVShareArena's definition over
+a task's score: `pgr` on a task trace (final answers right; the oracle, the reference, scores its
+own accuracy). Over the outputs themselves, `output_pgr`: score = mean token F1 against the
+reference (the oracle's own score is 1: it is what the others are compared with). Floor = a
+`--drop-shared` run. Undefined (NaN, with the reason) when the oracle is not above the floor by
+more than 1e-3; not clipped. The interval is a paired bootstrap over trajectories; against naive
+reuse (FullShared) the gain in PGR gets one too, with a Wilcoxon signed-rank p-value over the
+per-trajectory score differences.
 """
 
 from __future__ import annotations
@@ -134,6 +135,12 @@ def quality_figures(quality: pd.DataFrame) -> dict[str, Any]:
     return figures
 
 
+# Key prefixes: KVShareArena's PGR over a task's score, and PGR over token F1 against the reference.
+TASK_PGR = "pgr"
+OUTPUT_PGR = "output_pgr"
+PGR_SCHEMA = 2  # quality_pgr.json: 2 since the two were named so (before: pgr = output, pgr_task = task)
+
+
 def _pgr(method: np.ndarray, floor: np.ndarray, oracle: np.ndarray) -> float:
     """From per-trajectory scores, paired."""
     gap = float(oracle.mean()) - float(floor.mean())
@@ -150,7 +157,7 @@ def _interval(samples: np.ndarray, confidence: float) -> tuple[float, float]:
 
 
 def pgr_from_scores(method: pd.Series, floor: pd.Series, oracle: pd.Series | None = None,
-                    naive: pd.Series | None = None, prefix: str = "pgr", confidence: float = 0.95,
+                    naive: pd.Series | None = None, prefix: str = TASK_PGR, confidence: float = 0.95,
                     seed: int = 0) -> dict[str, Any]:
     """PGR from per-trajectory scores (indexed by trajectory id) of the method, the floor, the
     oracle (None: 1 everywhere, the reference compared with itself) and optionally naive reuse
@@ -196,10 +203,10 @@ def _f1_by_trajectory(quality: pd.DataFrame) -> pd.Series:
 
 def pgr_figures(quality: pd.DataFrame, floor: pd.DataFrame, naive: pd.DataFrame | None = None,
                 confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
-    """PGR over token F1 against the reference (the oracle's own score: 1) of a run against its
-    floor (both compared with the same reference), optionally against naive reuse."""
+    """`output_pgr`: PGR over token F1 against the reference (the oracle's own score: 1) of a run
+    against its floor (both compared with the same reference), optionally against naive reuse."""
     return pgr_from_scores(_f1_by_trajectory(quality), _f1_by_trajectory(floor), None,
-                           _f1_by_trajectory(naive) if naive is not None else None, "pgr", confidence, seed)
+                           _f1_by_trajectory(naive) if naive is not None else None, OUTPUT_PGR, confidence, seed)
 
 
 def _task_by_trajectory(run_dir: Path) -> pd.Series | None:
@@ -225,14 +232,14 @@ def write_quality(result_dir: Path, reference_dir: Path, floor_dir: Path | None 
     if floor_dir is not None:
         floor = compare_outputs(_read_requests(floor_dir), reference)
         naive = compare_outputs(_read_requests(naive_dir), reference) if naive_dir is not None else None
-        figures = {**pgr_figures(quality, floor, naive), "reference_run": str(reference_dir),
+        figures = {**pgr_figures(quality, floor, naive), "pgr_schema": PGR_SCHEMA, "reference_run": str(reference_dir),
                    "floor_run": str(floor_dir), "naive_run": str(naive_dir) if naive_dir else None}
         task = {name: _task_by_trajectory(d) for name, d in
                 (("method", result_dir), ("floor", floor_dir), ("oracle", reference_dir))}
         naive_task = _task_by_trajectory(naive_dir) if naive_dir is not None else None
         if all(v is not None for v in task.values()):
             figures.update(pgr_from_scores(task["method"], task["floor"], task["oracle"],  # type: ignore[arg-type]
-                                           naive_task, prefix="pgr_task"))
+                                           naive_task, prefix=TASK_PGR))
         # JSON has no NaN: an undefined PGR is null, beside its reason
         figures = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in figures.items()}
         pgr_path.write_text(json.dumps(figures, indent=2) + "\n")
@@ -256,10 +263,26 @@ def _read_requests(run_dir: Path) -> pd.DataFrame:
     return pd.read_parquet(path, columns=[c for c in READ_COLUMNS if c in present])
 
 
+def renamed_pgr_keys(figures: dict[str, Any]) -> dict[str, Any]:
+    """Figures (quality_pgr.json, or a summary holding them) written before the names changed (no
+    pgr_schema): their `pgr*` keys were over token F1 (now `output_pgr*`) and their `pgr_task*`
+    keys over the task (now `pgr*`). Anything else passes unchanged."""
+    if figures.get("pgr_schema") == PGR_SCHEMA or not any(k.startswith("pgr") for k in figures):
+        return figures
+    out = {}
+    for key, value in figures.items():
+        if key.startswith("pgr_task"):
+            key = TASK_PGR + key[len("pgr_task"):]
+        elif key.startswith("pgr"):
+            key = OUTPUT_PGR + key[len("pgr"):]
+        out[key] = value
+    return {**out, "pgr_schema": PGR_SCHEMA}
+
+
 def read_quality_figures(result_dir: Path) -> dict[str, Any]:
     path = result_dir / run_files.QUALITY
     figures = quality_figures(pd.read_parquet(path)) if path.exists() else {}
     pgr_path = result_dir / run_files.QUALITY_PGR
     if pgr_path.exists():
-        figures.update(json.loads(pgr_path.read_text()))
+        figures.update(renamed_pgr_keys(json.loads(pgr_path.read_text())))
     return figures

@@ -59,12 +59,13 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     # Every latency row beside what it cost: its reuse and its quality against a reference.
     latency = table[["run", "method", "qps", "shared_tokens", "completed", "failed", "failed_trajectories",
                      *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms", "realized_rho", "exact_match_rate",
-                     "pgr", "task_accuracy", "task_accuracy_reuse"]]
+                     "output_pgr", "pgr", "task_accuracy", "task_accuracy_reuse"]]
     quality = table[["run", "realized_rho", "exact_match_rate", "exact_match_rate_reuse", "mean_token_f1",
-                     "mean_first_token_kl", "top1_agreement", "pgr", "pgr_low", "pgr_high", "task_accuracy",
+                     "mean_first_token_kl", "top1_agreement", "output_pgr", "output_pgr_low", "output_pgr_high",
+                     "pgr", "pgr_low", "pgr_high", "task_accuracy",
                      "task_accuracy_reuse"]]
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
-    compared = bool(table[["exact_match_rate", "pgr", "task_accuracy"]].notna().any().any())
+    compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",
                         "realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"]]
     memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "peak_server_rss_mib",

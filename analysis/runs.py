@@ -136,7 +136,9 @@ def load_run(path: Path) -> Run:
     if not summary_path.exists() or not requests_path.exists():
         raise RunLoadError(f"{path} is not a kvbench run (needs summary.json and requests.parquet)")
     try:
-        summary = json.loads(summary_path.read_text())
+        from kvbench.analysis.quality import renamed_pgr_keys
+
+        summary = renamed_pgr_keys(json.loads(summary_path.read_text()))
         requests = pd.read_parquet(requests_path)
     except (json.JSONDecodeError, OSError, ValueError) as exc:
         raise RunLoadError(f"cannot read the run in {path}: {exc}") from None

@@ -10,7 +10,8 @@ from kvbench.analysis.runs import Run, referenced_runs, summary_number
 
 PERCENTILES = (50, 90, 99)
 QUALITY_KEYS = ("exact_match_rate", "exact_match_rate_reuse", "mean_token_f1", "mean_first_token_kl", "top1_agreement",
-                "pgr", "pgr_low", "pgr_high", "task_accuracy", "task_accuracy_reuse")
+                "output_pgr", "output_pgr_low", "output_pgr_high", "pgr", "pgr_low", "pgr_high", "task_accuracy",
+                "task_accuracy_reuse")
 
 
 def _pct(values: pd.Series, p: float) -> float:
@@ -47,7 +48,8 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         for key in QUALITY_KEYS:  # what the speed cost (NaN: never compared or scored)
             row[key] = summary_number(run.summary.get(key))
         if run.path.resolve() in references:  # the oracle the others were compared with
-            row.update({"pgr": 1.0, "pgr_low": 1.0, "pgr_high": 1.0})
+            row.update({key: 1.0 for key in ("pgr", "pgr_low", "pgr_high", "output_pgr", "output_pgr_low",
+                                             "output_pgr_high")})
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -74,10 +74,10 @@ def main() -> None:
               f"{_fmt(full_size / size if size and full_size else None, 2):>13} {_fmt(ttft, 0):>11} "
               f"{_fmt(ttft / full_ttft if ttft and full_ttft else None, 2):>13} "
               f"{_fmt(s.get('store_encode_ms_per_1k_tokens'), 2):>9} {_fmt(s.get('store_decode_ms_per_1k_tokens'), 2):>9} "
-              f"{_fmt(s.get('pgr')):>6} {_fmt(s.get('mean_first_token_kl_reuse'), 4):>10} "
+              f"{_fmt(s.get('output_pgr')):>6} {_fmt(s.get('mean_first_token_kl_reuse'), 4):>10} "
               f"{_fmt(s.get('realized_rho'), 2):>5} {_fmt(pools[(name, context)], 1):>8}")
-    print(json.dumps({f"{n}/{c}": {k: s.get(k) for k in ("store_bytes_per_token", "p50_ttft_ms", "pgr", "pgr_low",
-                                                          "pgr_high", "mean_first_token_kl_reuse",
+    print(json.dumps({f"{n}/{c}": {k: s.get(k) for k in ("store_bytes_per_token", "p50_ttft_ms", "output_pgr", "output_pgr_low",
+                                                          "output_pgr_high", "mean_first_token_kl_reuse",
                                                           "store_encode_ms_per_1k_tokens",
                                                           "store_decode_ms_per_1k_tokens", "realized_rho")}
                       | {"pool_mib": pools[(n, c)]} for (n, c), s in summaries.items()}))

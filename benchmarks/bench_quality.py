@@ -56,8 +56,8 @@ def main() -> None:
     print(f"{'method':<18} {'ctx':>5} {'qps':>4} {'PGR [95% CI]':>22} {'gain vs FullShared':>19} "
           f"{'exact (reuse)':>13} {'KL (reuse)':>10} {'p50 TTFT ms':>11} {'rho':>5}")
     for (name, context, qps), s in sorted(summaries.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        pgr = f"{_fmt(s.get('pgr'))} [{_fmt(s.get('pgr_low'))}, {_fmt(s.get('pgr_high'))}]"
-        print(f"{name:<18} {context:>5} {qps:>4g} {pgr:>22} {_fmt(s.get('pgr_gain_over_naive')):>19} "
+        pgr = f"{_fmt(s.get('output_pgr'))} [{_fmt(s.get('output_pgr_low'))}, {_fmt(s.get('output_pgr_high'))}]"
+        print(f"{name:<18} {context:>5} {qps:>4g} {pgr:>22} {_fmt(s.get('output_pgr_gain_over_naive')):>19} "
               f"{_fmt(s.get('exact_match_rate_reuse')):>13} {_fmt(s.get('mean_first_token_kl_reuse'), 4):>10} "
               f"{_fmt(s.get('p50_ttft_ms'), 0):>11} {_fmt(s.get('realized_rho'), 2):>5}")
     for context in contexts:
@@ -66,10 +66,9 @@ def main() -> None:
             print(f"noise floor at {context}, QPS {args.loaded_qps:g}: NonShared against its QPS-0 reference: exact "
                   f"match {_fmt(loaded.get('exact_match_rate'))}, token F1 {_fmt(loaded.get('mean_token_f1'))}, "
                   f"first-token KL {_fmt(loaded.get('mean_first_token_kl'), 5)}")
-    print(json.dumps({f"{n}/{c}/{q:g}": {k: s.get(k) for k in ("pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive",
-                                                                 "exact_match_rate_reuse", "mean_first_token_kl_reuse",
-                                                                 "p50_ttft_ms", "realized_rho")}
-                      for (n, c, q), s in summaries.items()}))
+    keys = ("output_pgr", "output_pgr_low", "output_pgr_high", "output_pgr_gain_over_naive", "exact_match_rate_reuse",
+            "mean_first_token_kl_reuse", "p50_ttft_ms", "realized_rho")
+    print(json.dumps({f"{n}/{c}/{q:g}": {k: s.get(k) for k in keys} for (n, c, q), s in summaries.items()}))
 
 
 if __name__ == "__main__":

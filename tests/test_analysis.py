@@ -362,17 +362,19 @@ def test_latency_tables_carry_what_the_speed_cost(tmp_path: Path) -> None:
 def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
     results = tmp_path / "runs"
     shutil.copytree(GOLDEN, results)
-    for method, pgr in (("nonshared", 1.0), ("fullshared", 0.4)):
+    # The task's PGR ranks (KVShareArena's); the output PGR (token F1) would rank them the other way.
+    for method, pgr, output_pgr in (("nonshared", 1.0, 0.5), ("fullshared", 0.4, 0.9)):
         summary = _summary(results / method)
-        summary.update(pgr=pgr, pgr_low=pgr - 0.1, pgr_high=min(1.0, pgr + 0.1))
+        summary.update(pgr=pgr, pgr_low=pgr - 0.1, pgr_high=min(1.0, pgr + 0.1), output_pgr=output_pgr, pgr_schema=2)
         (results / method / "summary.json").write_text(json.dumps(summary))
     out = tmp_path / "board"
     result = _invoke("leaderboard", str(results), "-o", str(out))
     assert result.exit_code == 0, result.output
     board = json.loads((out / "leaderboard.json").read_text())
-    assert board["schema"] == "kvbench-leaderboard" and board["version"] == 2 and "PGR descending" in board["sort"]
+    assert board["schema"] == "kvbench-leaderboard" and board["version"] == 3 and "PGR over the task" in board["sort"]
     rows = board["rows"]
     assert [r["method"] for r in rows] == ["nonshared", "fullshared"]  # quality first, though FullShared is faster
+    assert [r["output_pgr"] for r in rows] == [0.5, 0.9]
     ns, fs = _summary(results / "nonshared"), _summary(results / "fullshared")
     assert rows[1]["ttft_saved"] == pytest.approx(1 - fs["p50_ttft_ms"] / ns["p50_ttft_ms"]) and rows[1]["ttft_saved"] > 0
     assert rows[0]["ttft_saved"] == 0.0 and rows[0]["recompute_share"] == 1.0
@@ -454,13 +456,13 @@ def test_a_quality_sweep_compares_every_cell_with_its_reference(default_model: s
     assert result.exit_code == 0, result.output
     assert (out / "quality" / "ctx1024-a4-r1" / "reference" / "summary.json").exists()
     nonshared = _summary(out / "runs" / "nonshared" / "ctx1024-a4-r1-qps0-rep0")
-    assert nonshared["exact_match_rate"] == 1.0 and nonshared["pgr"] == pytest.approx(1.0)
+    assert nonshared["exact_match_rate"] == 1.0 and nonshared["output_pgr"] == pytest.approx(1.0)
     fullshared = _summary(out / "runs" / "fullshared" / "ctx1024-a4-r1-qps0-rep0")
-    assert 0 <= fullshared["exact_match_rate"] <= 1 and fullshared["pgr_gain_over_naive"] == 0.0
+    assert 0 <= fullshared["exact_match_rate"] <= 1 and fullshared["output_pgr_gain_over_naive"] == 0.0
     assert fullshared["mean_first_token_kl"] >= 0  # every cell recorded first-token logprobs
     assert _invoke("paper", "table7", "--results", str(out), "-o", str(tmp_path / "t7")).exit_code == 0
     text = (tmp_path / "t7" / "table7.md").read_text()
-    assert "### PGR" in text and "| reference" not in text  # the baselines are not grid cells
+    assert "### output PGR" in text and "| reference" not in text  # the baselines are not grid cells
 
 
 def test_a_share_reads_the_same_in_every_report_table(tmp_path: Path) -> None:

@@ -80,13 +80,13 @@ def test_pgr_is_one_at_the_reference_zero_at_the_floor_and_undefined_without_a_g
     same = compare_outputs(reference, reference)
     floor = compare_outputs(_requests({(f"t{i}", "A1.r0"): [100, 101, i, 102] for i in range(8)}), reference)
     half = compare_outputs(_requests({(f"t{i}", "A1.r0"): [i, i + 1, 100, 101] for i in range(8)}), reference)
-    assert pgr_figures(same, floor)["pgr"] == pytest.approx(1.0)
-    assert pgr_figures(floor, floor)["pgr"] == pytest.approx(0.0)
+    assert pgr_figures(same, floor)["output_pgr"] == pytest.approx(1.0)
+    assert pgr_figures(floor, floor)["output_pgr"] == pytest.approx(0.0)
     figures = pgr_figures(half, floor)  # F1 0.5 against a floor of 0.25: a third of the gap
-    assert figures["pgr"] == pytest.approx((0.5 - 0.25) / 0.75)
-    assert figures["pgr_low"] <= figures["pgr"] <= figures["pgr_high"]
+    assert figures["output_pgr"] == pytest.approx((0.5 - 0.25) / 0.75)
+    assert figures["output_pgr_low"] <= figures["output_pgr"] <= figures["output_pgr_high"]
     undefined = pgr_figures(same, same)
-    assert math.isnan(undefined["pgr"]) and "not above the floor" in undefined["pgr_reason"]
+    assert math.isnan(undefined["output_pgr"]) and "not above the floor" in undefined["output_pgr_reason"]
 
 
 def _replay(stub: StubServer, out: Path, model: Path, *args: str):
@@ -121,10 +121,10 @@ def test_reference_anchored_and_drop_shared_replays(tiny_tokenizer_dir: Path, tm
     result = CliRunner().invoke(main, ["quality", str(tmp_path / "anchored"), str(tmp_path / "floor"), "--reference",
                                        str(tmp_path / "ref"), "--floor", str(tmp_path / "floor")])
     assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "anchored" / "summary.json").read_text())["pgr"] == pytest.approx(1.0)
+    assert json.loads((tmp_path / "anchored" / "summary.json").read_text())["output_pgr"] == pytest.approx(1.0)
     floor_summary = json.loads((tmp_path / "floor" / "summary.json").read_text())
-    assert floor_summary["pgr"] == pytest.approx(0.0) and floor_summary["mean_token_f1"] < 1.0
-    assert "PGR 1.000" in result.output
+    assert floor_summary["output_pgr"] == pytest.approx(0.0) and floor_summary["mean_token_f1"] < 1.0
+    assert "output PGR (token F1) 1.000" in result.output
 
 
 def test_a_reference_of_another_trace_or_method_is_refused(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -178,9 +178,20 @@ def test_pgr_gain_over_naive_reuse_and_over_a_task_score() -> None:
     assert same["pgr_gain_over_naive"] == 0.0 and same["pgr_gain_p_value"] == 1.0
     # A task score: the oracle is the reference's own accuracy, not 1.
     oracle = pd.Series([1.0] * 9 + [0.0] * 3, index=ids)
-    task = pgr_from_scores(pd.Series([1.0] * 6 + [0.0] * 6, index=ids), pd.Series(0.0, index=ids), oracle,
-                           prefix="pgr_task")
-    assert task["pgr_task"] == pytest.approx(0.5 / 0.75) and task["pgr_task_oracle_score"] == 0.75
+    task = pgr_from_scores(pd.Series([1.0] * 6 + [0.0] * 6, index=ids), pd.Series(0.0, index=ids), oracle)
+    assert task["pgr"] == pytest.approx(0.5 / 0.75) and task["pgr_oracle_score"] == 0.75
+
+
+def test_figures_written_before_the_renaming_are_read_under_the_new_names() -> None:
+    """Old quality_pgr.json files and summaries (no pgr_schema) called the token-F1 PGR `pgr` and
+    the task's `pgr_task`: read now, they are `output_pgr` and `pgr`."""
+    from kvbench.analysis.quality import PGR_SCHEMA, renamed_pgr_keys
+
+    old = {"pgr": 0.6, "pgr_low": 0.5, "pgr_reason": None, "pgr_task": 0.8, "pgr_task_high": 0.9, "mean_token_f1": 0.7}
+    assert renamed_pgr_keys(old) == {"output_pgr": 0.6, "output_pgr_low": 0.5, "output_pgr_reason": None, "pgr": 0.8,
+                                     "pgr_high": 0.9, "mean_token_f1": 0.7, "pgr_schema": PGR_SCHEMA}
+    new = {"pgr": 0.8, "output_pgr": 0.6, "pgr_schema": PGR_SCHEMA}
+    assert renamed_pgr_keys(new) == new and renamed_pgr_keys({"completed": 3}) == {"completed": 3}
 
 
 def test_one_embedded_model_is_the_same_model_wherever_it_lies(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def test_nonshared_against_its_own_reference_is_exact_and_pgr_one(vllm_server: V
     again = json.loads((tmp_path / "again" / "summary.json").read_text())
     floor = json.loads((tmp_path / "floor" / "summary.json").read_text())
     assert floor["mean_token_f1"] < 0.9  # the shared context changes this model's outputs...
-    assert again["pgr"] == pytest.approx(1.0) and floor["pgr"] == pytest.approx(0.0)  # ...so PGR is defined
+    assert again["output_pgr"] == pytest.approx(1.0) and floor["output_pgr"] == pytest.approx(0.0)  # ...so PGR is defined
 
 
 def test_dense_fallback_on_every_load_matches_the_reference(always_faulty_server: VLLMServer, reference: Path,

@@ -12,7 +12,7 @@ import click
 # with a reference).
 DEFAULT_COMPARE_METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_trajectory_ttft_ms", "mean_e2el_ms",
                            "mean_trajectory_token_throughput", "failed", "realized_rho", "exact_match_rate",
-                           "mean_token_f1", "pgr", "task_accuracy")
+                           "mean_token_f1", "output_pgr", "pgr", "task_accuracy")
 
 
 @click.command("report")
@@ -132,15 +132,16 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
                     f"{'none' if reuse is None or math.isnan(reuse) else f'{reuse:.1%}'}), token F1 "
                     f"{summary['mean_token_f1']:.3f}, first divergence {summary['mean_first_divergence']:.1f}")
             if floor_dir is not None:
-                pgr = summary.get("pgr")
-                line += (f", PGR {pgr:.3f} [{summary['pgr_low']:.3f}, {summary['pgr_high']:.3f}]" if pgr is not None
-                         else f", PGR undefined: {summary.get('pgr_reason')}")
-                if summary.get("pgr_gain_over_naive") is not None:
-                    line += (f", gain over naive reuse {summary['pgr_gain_over_naive']:+.3f} "
-                             f"[{summary['pgr_gain_low']:+.3f}, {summary['pgr_gain_high']:+.3f}], "
-                             f"p={summary['pgr_gain_p_value']:.3g}")
-                if summary.get("pgr_task") is not None:
-                    line += f", task PGR {summary['pgr_task']:.3f}"
+                for prefix, name in (("pgr", "PGR (task)"), ("output_pgr", "output PGR (token F1)")):
+                    if prefix == "pgr" and summary.get("pgr") is None and summary.get("pgr_reason") is None:
+                        continue  # no task scores: no task PGR
+                    pgr = summary.get(prefix)
+                    line += (f", {name} {pgr:.3f} [{summary[f'{prefix}_low']:.3f}, {summary[f'{prefix}_high']:.3f}]"
+                             if pgr is not None else f", {name} undefined: {summary.get(f'{prefix}_reason')}")
+                    if summary.get(f"{prefix}_gain_over_naive") is not None:
+                        line += (f", gain over naive reuse {summary[f'{prefix}_gain_over_naive']:+.3f} "
+                                 f"[{summary[f'{prefix}_gain_low']:+.3f}, {summary[f'{prefix}_gain_high']:+.3f}], "
+                                 f"Wilcoxon p={summary[f'{prefix}_gain_p_value']:.3g}")
             click.echo(line)
     except ReferenceRunError as exc:
         raise click.ClickException(str(exc)) from None
