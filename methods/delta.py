@@ -130,6 +130,9 @@ class DeltaCorrection(SharingMethod):
     reference_prefix: ClassVar[bool] = False
     outputs_from_producer: ClassVar[bool] = False
     whole_agent_fallback: ClassVar[bool] = False
+    # KVComm (its code and its description): a segment longer than every anchor but one goes dense
+    # (only anchors covering the whole placeholder match); KVCMAS corrects the covered prefix.
+    whole_coverage: ClassVar[bool] = False
     # prematch: match a saved request's segments against the anchor pools right after its first
     # token (its rows are final), so that the edges reading them later only combine the kept
     # distances; off: every edge matches its source at load time, inside its TTFT.
@@ -343,6 +346,10 @@ class DeltaCorrection(SharingMethod):
         coverage = sorted((a.covers(edge) for a in compatible), reverse=True)
         if len(coverage) < needed:
             return {"accept": False, "decision": "dense_few_anchors", "anchors": len(coverage)}
+        if self.whole_coverage and coverage[needed - 1] < n:
+            # KVComm's code: only anchors at least as long as the placeholder are candidates; with
+            # fewer than two of them the placeholder is a new anchor (dense), never a prefix.
+            return {"accept": False, "decision": "dense_uncovered", "anchors": len(coverage)}
         covered = min(n, coverage[needed - 1])
         eligible = [a for a in compatible if a.covers(edge) >= covered]
         if capacity == 1:

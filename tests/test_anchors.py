@@ -661,6 +661,23 @@ def test_a_segment_longer_than_its_anchors_is_corrected_on_the_covered_prefix(
     assert torch.equal(new_k[covered:], k[covered:])
 
 
+@pytest.mark.parametrize("name", ["kvcomm", "kvcomm-ref"])
+def test_kvcomm_corrects_only_placeholders_two_anchors_cover_whole(name: str) -> None:
+    """KVComm's code matches only anchors at least as long as the placeholder; with fewer than two
+    of them the segment goes dense (KVCMAS would correct the prefix two anchors cover)."""
+    decisions = {}
+    for segment in (40, 64):
+        method = method_class(name)({"gamma": 0.0})  # every load an anchor...
+        method.bind(_FakeCore())
+        _dense_loads(method, [dict(trajectory=f"t{i}", seed=i, length=n) for i, n in enumerate((32, 48, 64))])
+        method.params["gamma"] = 1.0  # ...then the gate accepts any match
+        ctx, _, _ = _context(name, "new", seed=9, length=segment)
+        method.select(ctx)
+        decisions[segment] = ctx.stats["decisions"][0]
+    assert decisions[40]["decision"] == "accepted" and decisions[40]["covered"] == 40  # 48 and 64 cover it
+    assert decisions[64]["decision"] == "dense_uncovered"  # only one anchor is 64 long
+
+
 @pytest.mark.parametrize("rho", [0.5, 0.8, 1.0])
 def test_graphflow_reaches_a_requested_reuse_ratio_on_a_trace(rho: float) -> None:
     """Its reuse budget: over a trace of segments of varying length read by three agents, the

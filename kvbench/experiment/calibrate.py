@@ -25,6 +25,8 @@ DENSE_REASONS = {
     "dense_few_anchors": "the pool held fewer than two anchors for the edge (too few trajectories to build "
                          "anchors: more --num-trajectories or --num-warmups)",
     "dense_gate": "the gate rejected the match (what the threshold moves)",
+    "dense_uncovered": "no two anchors covered the whole segment (KVComm's rule: longer contents than the "
+                       "anchors go dense)",
     "dense_budget": "the reuse budget was spent",
 }
 
