@@ -9,7 +9,7 @@ from typing import Literal
 
 import pandas as pd
 
-from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
+from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval, ratio_change_interval
 from kvbench.analysis.runs import Run, mean_summary
 
 # Metrics where larger is better; every other gated metric is a cost (latency, bytes, failures,
@@ -148,10 +148,25 @@ def compare_table(baseline: list[Run], candidate: list[Run], metrics: list[str],
 
 
 def _noise_interval(baseline: list[Run], candidate: list[Run], gate: Gate) -> RatioInterval | None:
-    """For a gate on a p50 TTFT of one run per side: the ratio's bootstrap interval."""
-    if gate.ratio or gate.metric not in INTERVAL_METRICS:
+    """For a gate on a p50 TTFT of one run per side: the candidate/baseline ratio's bootstrap
+    interval; for a gate on a ratio of two methods' p50 TTFT (a speed-up) with one run of each per
+    side: the interval of how that ratio moved. None where it cannot be computed."""
+    if gate.metric not in INTERVAL_METRICS:
         return None
-    return ratio_interval(baseline, candidate, gate.metric)
+    if not gate.ratio:
+        return ratio_interval(baseline, candidate, gate.metric)
+    runs = {}
+    for side, side_runs in (("base", baseline), ("cand", candidate)):
+        for role, method in zip(("num", "den"), gate.ratio):
+            matching = [r for r in side_runs if r.method == method]
+            if len(matching) != 1 or not len(matching[0].requests):
+                return None
+            runs[side + role] = matching[0].requests
+    try:
+        return ratio_change_interval(runs["basenum"], runs["baseden"], runs["candnum"], runs["candden"],
+                                     per=INTERVAL_METRICS[gate.metric])  # type: ignore[arg-type]
+    except ValueError:
+        return None
 
 
 def evaluate_gates(baseline: list[Run], candidate: list[Run], gates: list[Gate],

@@ -481,3 +481,47 @@ def test_a_share_reads_the_same_in_every_report_table(tmp_path: Path) -> None:
     import re
 
     assert text.count(f"{rho:.3f}") >= 2 and not re.search(rf"\|\s+{rho:.1f}\s+\|", text)
+
+
+def _noisy_side(root: Path, seed: int, slowdown: float = 1.0) -> Path:
+    """A CI side: NonShared at ~20 ms and FullShared at ~10 ms (times `slowdown`) per request,
+    each TTFT scaled by log-normal noise (a busy runner)."""
+    rng = np.random.default_rng(seed)
+    for method, ttft in (("nonshared", 20.0), ("fullshared", 10.0 * slowdown)):
+        shutil.copytree(GOLDEN / method, root / method)
+        requests = pd.read_parquet(root / method / "requests.parquet")
+        requests["ttft_ms"] = ttft * rng.lognormal(0.0, 0.6, len(requests))
+        requests.to_parquet(root / method / "requests.parquet")
+        summary = _summary(root / method)
+        summary["p50_ttft_ms"] = float(requests["ttft_ms"].median())
+        (root / method / "summary.json").write_text(json.dumps(summary))
+    return root
+
+
+def test_the_ci_speed_gate_does_not_fail_unchanged_code_but_fails_a_method_twice_as_slow(tmp_path: Path) -> None:
+    """The CI job's speed gate (a speed-up may drop 25%, failures within noise pass): five noisy
+    candidates of unchanged code pass; a method twice as slow fails."""
+    gate = ["--gate", "p50_ttft_ms:nonshared/fullshared=-25%", "--noise", "pass"]
+    baseline = _noisy_side(tmp_path / "baseline", seed=100)
+    for k in range(5):
+        unchanged = _noisy_side(tmp_path / f"unchanged{k}", seed=k)
+        result = _invoke("compare", str(baseline), str(unchanged), *gate)
+        assert result.exit_code == 0, result.output
+    slower = _noisy_side(tmp_path / "slower", seed=7, slowdown=2.0)
+    result = _invoke("compare", str(baseline), str(slower), *gate)
+    assert result.exit_code == 1 and "REGRESSION" in result.output and "within noise" not in result.output
+    # An unlucky run of unchanged code: its measured speed-up dropped past 25% by noise alone (the
+    # first such seed). The gate alone fails it; its interval holds "no change", so CI passes it.
+    requests = len(pd.read_parquet(GOLDEN / "nonshared" / "requests.parquet"))
+    base_speedup = _summary(baseline / "nonshared")["p50_ttft_ms"] / _summary(baseline / "fullshared")["p50_ttft_ms"]
+
+    def speedup(seed: int) -> float:
+        rng = np.random.default_rng(seed)
+        nonshared, fullshared = (np.median(t * rng.lognormal(0.0, 0.6, requests)) for t in (20.0, 10.0))
+        return float(nonshared / fullshared)
+
+    seed = next(s for s in range(1000) if speedup(s) < 0.75 * base_speedup)
+    unlucky = _noisy_side(tmp_path / "unlucky", seed=seed)
+    assert _invoke("compare", str(baseline), str(unlucky), *gate[:2], "--noise", "fail").exit_code == 1
+    passed = _invoke("compare", str(baseline), str(unlucky), *gate)
+    assert passed.exit_code == 0 and "pass (within noise)" in passed.output
