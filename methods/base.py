@@ -85,6 +85,11 @@ class SharingMethod:
     uses_connector: ClassVar[bool] = True
     # Its parameters; kv_connector_extra_config["params"] may override the defaults.
     Params: ClassVar[type[MethodParams]] = MethodParams
+    # The parameter `kvbench calibrate` bisects for a target reuse ratio (None: nothing to
+    # calibrate), the range it searches, and whether rho rises with it.
+    threshold_name: ClassVar[str | None] = None
+    threshold_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
+    rho_rises_with_threshold: ClassVar[bool] = True
 
     core: CoreServices | None = None
 

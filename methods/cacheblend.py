@@ -36,6 +36,11 @@ class CacheBlend(SharingMethod):
     summary = ("reuse, then recompute the 15% of reused tokens whose values deviate most at the first "
                "context-dependent layer (1) through the later layers")
     Params = CacheBlendParams
+    # `kvbench calibrate --method cacheblend --target-rho R`: the recomputed share of reused tokens
+    # for a reuse ratio (rho falls as it grows); its recompute share of entries follows from it and
+    # the check layer: (check + 1) / L + ratio * (L - check - 1) / L.
+    threshold_name = "recompute_ratio"
+    rho_rises_with_threshold = False
 
     def check_layer(self) -> int | None:
         if self.params["check_layer"] is not None:

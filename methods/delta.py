@@ -122,7 +122,7 @@ class DeltaCorrection(SharingMethod):
     low_rank: ClassVar[bool] = True
     matching: ClassVar[bool] = True
     correct_layer0: ClassVar[bool] = True
-    threshold_name: ClassVar[str] = "tau"
+    threshold_name: ClassVar[str | None] = "tau"
     # KVComm's code (kvcomm-ref), where the KVCMAS paper's description differs: a context-free
     # reference is prefilled after the prompt's own prefix (BOS; the segment's first token is then
     # no attention sink), an agent's output is corrected from its producer's decode-phase cache

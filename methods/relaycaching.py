@@ -47,6 +47,10 @@ class RelayCaching(SharingMethod):
     summary = ("reuse, compute every reused row through det_layer (the first context-dependent layer: 1), then "
                "only those whose values deviate or that the prompt's tail attends to, up to end_layer")
     Params = RelayCachingParams
+    # `kvbench calibrate --method relaycaching --target-rho R`: a higher deviation threshold picks
+    # fewer rows to rectify, so rho rises with it (the official rho 0.8-0.9 is reached so).
+    threshold_name = "tau_dev"
+    threshold_range = (0.0, 20.0)
 
     def recompute_layers(self) -> tuple[int, int] | None:
         end = int(self.params["end_layer"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
 
 
@@ -116,3 +118,36 @@ def test_a_calibration_whose_rho_does_not_move_stops_and_says_why(monkeypatch) -
     assert steps[-1].decisions == {"dense_few_anchors": 2, "accepted": 1}
     why = calibrate.what_limits(steps)
     assert why.startswith("2 of 3 segments the pool held fewer than two anchors") and "--num-warmups" in why
+
+
+@pytest.mark.parametrize(("method", "target"), [("cacheblend", 0.7), ("relaycaching", 0.8)])
+def test_calibration_follows_each_methods_threshold(monkeypatch, method: str, target: float) -> None:
+    """CacheBlend's recompute_ratio lowers rho as it grows (rho = 1 - ratio); RelayCaching's tau_dev
+    raises it over [0, 20]: each is bisected its own way to the target."""
+    from kvbench.experiment import calibrate, run
+    from kvbench.methods.registry import method_class
+    from kvbench.replay import worker_rpc
+
+    probes: list[float] = []
+
+    class FakeClient:
+        def __init__(self, base_url: str) -> None:
+            pass
+
+        def set_params(self, params: dict) -> dict:
+            probes.append(params[cls.threshold_name])
+            return params
+
+    def fake_replay(config) -> dict:
+        threshold = probes[-1]
+        return {"realized_rho": 1 - threshold if method == "cacheblend" else min(1.0, threshold / 10)}
+
+    cls = method_class(method)
+    monkeypatch.setattr(worker_rpc, "WorkerClient", FakeClient)
+    monkeypatch.setattr(run, "replay_and_summarize", fake_replay)
+    monkeypatch.setattr("kvbench.replay.runner.ReplayConfig", lambda **kw: type("C", (), kw)())
+    steps = calibrate.calibrate_threshold(None, None, method, "http://x", target, cls.threshold_name, iterations=10,
+                                          tolerance=0.02, threshold_range=cls.threshold_range,
+                                          rho_rises=cls.rho_rises_with_threshold)
+    assert calibrate.within(steps[-1].realized_rho, target, 0.02)
+    assert cls.threshold_name in cls.Params.model_fields

@@ -355,8 +355,9 @@ def methods_command(markdown: bool) -> None:
 def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
                       shared_tokens: int, output_len: int, iterations: int, num_warmups: int, tolerance: float,
                       base_url: str | None, seed: int, server: ServerOptions) -> None:
-    """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho) that reaches a target
-    reuse ratio, or DroidSpeak's recomputed layer group (offline layer-wise deviation profiling)."""
+    """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho; CacheBlend's
+    recompute_ratio; RelayCaching's tau_dev) that reaches a target reuse ratio, or DroidSpeak's
+    recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.experiment.calibrate import calibrate_threshold, flat_rho, summary_dict, what_limits, within
     from kvbench.methods.registry import method_class
     from kvbench.replay.server import ServerError, VLLMServer
@@ -375,17 +376,19 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
                                            output_len, seed)
 
+    ranges = {"threshold_range": cls.threshold_range, "rho_rises": cls.rho_rises_with_threshold}
+
     def show(step) -> None:
         click.echo(f"  {cls.threshold_name}={step.threshold:.4f} -> realized rho {step.realized_rho:.3f}", err=True)
 
     try:
         if base_url is not None:
             steps = calibrate_threshold(trace, tokenizer, method, base_url.rstrip("/"), target_rho, cls.threshold_name,
-                                        iterations, show, num_warmups, tolerance)
+                                        iterations, show, num_warmups, tolerance, **ranges)
         else:
             with VLLMServer(server.server_config(method, params, served)) as running:
                 steps = calibrate_threshold(trace, tokenizer, method, running.base_url, target_rho, cls.threshold_name,
-                                            iterations, show, num_warmups, tolerance)
+                                            iterations, show, num_warmups, tolerance, **ranges)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
     report = summary_dict(steps, target_rho, cls.threshold_name)

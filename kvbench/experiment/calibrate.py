@@ -52,8 +52,11 @@ def what_limits(steps: list[CalibrationStep]) -> str:
 def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, base_url: str, target_rho: float,
                         threshold_name: str, iterations: int = 6,
                         on_step: Callable[[CalibrationStep], None] | None = None,
-                        num_warmups: int = 0, tolerance: float | None = None) -> list[CalibrationStep]:
-    """Realized rho grows with the threshold (a looser gate accepts more), so bisect on [0, 1],
+                        num_warmups: int = 0, tolerance: float | None = None,
+                        threshold_range: tuple[float, float] = (0.0, 1.0),
+                        rho_rises: bool = True) -> list[CalibrationStep]:
+    """Realized rho grows with a gate's threshold (a looser gate accepts more; `rho_rises` False:
+    it falls, as with a share of tokens recomputed), so bisect on `threshold_range` ([0, 1]),
     stopping at a step within `tolerance` of the target, or as soon as two thresholds realize the
     same rho (`flat_rho`: the threshold is not what limits it; `what_limits` says what is). A threshold named `rho` is a reuse
     budget (GraphFlow's), which realizes about itself: its first probe is the target.
@@ -85,7 +88,7 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
         return CalibrationStep(threshold, float(rho) if rho is not None else 0.0, decisions)
 
     steps: list[CalibrationStep] = []
-    low, high = 0.0, 1.0
+    low, high = threshold_range
     for index in range(iterations):
         middle = target_rho if index == 0 and threshold_name == "rho" else (low + high) / 2
         step = probe(middle)
@@ -96,7 +99,7 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
             break
         if flat_rho(steps):  # more probes cannot help: the caller says what limits it
             break
-        if step.realized_rho < target_rho:
+        if (step.realized_rho < target_rho) == rho_rises:
             low = middle
         else:
             high = middle
