@@ -20,8 +20,15 @@ def _entry(tokens: int) -> SavedKV:
     return SavedKV(torch.zeros(tokens, dtype=torch.long), torch.zeros(2, tokens, 1, 4), torch.zeros(2, tokens, 1, 4))
 
 
+def _bytes_by_hand(tokens: int) -> int:
+    """What _entry(tokens) holds, counted here: int64 token ids, and K and V of 2 layers x 1 head x
+    4 dims in fp32 per token."""
+    return tokens * 8 + 2 * (2 * tokens * 1 * 4 * 4)
+
+
 def test_store_evicts_least_recently_used_and_counts_per_run() -> None:
-    size = _entry(10).nbytes
+    size = _bytes_by_hand(10)
+    assert _entry(10).nbytes == size
     store = SegmentStore(max_bytes=2 * size)
     store.put("a", _entry(10))
     store.put("b", _entry(10))
@@ -34,7 +41,7 @@ def test_store_evicts_least_recently_used_and_counts_per_run() -> None:
     store.clear()  # a new run: its figures are its own, not the server's lifetime
     assert (store.bytes, store.peak_bytes, store.evictions, store.refused) == (0, 0, 0, 0)
     store.put("d", _entry(5))
-    assert store.peak_bytes == _entry(5).nbytes
+    assert store.peak_bytes == store.bytes == _bytes_by_hand(5)
 
 
 def test_reuse_lost_to_eviction_is_counted_beside_realized_rho() -> None:

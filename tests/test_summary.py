@@ -32,6 +32,23 @@ def test_the_recorded_summary_is_recomputed_from_the_run_files(method: str) -> N
     differing = {k for k in recorded if not _same(recorded[k], recomputed[k])}
     assert not differing
     assert recomputed["completed"] == 24 and recomputed["method"] == method
+    # ...and figures computed here from requests.parquet alone, not by the summarizer, agree with
+    # them (the golden files were written by the code under test: they cannot catch its errors).
+    import numpy as np
+
+    requests = pd.read_parquet(GOLDEN / method / run_files.REQUESTS)
+    ok = requests[requests["success"]]
+    assert recomputed["failed"] == int((~requests["success"]).sum())
+    for p in (50, 90, 99):
+        assert recomputed[f"p{p}_ttft_ms"] == pytest.approx(float(np.percentile(ok["ttft_ms"], p)))
+    assert recomputed["mean_ttft_ms"] == pytest.approx(float(ok["ttft_ms"].mean()))
+    assert recomputed["mean_e2el_ms"] == pytest.approx(float(ok["e2el_ms"].mean()))
+    span_s = (requests["end_ns"].max() - requests["scheduled_ns"].min()) / 1e9
+    assert recomputed["duration"] >= span_s  # the run lasted at least as long as its requests
+    assert recomputed["request_throughput"] == pytest.approx(len(ok) / recomputed["duration"])
+    assert recomputed["output_throughput"] == pytest.approx(ok["output_tokens"].sum() / recomputed["duration"])
+    if method == "fullshared":
+        assert recomputed["realized_rho"] == pytest.approx(ok["reused_tokens"].sum() / ok["eligible_tokens"].sum())
 
 
 def _lines(path: Path, entries: list[dict]) -> None:
