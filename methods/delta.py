@@ -133,6 +133,10 @@ class DeltaCorrection(SharingMethod):
     # KVComm (its code and its description): a segment longer than every anchor but one goes dense
     # (only anchors covering the whole placeholder match); KVCMAS corrects the covered prefix.
     whole_coverage: ClassVar[bool] = False
+    # KVComm's code: a key correction is kept post-RoPE at the positions its anchor was observed
+    # at, and added to a target at other positions without re-rotation (an error of the position
+    # difference); kvbench's own rule keeps it canonical and rotates it to the target.
+    unrotated_deltas: ClassVar[bool] = False
     # prematch: match a saved request's segments against the anchor pools right after its first
     # token (its rows are final), so that the edges reading them later only combine the kept
     # distances; off: every edge matches its source at load time, inside its TTFT.
@@ -443,7 +447,7 @@ class DeltaCorrection(SharingMethod):
 
         # keys/values are the caller's fresh copies (SharingMethod.correct): added in place.
         keys, values = keys.contiguous(), values.contiguous()
-        entry.k.add_to(layer, keys.view(len(keys), -1), to_target)
+        entry.k.add_to(layer, keys.view(len(keys), -1), None if self.unrotated_deltas else to_target)
         entry.v.add_to(layer, values.view(len(values), -1))
         entry.apply_s += time.perf_counter() - started
         return keys, values
@@ -506,7 +510,14 @@ class DeltaCorrection(SharingMethod):
         pool = self.pools.setdefault(job.slot, AnchorPool(int(self.params.get("V", 1))))
         codec = self.params.get("base_codec", "none")
         base_codec = BaseCodec(make_codec(codec), job.target_v.shape[-1]) if codec != "none" else None
-        pool.add(job.anchor_id, job.edge, source_k, source_v, target_k - source_k, target_v - source_v,
+        delta_k = target_k - source_k
+        if self.unrotated_deltas:  # kept where the anchor was observed: at the target's own positions
+            assert self.core is not None
+            layers, rows, width = delta_k.shape
+            head_dim = job.target_k.shape[-1]
+            delta_k = self.core.aligner.rotate(delta_k.view(layers, rows, width // head_dim, head_dim),
+                                               job.source.segment.start).reshape(layers, rows, width)
+        pool.add(job.anchor_id, job.edge, source_k, source_v, delta_k, target_v - source_v,
                  rank_base, rank_delta, torch.bfloat16, base_codec)
 
     def _ready(self, items: list[Any]) -> tuple[list[Any], list[Any]]:

@@ -269,21 +269,21 @@ class _FakeCore:
 
 
 def _context(method_name: str, trajectory: str, seed: int, length: int = 64, source_agent: str = "A0",
-             agent: str = "A1"):
-    """`agent`'s load: q (`length` tokens at position 10) reused from `source_agent`'s cache (q at
-    position 7)."""
+             agent: str = "A1", start: int = 10):
+    """`agent`'s load: q (`length` tokens at position `start`, 10) reused from `source_agent`'s
+    cache (q at position 7)."""
     g = torch.Generator().manual_seed(seed)
     source = SavedKV(torch.arange(length + 16), torch.randn(LAYERS, length + 16, HEADS, HEAD_DIM, generator=g),
                      torch.randn(LAYERS, length + 16, HEADS, HEAD_DIM, generator=g))
-    segment = PlanSegment("ph", "q", 10, length, source=f"run/t/{source_agent}.r0", source_start=7,
+    segment = PlanSegment("ph", "q", start, length, source=f"run/t/{source_agent}.r0", source_start=7,
                           source_agent=source_agent)
     plan = Plan(trajectory, f"{agent}.r0", agent, f"run/{trajectory}/{agent}.r0",
-                (PlanSegment("pf", "system", 0, 10), segment))
-    tokens = torch.arange(length + 36) + 1000 * seed  # distinct content per trajectory
-    dst = torch.arange(10, 10 + length)
-    reuse = SegmentReuse(segment, source, dst, dst - 10 + 7)
-    dense = (torch.randn(LAYERS, length + 36, HEADS, HEAD_DIM, generator=g),
-             torch.randn(LAYERS, length + 36, HEADS, HEAD_DIM, generator=g))
+                (PlanSegment("pf", "system", 0, start), segment))
+    tokens = torch.cat([torch.arange(start) + 900_000, torch.arange(length + 26) + 1000 * seed])  # q's content by seed
+    dst = torch.arange(start, start + length)
+    reuse = SegmentReuse(segment, source, dst, dst - start + 7)
+    dense = (torch.randn(LAYERS, start + length + 26, HEADS, HEAD_DIM, generator=g),
+             torch.randn(LAYERS, start + length + 26, HEADS, HEAD_DIM, generator=g))
     ctx = LoadContext(plan.save_as, plan, tokens, 0, [reuse],
                       read_rows=lambda rows: (dense[0][:, rows], dense[1][:, rows]), req_id=f"{trajectory}-A1")
     return ctx, reuse, source
@@ -676,6 +676,30 @@ def test_kvcomm_corrects_only_placeholders_two_anchors_cover_whole(name: str) ->
         decisions[segment] = ctx.stats["decisions"][0]
     assert decisions[40]["decision"] == "accepted" and decisions[40]["covered"] == 40  # 48 and 64 cover it
     assert decisions[64]["decision"] == "dense_uncovered"  # only one anchor is 64 long
+
+
+def test_kvcomm_ref_adds_key_corrections_where_its_anchor_saw_them() -> None:
+    """KVComm's code keeps a delta post-RoPE at its anchor's positions and adds it elsewhere
+    unrotated; kvcomm (and KVCMAS) keep it canonical and rotate it to the target. An anchor seen
+    at position 10, applied at position 30 (V = 1: the sole anchor, weight 1)."""
+    added = {}
+    for name in ("kvcomm", "kvcomm-ref"):
+        method = method_class(name)({"V": 1})
+        core = _FakeCore()
+        method.bind(core)
+        _dense_loads(method, [dict(trajectory="t0", seed=0, start=10)])
+        ctx, _, _ = _context(name, "t0-again", seed=0, start=30)
+        (chosen,) = method.select(ctx)
+        (anchor,) = method.pools["q"].anchors.values()
+        stored = anchor.deltas[next(iter(anchor.deltas))][0].rows(64, 2).float()  # [64, H * hd]
+        k = chosen.source.k[2, chosen.src].clone()
+        new_k, _ = method.correct(2, chosen, k.clone(), chosen.source.v[2, chosen.src].clone())
+        added[name] = ((new_k - k).reshape(64, -1).float(), stored, core)
+    delta, stored, core = added["kvcomm-ref"]
+    assert torch.allclose(delta, stored, atol=2e-2)  # as stored: the anchor's positions (10)
+    delta, stored, core = added["kvcomm"]
+    rotated = core.aligner.rotate(stored.view(64, HEADS, HEAD_DIM), 30).reshape(64, -1)
+    assert torch.allclose(delta, rotated, atol=2e-2) and not torch.allclose(delta, stored, atol=2e-2)
 
 
 @pytest.mark.parametrize("rho", [0.5, 0.8, 1.0])
