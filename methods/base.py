@@ -128,6 +128,13 @@ class SharingMethod:
         (default): reused rows are never computed."""
         return None
 
+    def check_layers(self) -> list[int]:
+        """Every layer where `recompute` narrows the computed reused rows, ascending: the check
+        layer, then (gradual filtering) later ones, each choosing among the rows the one before
+        kept. Default: the check layer alone."""
+        check = self.check_layer()
+        return [] if check is None else [check]
+
     def influence_queries(self) -> int:
         """How many of the prompt's last rows' attention at the check layer `recompute` receives
         (as the attention mass each reused row gets from them); 0 (default): none."""

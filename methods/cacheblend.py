@@ -11,7 +11,7 @@ between agents only on a segment's first rows, so a check there would pick token
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
@@ -28,6 +28,11 @@ class CacheBlendParams(MethodParams):
                                     "in a standard model)")
     deviation: Literal["value", "key"] = Field("value", description="compare values (CacheBlend's code) or keys "
                                                "(LMCache's port)")
+    filter_ratios: list[Annotated[float, Field(ge=0, le=1)]] = Field(
+        [], max_length=8, description="gradual filtering (CacheBlend's paper, section 4.3): shares of the reused "
+        "tokens kept computing after the check layer and each next layer, each chosen among those the layer "
+        "before kept, before recompute_ratio applies one layer later; e.g. [0.3] with check layer 1 keeps 30% "
+        "through layer 2 and 15% after it. Empty: one selection at the check layer (CacheBlend's code)")
 
 
 @register_method
@@ -48,16 +53,27 @@ class CacheBlend(SharingMethod):
         assert self.core is not None, "the default check layer needs the model (bind first)"
         return self.core.first_context_layer
 
+    def check_layers(self) -> list[int]:
+        check = self.check_layer()
+        return [] if check is None else list(range(check, check + 1 + len(self.params["filter_ratios"])))
+
     def recompute(self, ctx: LoadContext, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
                   reused_k: torch.Tensor, reused_v: torch.Tensor, influence: torch.Tensor | None = None) -> torch.Tensor:
         fresh, reused = (fresh_v, reused_v) if self.params["deviation"] == "value" else (fresh_k, reused_k)
         deviation = (fresh.float() - reused.float()).square().sum(dim=(1, 2))  # one value per token
         assert self.core is not None
         deviation = self.core.sum_over_ranks(deviation)  # over every rank's heads: all ranks pick alike
-        count = min(len(deviation), math.ceil(float(self.params["recompute_ratio"]) * len(deviation)))
+        # Shares are of the reused tokens at the check layer; a later layer picks among the rows the
+        # one before kept, never more than recompute_ratio's final share below.
+        ratios = [*self.params["filter_ratios"], self.params["recompute_ratio"]]
+        step = layer - self.check_layers()[0]
+        first = ctx.stats.setdefault("blend", {"check_layer": layer, "candidate_tokens": len(deviation)})
+        share = max(float(ratios[step]), float(self.params["recompute_ratio"]))
+        count = min(len(deviation), math.ceil(share * first["candidate_tokens"]))
         picked = torch.zeros(len(deviation), dtype=torch.bool, device=deviation.device)
         picked[torch.topk(deviation, count).indices] = True
-        ctx.stats["blend"] = {"check_layer": layer, "picked_tokens": count, "candidate_tokens": len(deviation),
-                              "picked_digest": rows_digest(picked),
-                              "deviation_picked_share": float(deviation[picked].sum() / deviation.sum().clamp_min(1e-30))}
+        first.update({"picked_tokens": count, "picked_digest": rows_digest(picked),
+                      "deviation_picked_share": float(deviation[picked].sum() / deviation.sum().clamp_min(1e-30))})
+        if len(ratios) > 1:
+            first.setdefault("filtered", []).append({"layer": layer, "kept_tokens": count})
         return picked

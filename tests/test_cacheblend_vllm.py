@@ -77,3 +77,26 @@ def test_replay_reports_the_reuse_ratio(server: VLLMServer, tmp_path: Path) -> N
     assert 0.8 <= summary["realized_rho"] <= 0.85
     # the reused rows still computed every layer up to the check: more computed than 1 - rho says
     assert 1 - summary["realized_rho"] < summary["recompute_share"] < 1
+
+
+def test_gradual_filtering_narrows_layer_by_layer(server: VLLMServer, prompts: dict, check_layer: int,
+                                                  model_layers: int) -> None:
+    source, dense = new_key(), new_key()
+    dense_prefill(server, prompts["p0"], source)
+    dense_prefill(server, prompts["p1"], dense)
+    n, q = len(prompts["p1"]) - 1, len(prompts["q"])
+    errors = {}
+    for filters in ([], [0.6]):
+        set_params(server, recompute_ratio=0.15, filter_ratios=filters)
+        key = new_key()
+        complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
+        errors[len(filters)] = kv_error(server, key, dense, 0, n)["layers"]
+        stats = request_stats(server, key)["blend"]
+        assert stats["candidate_tokens"] == q and stats["picked_tokens"] == math.ceil(0.15 * q)
+    kept = math.ceil(0.6 * q)
+    assert stats["filtered"] == [{"layer": check_layer, "kept_tokens": kept},
+                                 {"layer": check_layer + 1, "kept_tokens": math.ceil(0.15 * q)}]
+    # 60% of the reused rows computed in the layer after the check leave less error there than 15%.
+    after = errors[1][check_layer + 1]["v_rel"], errors[0][check_layer + 1]["v_rel"]
+    assert after[0] < after[1], errors
+    set_params(server, filter_ratios=[])

@@ -162,16 +162,18 @@ def test_finished_stats_say_where_the_load_ran() -> None:
     assert stats["local_tokens"] == 1 and stats["load_s"] >= 0
 
 
-@pytest.mark.parametrize("check, group, picked, expected, entries", [
-    (None, None, 0, (6, 4), 24),  # plain reuse: reused rows reused in every layer, the rest computed
-    (1, None, 2, (4, 6), 8),  # CacheBlend: every row computes layers 0-1; 2 reused rows picked for the rest
-    (None, (2, 4), 0, (3, 7), 12),  # DroidSpeak: 6 reused rows computed in 2 of 4 layers
-    (2, (1, 4), 1, (3, 7), 11),  # a group checked at layer 2: all compute 1-2, the picked row also layer 3
+@pytest.mark.parametrize("check, group, stages, expected, entries", [
+    (None, None, [], (6, 4), 24),  # plain reuse: reused rows reused in every layer, the rest computed
+    (1, None, [(1, 2)], (4, 6), 8),  # CacheBlend: every row computes layers 0-1; 2 reused rows picked for the rest
+    # gradual filtering: all 6 compute layers 0-1 (12 entries), 4 kept compute layer 2 (4), 1 kept layer 3 (1)
+    (1, None, [(1, 4), (2, 1)], (5, 5), 24 - 12 - 4 - 1),
+    (None, (2, 4), [], (3, 7), 12),  # DroidSpeak: 6 reused rows computed in 2 of 4 layers
+    (2, (1, 4), [(2, 1)], (3, 7), 11),  # a group checked at layer 2: all compute 1-2, the picked row also layer 3
 ])
-def test_row_accounting(check: int | None, group: tuple[int, int] | None, picked: int,
+def test_row_accounting(check: int | None, group: tuple[int, int] | None, stages: list[tuple[int, int]],
                         expected: tuple[int, int], entries: int) -> None:
     reused = torch.zeros(10, dtype=torch.bool)
     reused[4:] = True
     compute = torch.arange(10) if check is not None and group is None else torch.arange(4)
-    assert count_rows(reused, compute, picked, check, group, layers=4) == expected
-    assert served_entries(6, picked, check, group, layers=4) == entries
+    assert count_rows(reused, compute, stages, check, group, layers=4) == expected
+    assert served_entries(6, stages, check, group, layers=4) == entries

@@ -10,7 +10,7 @@ are computed in which layers; `count_rows` turns that into whole-token reused/re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -64,14 +64,15 @@ def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -
 
 class Placement:
     """The reused rows' K/V per layer: the source's rows re-rotated and corrected by the method.
-    At the check layer they are kept for the comparison with the fresh rows computed there."""
+    At each check layer they are kept for the comparison with the fresh rows computed there."""
 
     def __init__(self, worker: ConnectorWorker, method: SharingMethod, chosen: list[SegmentReuse],
-                 check: int | None, group_layers: tuple[int, int] | None, poison: bool) -> None:
+                 check_layers: list[int], group_layers: tuple[int, int] | None, poison: bool) -> None:
         self.worker, self.method, self.chosen = worker, method, chosen
-        self.check, self.group_layers, self.poison = check, group_layers, poison
+        self.check_layers, self.group_layers, self.poison = check_layers, group_layers, poison
+        self.check = check_layers[0] if check_layers else None
         self.rows = torch.cat([r.dst for r in chosen]) if chosen else torch.empty(0, dtype=torch.long)
-        self.at_check: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.at_check: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def all_computed(self, layer: int) -> bool:
         """Every reused row is computed in this layer (so none is placed)."""
@@ -99,64 +100,74 @@ class Placement:
         bad = (~torch.isfinite(k_all)).sum() + (~torch.isfinite(v_all)).sum()
         if float(self.worker.sum_over_ranks(bad.float().reshape(1))) > 0:
             raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
-        if layer == self.check:  # written, then overwritten by the fresh rows: kept for the comparison
-            self.at_check.append((k_all, v_all))
+        if layer in self.check_layers:  # written, then overwritten by the fresh rows: kept for the comparison
+            self.at_check[layer] = (k_all, v_all)
         return self.rows, k_all, v_all
 
 
 class Narrowing:
-    """At the check layer: keep computing the rows no source held and the reused rows the method
-    picks from their fresh vs reused K/V (and the attention they get)."""
+    """At each check layer: keep computing the rows no source held and the reused rows the method
+    picks from their fresh vs reused K/V (and the attention they get), among those still computed."""
 
     def __init__(self, worker: ConnectorWorker, ctx: LoadContext, placement: Placement, reused: torch.Tensor,
                  block_ids: torch.Tensor) -> None:
         self.worker, self.ctx, self.placement = worker, ctx, placement
         self.reused, self.block_ids = reused, block_ids
-        self.picked: int = 0  # reused rows the method kept computing
+        # Reused rows still computed (placement order); rows vLLM's prefix cache held never are.
+        self.active = placement.rows >= ctx.num_local
+        self.stages: list[tuple[int, int]] = []  # (check layer, reused rows kept computing after it)
+
+    @property
+    def picked(self) -> int:
+        """Reused rows computed through the last layer."""
+        return self.stages[-1][1] if self.stages else 0
 
     def __call__(self, layer: int, computed: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor | None:
-        if layer != self.placement.check:
+        if layer not in self.placement.check_layers:
             return None
-        k_reused, v_reused = self.placement.at_check.pop()
-        rows = self.placement.rows
-        past_local = rows >= self.ctx.num_local  # rows vLLM's prefix cache held are not computed
-        position = torch.searchsorted(computed, rows[past_local])  # computed rows are in position order
+        k_reused, v_reused = self.placement.at_check.pop(layer)
+        rows = self.placement.rows[self.active]
+        position = torch.searchsorted(computed, rows)  # computed rows are in position order
         method, influence = self.worker.method, None
         if (queries := method.influence_queries()) > 0:
-            influence = self.worker.influence(layer, q[-queries:], computed[-queries:], self.block_ids)[rows[past_local]]
-        chosen_rows = method.recompute(self.ctx, layer, k[position], v[position], k_reused[past_local],
-                                       v_reused[past_local], influence).cpu()  # row indices live on the CPU
+            influence = self.worker.influence(layer, q[-queries:], computed[-queries:], self.block_ids)[rows]
+        chosen_rows = method.recompute(self.ctx, layer, k[position], v[position], k_reused[self.active],
+                                       v_reused[self.active], influence).cpu()  # row indices live on the CPU
         keep = ~self.reused[computed]
         keep[position[chosen_rows]] = True
-        self.picked = int(chosen_rows.sum())
+        self.active[self.active.nonzero().flatten()[~chosen_rows]] = False
+        self.stages.append((layer, int(chosen_rows.sum())))
         return keep.nonzero().flatten()
 
 
-def count_rows(reused: torch.Tensor, compute: torch.Tensor, picked: int, check: int | None,
+def count_rows(reused: torch.Tensor, compute: torch.Tensor, stages: Sequence[tuple[int, int]], check: int | None,
                group_layers: tuple[int, int] | None, layers: int) -> tuple[int, int]:
     """(reused, recomputed) rows in whole-token units. Selective recomputation: reused rows count
-    as reused when served from reuse after the check layer; the recomputed ones count as
-    recomputed. A recomputed layer group: reused rows count by the share of their (token, layer)
-    entries served from reuse."""
-    reused_count = int(reused.sum())
+    as reused when served from reuse after the (last) check layer; the ones computed through the
+    last layer count as recomputed. A recomputed layer group: reused rows count by the share of
+    their (token, layer) entries served from reuse."""
+    reused_count, picked = int(reused.sum()), (stages[-1][1] if stages else 0)
     if group_layers is None:
         recomputed = (int((~reused[compute]).sum()) + picked) if check is not None else int(len(compute))
         return reused_count - picked, recomputed
-    served = round(served_entries(reused_count, picked, check, group_layers, layers) / layers)
+    served = round(served_entries(reused_count, stages, check, group_layers, layers) / layers)
     return served, int(len(compute)) + reused_count - served
 
 
-def served_entries(reused_count: int, picked: int, check: int | None, group_layers: tuple[int, int] | None,
-                   layers: int) -> int:
+def served_entries(reused_count: int, stages: Sequence[tuple[int, int]], check: int | None,
+                   group_layers: tuple[int, int] | None, layers: int) -> int:
     """(token, layer) entries of the reused rows served from reuse, not computed: a check layer's
     rows compute every layer up to it (CacheBlend: from layer 0), a layer group's rows compute its
-    layers, and the rows picked past the check compute the rest of the group (or of the model)."""
+    layers, and the rows kept at each check layer (`stages`: (layer, rows kept), ascending)
+    compute the layers up to the next one, the last ones the rest of the group (or of the model)."""
     if check is None and group_layers is None:
         return reused_count * layers
     start, stop = group_layers if group_layers is not None else (0, layers)
     all_width = (check + 1 - start) if check is not None else (stop - start)  # layers every reused row computes
-    return reused_count * (layers - all_width) - picked * ((stop - start) - all_width)
+    ends = [layer for layer, _ in stages[1:]] + [stop - 1]
+    computed_after = sum(kept * (end - layer) for (layer, kept), end in zip(stages, ends))
+    return reused_count * layers - reused_count * all_width - computed_after
 
 
 @torch.inference_mode()
@@ -187,11 +198,12 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
     reused[: spec.num_local] = False
     compute = (~reused).nonzero().flatten()
     compute = compute[compute >= spec.num_local]
-    check = method.check_layer() if chosen else None
+    check_layers = method.check_layers() if chosen else []
+    check = check_layers[0] if check_layers else None
     group_layers = method.recompute_layers() if chosen else None
     poison = (worker.settings.fault_injection == "flagged_nonfinite_rank0" and spec.plan.inject_fault
               and worker.tensor_parallel_rank() == 0)
-    placement = Placement(worker, method, chosen, check, group_layers, poison)
+    placement = Placement(worker, method, chosen, check_layers, group_layers, poison)
     group = None
     if group_layers is not None:  # reused rows are computed in these layers, from their source's stream
         start, stop = group_layers
@@ -209,13 +221,13 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
     forward = yield from worker.forward.steps(tokens, block_ids, slots, compute, placement, narrowing, group, capture)
     if capture is not None and forward.captured is not None:
         keep_hidden(str(spec.plan.save_as), (*forward.captured, capture))
-    picked = narrowing.picked if narrowing else 0
-    reused_count, recomputed = count_rows(reused, compute, picked, check, group_layers, worker.num_layers)
+    stages = narrowing.stages if narrowing else []
+    reused_count, recomputed = count_rows(reused, compute, stages, check, group_layers, worker.num_layers)
     stats: dict[str, Any] = {
         "method": method.name,
         "reused_tokens": reused_count,
         "recomputed_tokens": recomputed,
-        "served_entries": served_entries(int(reused.sum()), picked, check, group_layers, worker.num_layers),
+        "served_entries": served_entries(int(reused.sum()), stages, check, group_layers, worker.num_layers),
         "layers": worker.num_layers,
         "ph_without_source_tokens": found.missing,
         "source_missing_tokens": found.evicted,
