@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from kvbench.cli import main
 from kvbench.replay.stub import StubServer
-from tests.trace_mutations import TraceMutator
+from tests.trace_mutations import OVERSIZE_LIMITS, TraceMutator
 
 MUTATIONS = int(os.environ.get("KVBENCH_FUZZ_MUTATIONS", "1500"))
 FIRST_SEED = int(os.environ.get("KVBENCH_FUZZ_SEED", "0"))
@@ -56,9 +56,11 @@ def _no_traceback(result, what: str) -> None:
     pytest.param(FIRST_SEED + QUICK_MUTATIONS, MUTATIONS - QUICK_MUTATIONS, id="rest", marks=pytest.mark.engine),
 ])
 def test_every_mutated_trace_is_refused_clearly_or_replays(base_lines: list[dict], tmp_path: Path, first: int,
-                                                           count: int) -> None:
+                                                           count: int, monkeypatch: pytest.MonkeyPatch) -> None:
     if count <= 0:
         pytest.skip("KVBENCH_FUZZ_MUTATIONS leaves no mutations for this part")
+    for name, value in OVERSIZE_LIMITS.items():
+        monkeypatch.setenv(name, value)
     mutator = TraceMutator(base_lines)
     runner = CliRunner()
     refused: dict[str, int] = {}

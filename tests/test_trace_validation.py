@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,16 @@ CASES = {
                        "duplicate turn id 'A0.r0'"),
     "duplicate trajectory": ([HEADER, _trajectory(), _trajectory()], "line 3: trajectory_id: duplicate 't0'"),
     "unknown field": ([HEADER, _trajectory(colour="red")], "line 2: colour: Extra inputs are not permitted"),
+    # JSON's true and "4" are not integers (pydantic's lax mode read them as 1 and 4)
+    "bool max_tokens": ([HEADER, _trajectory(turns=_turns_with(lambda t: t[0].update(max_tokens=True)))],
+                        "line 2: turns[0].max_tokens: Input should be a valid integer"),
+    "string max_tokens": ([HEADER, _trajectory(turns=_turns_with(lambda t: t[0].update(max_tokens="4")))],
+                          "line 2: turns[0].max_tokens: Input should be a valid integer"),
+    "string arrival": ([HEADER, _trajectory(arrival_s="1.5")], "line 2: arrival_s: Input should be a valid number"),
+    "duplicate key": ([HEADER, json.dumps(_trajectory())[:-1] + ', "arrival_s": 5}'],
+                      "line 2: duplicate key 'arrival_s' in one object"),
+    "duplicate after": ([HEADER, _trajectory(turns=_turns_with(lambda t: t[1].update(after=["A0.r0", "A0.r0"])))],
+                        "line 2: turns[1].after[1]: 'A0.r0' is listed twice"),
 }
 
 
@@ -242,3 +254,44 @@ def test_validate_checks_turns_against_a_context_length(tmp_path: Path) -> None:
     # A1.r0 reads A0.r0's 4 output tokens and asks for 4 more: it is the longest turn
     _fails_cleanly(_validate(path, "--max-model-len", "8"), "line 2: turns[1] (A1.r0): needs",
                    "more than max_model_len 8")
+
+
+def test_a_line_past_the_limit_is_refused_without_reading_it_whole(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, _trajectory(shared={"q": {"text": "word " * 5000, "num_tokens": 1}}),
+                  _trajectory(trajectory_id="t1", arrival_s="x")], counted=False)
+    monkeypatch.setenv("KVBENCH_MAX_TRACE_LINE_BYTES", "4096")
+    result = _validate(path)
+    # the long line is named with the limit and how to raise it; reading goes on past it
+    _fails_cleanly(result, "line 2: longer than 4096 bytes (KVBENCH_MAX_TRACE_LINE_BYTES raises the limit)")
+    assert "line 3: arrival_s" in result.output
+    monkeypatch.setenv("KVBENCH_MAX_TRACE_LINE_BYTES", "lots")
+    _fails_cleanly(_validate(path), "KVBENCH_MAX_TRACE_LINE_BYTES='lots' is not a number of bytes")
+
+
+def test_a_text_past_the_limit_is_refused_before_tokenizing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, _trajectory(shared={"q": {"text": "é" * 600, "num_tokens": 1}})], counted=False)
+    monkeypatch.setenv("KVBENCH_MAX_TRACE_TEXT_BYTES", "1000")  # 600 characters, 1,200 bytes
+    calls: list[str] = []
+    import kvbench.tracegen.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda *a, **k: calls.append("loaded"))
+    _fails_cleanly(_validate(path), "shared.q.text: Value error, text larger than 1000 bytes "
+                                    "(KVBENCH_MAX_TRACE_TEXT_BYTES raises the limit)")
+    assert not calls
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo", "directory"])
+def test_a_file_that_is_not_regular_is_refused(tmp_path: Path, special: str) -> None:
+    from kvbench.tracegen.schema import TraceError, read_trace
+
+    path = {"/dev/zero": Path("/dev/zero"), "fifo": tmp_path / "pipe", "directory": tmp_path}[special]
+    if special == "fifo":
+        os.mkfifo(path)  # no writer: opening it would wait forever
+    kind = "a directory" if special == "directory" else "a device, FIFO or socket"
+    with pytest.raises(TraceError, match=re.escape(f"not a regular file ({kind})")):
+        read_trace(path)
+    if special != "directory":  # click refuses a directory itself
+        _fails_cleanly(_validate(path), f"not a regular file ({kind})")

@@ -17,6 +17,8 @@ JUNK_STRINGS = ["", " ", "\u0000", "\ud800", "\udfff", "🙂" * 3, "\u202e\u202d
                 "\"}", "x" * 100_000, "ünïcödé", "A0", "out:A0.r0", "out:", "q", "system", "text", "null"]
 EXTREME_NUMBERS: list[Any] = [0, -1, 1, 2**31, 2**63, 10**12, 10**400, -0.0, 0.5, 1e308, -1e308, 1e-320, 7.0]
 RAW_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-0", "00", "1.", ".5", "0x10"]
+# The reading limits a fuzz run sets, small enough that `oversize` mutations cross them.
+OVERSIZE_LIMITS = {"KVBENCH_MAX_TRACE_TEXT_BYTES": "4096", "KVBENCH_MAX_TRACE_LINE_BYTES": "65536"}
 
 
 def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
@@ -62,7 +64,8 @@ class TraceMutator:
                 "raw number": self._raw_number, "junk string": self._junk, "truncate": self._truncate,
                 "reorder": self._reorder, "swap lines": self._swap_lines, "huge": self._huge, "deep": self._deep,
                 "flip bytes": self._flip_bytes, "rename turn": self._rename_turn, "duplicate": self._duplicate,
-                "several": self._several}
+                "several": self._several, "lax type": self._lax_type, "duplicate key": self._duplicate_key,
+                "oversize": self._oversize}
 
     @staticmethod
     def _dump(lines: list[Any]) -> bytes:
@@ -161,6 +164,33 @@ class TraceMutator:
     def _duplicate(self, rng: random.Random, lines: list[Any]) -> bytes:
         index = rng.randrange(len(lines))
         lines.insert(rng.randrange(len(lines) + 1), json.loads(json.dumps(lines[index])))
+        return self._dump(lines)
+
+    def _lax_type(self, rng: random.Random, lines: list[Any]) -> bytes:
+        """A number written as JSON's true/false or as a string ("4"): what a lax reader coerces."""
+        path = self._pick(rng, lines, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+        if path is not None:
+            value = _get(lines, path)
+            _set(lines, path, rng.choice([True, False, str(value), f" {value}", "1e3"]))
+        return self._dump(lines)
+
+    def _duplicate_key(self, rng: random.Random, lines: list[Any]) -> bytes:
+        """An object with one key given twice (json.dumps cannot write it: spliced in as text)."""
+        path = self._pick(rng, lines, lambda v: isinstance(v, dict) and bool(v))
+        if path is None:
+            return self._dump(lines)
+        obj = _get(lines, path)
+        key = rng.choice(list(obj))
+        marker = "__kvbench_dup__"
+        obj[marker] = rng.choice([obj[key], _other_type(rng, obj[key])])
+        dumped = self._dump(lines).decode()
+        return dumped.replace(json.dumps(marker), json.dumps(key), 1).encode()
+
+    def _oversize(self, rng: random.Random, lines: list[Any]) -> bytes:
+        """A text or a whole line past the reading limits the fuzz run sets (OVERSIZE_LIMITS)."""
+        path = self._pick(rng, lines, lambda v: isinstance(v, str))
+        if path is not None:
+            _set(lines, path, _get(lines, path) + "ü" * rng.choice([3000, 40_000]))
         return self._dump(lines)
 
     def _several(self, rng: random.Random, lines: list[Any]) -> bytes:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -26,6 +28,33 @@ OUT_PREFIX = "out:"
 MAX_SEGMENT_TOKENS = 1 << 22
 MAX_OUTPUT_TOKENS = 1 << 20
 MAX_ARRIVAL_S = 1e9
+# Reading is bounded before anything is parsed or tokenized: a line (one trajectory) and a text
+# (a shared segment, a system prompt) larger than these are refused with the limit's name. A 32K-
+# token context is about 150 KB of text; raise them through the environment for larger ones.
+MAX_LINE_BYTES_ENV, MAX_TEXT_BYTES_ENV = "KVBENCH_MAX_TRACE_LINE_BYTES", "KVBENCH_MAX_TRACE_TEXT_BYTES"
+DEFAULT_MAX_LINE_BYTES = 16 << 20
+DEFAULT_MAX_TEXT_BYTES = 4 << 20
+
+
+def _limit(env: str, default: int) -> int:
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{env}={raw!r} is not a number of bytes") from None
+    if value < 1:
+        raise ValueError(f"{env}={raw!r} must be at least 1 byte")
+    return value
+
+
+def max_line_bytes() -> int:
+    return _limit(MAX_LINE_BYTES_ENV, DEFAULT_MAX_LINE_BYTES)
+
+
+def max_text_bytes() -> int:
+    return _limit(MAX_TEXT_BYTES_ENV, DEFAULT_MAX_TEXT_BYTES)
 
 
 class TraceError(ValueError):
@@ -55,8 +84,19 @@ def _check_identifier(value: str) -> str:
 Identifier = Annotated[str, AfterValidator(_check_identifier)]
 
 
+def _check_text_size(value: str) -> str:
+    limit = max_text_bytes()
+    if len(value) > limit // 4 and len(value.encode("utf-8", "surrogatepass")) > limit:  # cheap test first
+        raise ValueError(f"text larger than {limit} bytes ({MAX_TEXT_BYTES_ENV} raises the limit)")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_check_text_size)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # strict: an integer field takes no bool or string ("4", true), as JSON means them
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 MAX_GENERATOR_DEPTH = 16
@@ -87,12 +127,12 @@ class TraceHeader(_Strict):
 
 class Agent(_Strict):
     role: str
-    system: str
+    system: Text
     system_tokens: int = Field(ge=0, le=MAX_SEGMENT_TOKENS)
 
 
 class SharedText(_Strict):
-    text: str
+    text: Text
     num_tokens: int = Field(ge=0, le=MAX_SEGMENT_TOKENS)
 
 
@@ -102,7 +142,7 @@ class Segment(_Strict):
 
     pf: Literal["system", "text"] | None = None
     ph: str | None = None
-    text: str | None = None
+    text: Text | None = None
     num_tokens: int | None = Field(default=None, ge=0, le=MAX_SEGMENT_TOKENS)
 
     @model_validator(mode="after")
@@ -244,9 +284,13 @@ def reference_problems(obj: Any) -> list[str]:
         where = f"turns[{i}]"
         if agents is not None and isinstance(turn.get("agent"), str) and turn["agent"] not in agents:
             problems.append(f"{where}.agent: unknown agent {turn['agent']!r}")
+        listed: set[str] = set()
         for j, dep in enumerate(turn.get("after") if isinstance(turn.get("after"), list) else []):
             if not isinstance(dep, str):
                 continue
+            if dep in listed:
+                problems.append(f"{where}.after[{j}]: {dep!r} is listed twice")
+            listed.add(dep)
             if dep not in seen:
                 problems.append(f"{where}.after[{j}]: unknown turn {dep!r}")
             elif dep == ids[i]:
@@ -309,12 +353,28 @@ def _format_validation_error(error: ValidationError) -> list[str]:
     return problems
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's keys, refusing a repeated one (json.loads would keep the last silently)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
 def _load_json(line: str) -> tuple[Any, str | None]:
-    """The parsed line, or None and why it is not JSON."""
+    """The parsed line, or None and why it is not JSON (or JSON with a key given twice)."""
     try:
-        return json.loads(line), None
+        return json.loads(line, object_pairs_hook=_unique_keys), None
     except json.JSONDecodeError as exc:
         return None, f"not JSON ({exc.msg} at column {exc.colno})"
+    except _DuplicateKey as exc:
+        return None, f"duplicate key {exc.args[0]!r} in one object (JSON readers disagree on which wins)"
     except RecursionError:
         return None, "not JSON this reader accepts (nested too deeply)"
 
@@ -334,14 +394,36 @@ def parse_header(line: str, path: str | Path = "<trace>") -> TraceHeader:
         raise TraceError(path, [f"line 1: {p}" for p in _format_validation_error(exc)]) from None
 
 
+class _LineTooLong(str):
+    """Stands for a line longer than the limit (never read into memory whole)."""
+
+
 def _lines(path: str | Path) -> Iterator[tuple[int, str | None]]:
-    """(line number, text) of each line; text None for a line that is not UTF-8."""
+    """(line number, text) of each line; text None for a line that is not UTF-8, a `_LineTooLong`
+    for one longer than `max_line_bytes()` (skipped in chunks). Only regular files are read: a
+    device or FIFO (/dev/zero, a pipe) may never end."""
     try:
+        mode = os.stat(path).st_mode  # before opening: opening a FIFO waits for a writer
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
+            raise TraceError(path, [f"not a regular file ({kind}): a trace is a JSONL file"])
         handle = open(path, "rb")
     except OSError as exc:
         raise TraceError(path, [f"cannot read: {exc.strerror}"]) from None
     with handle:
-        for number, raw in enumerate(handle, start=1):
+        try:
+            limit = max_line_bytes()
+            max_text_bytes()  # a bad setting is named once here, not on every text
+        except ValueError as exc:
+            raise TraceError(path, [str(exc)]) from None
+        number = 0
+        while raw := handle.readline(limit + 1):
+            number += 1
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                while (rest := handle.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+                yield number, _LineTooLong()
+                continue
             try:
                 yield number, raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -355,6 +437,12 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int,
     header_seen = False
     ids: dict[str, int] = {}
     for number, line in _lines(path):
+        if isinstance(line, _LineTooLong):
+            problem = (f"line {number}: longer than {max_line_bytes()} bytes ({MAX_LINE_BYTES_ENV} raises the limit)")
+            if not header_seen:
+                raise TraceError(path, [problem])
+            problems.append(problem)
+            continue
         if line is None:
             if not header_seen:
                 raise TraceError(path, [f"line {number}: not UTF-8 text (is this a kvbench trace?)"])
