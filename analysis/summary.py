@@ -124,5 +124,5 @@ def _json_default(value: Any) -> Any:
 def write_summary(result_dir: Path) -> dict[str, Any]:
     """Compute the run's summary and write it to `summary.json`; returns it."""
     summary = summarize_run(result_dir)
-    (result_dir / run_files.SUMMARY).write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+    run_files.write_text_atomic(result_dir / run_files.SUMMARY, json.dumps(summary, indent=2, default=_json_default) + "\n")
     return summary

@@ -7,6 +7,7 @@ two sides share. Documented column by column in docs/results.md.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +38,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if isinstance(entry, dict):
             entries.append(entry)
     return entries
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    """Rename a written temp file over `path`, its data and the rename on disk before returning."""
+    _fsync_path(tmp)
+    os.replace(tmp, path)
+    _fsync_path(path.parent)  # the rename itself is a change to the folder
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` whole (temp file + rename): a reader or a crash never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    replace_durably(tmp, path)

@@ -1,8 +1,10 @@
 """Per-request records on disk: an append-only journal, and requests.parquet snapshotted from it.
 
 A crash (of the client or the server) never loses a finished request: every record is appended
-and flushed to `requests.jsonl` when it completes, and `requests.parquet` is rewritten atomically
-(temp file + rename) every few seconds and at the end, so it is always readable.
+and flushed to `requests.jsonl` when it completes, and fsynced at most JOURNAL_FSYNC_S later (so a
+power loss or a kernel crash loses at most that much; a killed process loses nothing flushed).
+Every rewrite (the journal on resume, `requests.parquet` every few seconds and at the end, the
+config) is atomic: temp file, fsync, rename, fsync of the folder, so it is always readable whole.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvbench import run_files
+from kvbench.run_files import replace_durably, write_text_atomic
 
 
 @dataclass
@@ -82,18 +85,14 @@ def read_journal(result_dir: Path) -> list[dict[str, Any]]:
     return run_files.read_jsonl(result_dir / run_files.REQUESTS_JOURNAL)  # a torn request re-runs on --resume
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` whole (temp file + rename): a reader or a crash never sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+JOURNAL_FSYNC_S = 1.0  # the longest a flushed journal record waits for fsync
 
 
 def write_parquet(records: list[dict[str, Any]], path: Path) -> None:
     table = pa.Table.from_pylist(records, schema=SCHEMA)
     tmp = path.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 class ResultsWriter:
@@ -106,10 +105,12 @@ class ResultsWriter:
         self.snapshot_every_s = snapshot_every_s
         self._last_snapshot = time.monotonic()
         result_dir.mkdir(parents=True, exist_ok=True)
-        # Rewrite the journal so that records dropped for a resume are gone from it too.
+        # Rewrite the journal so that records dropped for a resume are gone from it too; atomically,
+        # since the records kept are an earlier run's only copy.
         journal = result_dir / run_files.REQUESTS_JOURNAL
-        journal.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        write_text_atomic(journal, "".join(json.dumps(r) + "\n" for r in self.records))
         self._journal = open(journal, "a", encoding="utf-8")
+        self._last_fsync = time.monotonic()
         self.snapshot()
 
     def add(self, record: RequestRecord) -> None:
@@ -117,6 +118,8 @@ class ResultsWriter:
         self.records.append(row)
         self._journal.write(json.dumps(row) + "\n")
         self._journal.flush()
+        if time.monotonic() - self._last_fsync >= JOURNAL_FSYNC_S:
+            self.sync()
         if time.monotonic() - self._last_snapshot >= self.snapshot_every_s:
             self.snapshot()
 
@@ -128,11 +131,17 @@ class ResultsWriter:
         self._journal = open(journal, "a", encoding="utf-8")
         self.snapshot()
 
+    def sync(self) -> None:
+        """The journal's flushed records on disk (fsync)."""
+        os.fsync(self._journal.fileno())
+        self._last_fsync = time.monotonic()
+
     def snapshot(self) -> None:
         write_parquet(self.records, self.result_dir / run_files.REQUESTS)
         self._last_snapshot = time.monotonic()
 
     def close(self) -> None:
         if not self._journal.closed:
+            self.sync()
             self.snapshot()
             self._journal.close()

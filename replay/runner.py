@@ -31,6 +31,7 @@ from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter, read_journal, write_text_atomic
 from kvbench.replay.reference import ReferenceRun, trajectory_digests
+from kvbench.replay.result_lock import result_dir_lock
 from kvbench.replay.sampling import SamplingParams
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
@@ -137,11 +138,10 @@ class Replayer:
         """Warm-ups, trajectories still to run, records kept from an earlier run, and the config."""
         cfg = self.config
         result_dir = cfg.result_dir
+        check_result_dir(result_dir, cfg.resume)
         existing = read_journal(result_dir)
         config_path = result_dir / run_files.CONFIG
         if cfg.resume:
-            if not config_path.exists():
-                raise ReplayError(f"--resume: no earlier run in {result_dir} (no {run_files.CONFIG})")
             run_config = json.loads(config_path.read_text())
             if run_config["method"] != cfg.method:
                 raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method!r}")
@@ -153,9 +153,6 @@ class Replayer:
                 raise ReplayError(f"--resume: {result_dir} was replayed in {run_config.get('prompt_mode', 'free')!r} "
                                   f"mode, not {self.prompt_mode!r}")
         else:
-            if existing or config_path.exists():
-                raise ReplayError(f"{result_dir} already holds results; pass --resume to finish that run or "
-                                  "choose another --result-dir (nothing is overwritten)")
             run_config = self._new_run_config()
         trajectories = cfg.trace.trajectories
         warmups = trajectories[: cfg.num_warmups]
@@ -504,7 +501,20 @@ class Replayer:
 
 
 
+def check_result_dir(result_dir: Path, resume: bool) -> None:
+    """A fresh run needs a folder without results, a resumed one the run it finishes: checked
+    before any server starts, and again once the run holds the folder's lock."""
+    if resume and not (result_dir / run_files.CONFIG).exists():
+        raise ReplayError(f"--resume: no earlier run in {result_dir} (no {run_files.CONFIG})")
+    if not resume and ((result_dir / run_files.CONFIG).exists() or read_journal(result_dir)):
+        raise ReplayError(f"{result_dir} already holds results; pass --resume to finish that run or "
+                          "choose another --result-dir (nothing is overwritten)")
+
+
 def run_replay(config: ReplayConfig) -> ReplayOutcome:
-    """Replay `config.trace` and record it in `config.result_dir`; raises ReplayError (aborted),
-    Interrupted (a stop signal) or ServerError after closing whatever the run had written."""
-    return asyncio.run(Replayer(config).run())
+    """Replay `config.trace` and record it in `config.result_dir`, holding the folder's lock
+    throughout; raises ReplayError (aborted), ResultDirError (the folder is another run's or
+    cannot be written), Interrupted (a stop signal) or ServerError after closing whatever the
+    run had written."""
+    with result_dir_lock(config.result_dir, on_note=logger.warning):
+        return asyncio.run(Replayer(config).run())

@@ -34,7 +34,17 @@ def _invoke(*args: str):
     (["calibrate", "--method", "fullshared", "--target-rho", "0.5", "--base-url", "http://127.0.0.1:1"], 2,
      "has no reliability gate, reuse budget or layer group to calibrate"),
     (["sweep", "-o", "unused", "--methods", "nonshared", "--shared-tokens", "abc"], 2,
-     "expected a comma-separated list of int, got 'abc'"),
+     "expected a comma-separated list of integers, got 'abc'"),
+    # nan and inf pass click's bounds; refused before any server starts (issue 38)
+    (["replay", "--qps", "nan", "--base-url", "http://127.0.0.1:1"], 2, "'nan' is not a finite number"),
+    (["replay", "--qps", "inf", "--base-url", "http://127.0.0.1:1"], 2, "'inf' is not a finite number"),
+    (["replay", "--request-timeout", "nan", "--base-url", "http://127.0.0.1:1"], 2, "'nan' is not a finite number"),
+    (["replay", "--burstiness", "inf", "--base-url", "http://127.0.0.1:1"], 2, "'inf' is not a finite number"),
+    (["replay", "--server-startup-timeout", "inf"], 2, "'inf' is not a finite number"),
+    (["gen-trace", "-o", "unused", "--qps", "nan"], 2, "'nan' is not a finite number"),
+    (["quickstart", "--qps", "inf"], 2, "'inf' is not a finite number"),
+    (["sweep", "-o", "unused", "--methods", "nonshared", "--qps", "0,nan"], 2,
+     "expected a comma-separated list of finite numbers, got '0,nan'"),
 ])
 def test_bad_input_is_one_clear_line(args: list[str], status: int, message: str) -> None:
     result = _invoke(*args)

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import click
 
+from kvbench.cli.param_types import FiniteFloatRange
 from kvbench.tracegen.generate import TASK_MODELS, TASKS
 
 
 @click.command("quickstart")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("results/quickstart"),
               show_default=True, help="Directory for the trace, the runs and the report.")
-@click.option("--qps", type=click.FloatRange(min=0), default=0.5, show_default=True,
+@click.option("--qps", type=FiniteFloatRange(min=0), default=0.5, show_default=True,
               help="Trajectory arrivals per second.")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
@@ -42,7 +43,10 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     constructed = " (a constructed test model, built on first use)" if is_constructed(model) else ""
     click.echo(f"[1/5] model {model}{constructed}", err=True)
     click.echo(f"      {resolve_model(model)}", err=True)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write to the result folder {out}: {exc.strerror or exc}") from None
     trace = out / "trace.jsonl"
     click.echo("[2/5] trace", err=True)
     ctx.invoke(gen_trace_command, output=trace, num_trajectories=num_trajectories + num_warmups,

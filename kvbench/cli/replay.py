@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from kvbench import run_files
+from kvbench.cli.param_types import FiniteFloatRange
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.replay.interrupts import Interrupted
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
@@ -58,12 +59,12 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="kvbench-trace file [default: a four-agent trace generated in memory].")
 @click.option("--method", default="nonshared", show_default=True, help="KV sharing method (see `kvbench methods`).")
-@click.option("--qps", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--qps", type=FiniteFloatRange(min=0), default=1.0, show_default=True,
               help="Trajectory (whole workflow) arrivals per second, as in the paper's serving traces; "
                    "turns inside a trajectory start when their inputs are ready. 0 = single stream.")
 @click.option("--arrival", type=click.Choice(ARRIVAL_PROCESSES), default="poisson", show_default=True,
               help="Arrival process for --qps.")
-@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--burstiness", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Gamma shape for --arrival gamma (1 = Poisson).")
 @click.option("--use-trace-timestamps", is_flag=True, help="Replay the trace's own arrival_s (ignores --qps).")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
@@ -88,16 +89,16 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
               help="Use running servers instead of starting one (repeatable; each trajectory sticks to one).")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port of the started server [default: free].")
 @click.option("--resume", is_flag=True, help="Finish an interrupted run in --result-dir.")
-@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True,
+@click.option("--request-timeout", type=FiniteFloatRange(min=0.1), default=600.0, show_default=True,
               help="Seconds before a request counts as failed.")
 @click.option("--save-prompt-ids", is_flag=True, help="Store every prompt's token ids in requests.parquet.")
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Shared context of the in-memory trace (ignored with --trace).")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Agent output length of the in-memory trace (ignored with --trace).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
               help="Sampling temperature of every request (0: greedy, what quality comparisons need).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=-1), default=-1, show_default=True, help="-1: every token.")
 @click.option("--reference", "reference_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
               default=None, help="A NonShared run of the same trace: later turns read its recorded outputs instead "
@@ -165,10 +166,16 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                       "trace_path": str(trace_path.resolve()) if trace_path else None,
                       "max_load_tokens_per_step": server.max_load_tokens_per_step if not base_urls else None},
     )
+    from kvbench.replay.result_lock import ResultDirError, result_dir_lock
+    from kvbench.replay.runner import check_result_dir
+
     try:
-        with _servers(config, method, params, model, port, server):
-            summary = replay_and_summarize(config)
-    except (ServerError, ReplayError) as exc:
+        # the folder is this run's before a server starts: a second writer is refused at once
+        with result_dir_lock(result_dir, on_note=lambda note: click.echo(f"note: {note}", err=True)):
+            check_result_dir(result_dir, resume)
+            with _servers(config, method, params, model, port, server):
+                summary = replay_and_summarize(config)
+    except (ServerError, ReplayError, ResultDirError) as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted:
         if (result_dir / run_files.SUMMARY).exists():
@@ -336,7 +343,7 @@ def methods_command(markdown: bool) -> None:
               help="A gated delta-correction method (kvcmas, kvcmas-nonchained, kvcomm): bisects its threshold; "
                    "graphflow: its reuse budget rho; droidspeak: profiles layer-wise deviation and picks its layer "
                    "group.")
-@click.option("--target-rho", type=click.FloatRange(0, 1), required=True,
+@click.option("--target-rho", type=FiniteFloatRange(0, 1), required=True,
               help="Reuse ratio to reach: shared tokens served by accepted corrections / eligible shared tokens.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Calibration trace [default: a four-agent trace generated in memory].")
@@ -347,7 +354,7 @@ def methods_command(markdown: bool) -> None:
 @click.option("--num-warmups", type=click.IntRange(min=0), default=2, show_default=True,
               help="Trajectories run before each measured replay to fill the method's state (anchor pools), as a "
                    "measured run with --prime-method-state does: the threshold is found for the steady state.")
-@click.option("--tolerance", type=click.FloatRange(min=0), default=0.05, show_default=True,
+@click.option("--tolerance", type=FiniteFloatRange(min=0), default=0.05, show_default=True,
               help="Exit 1 when no step came within this of the target rho.")
 @click.option("--base-url", default=None, help="A running server with the method [default: start one].")
 @click.option("--seed", type=int, default=1, show_default=True)

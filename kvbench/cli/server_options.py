@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from kvbench.cli.param_types import FiniteFloatRange
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -74,10 +76,10 @@ _OPTIONS = [
     click.option("--model", default=None,
                  help="Model to serve (path or hub name) [default: the trace's model, else the embedded one]."),
     click.option("--max-model-len", type=click.IntRange(min=16), default=None, help="vLLM --max-model-len."),
-    click.option("--cpu-kv-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+    click.option("--cpu-kv-cache-gib", type=FiniteFloatRange(min=0, min_open=True), default=2.0, show_default=True,
                  help="KV pool of vLLM's CPU backend (passed as --kv-cache-memory-bytes, so fractions work); "
                       "ignored on GPU."),
-    click.option("--server-startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=600.0,
+    click.option("--server-startup-timeout", "startup_timeout_s", type=FiniteFloatRange(min=1), default=600.0,
                  show_default=True, help="Seconds to wait for the server's /health."),
     click.option("--method-param", "method_params", multiple=True, metavar="KEY=VALUE",
                  help="Method parameter (repeatable; VALUE is parsed as JSON when it can be), passed to "

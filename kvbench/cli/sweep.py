@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from kvbench.cli.param_types import finite_float
 from kvbench.tracegen.generate import TASK_MODELS, TASKS
 
 
-def _csv(kind: type):
+def _csv(kind: Callable[[str], Any], what: str):
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list | None:
         if value is None:
             return None
         try:
             return [kind(v) for v in value.split(",") if v.strip()]
         except ValueError:
-            raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}, got {value!r}") from None
+            raise click.BadParameter(f"expected a comma-separated list of {what}, got {value!r}") from None
     return parse
 
 
@@ -56,13 +58,14 @@ def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[An
 
 def _sweep_options(func):
     for option in reversed([
-        click.option("--methods", callback=_csv(str), default=None, help="Comma-separated methods."),
+        click.option("--methods", callback=_csv(str, "names"), default=None, help="Comma-separated methods."),
         click.option("--method-param", "method_params", multiple=True, metavar="METHOD:KEY=V1,V2",
                      help="A method parameter grid (repeatable), e.g. kvcmas:V=5,10,20."),
-        click.option("--shared-tokens", callback=_csv(int), default=None, help="Comma-separated shared contexts."),
-        click.option("--qps", callback=_csv(float), default=None, help="Comma-separated trajectory QPS (0 = single stream)."),
-        click.option("--agents", callback=_csv(int), default=None, help="Comma-separated agent counts."),
-        click.option("--rounds", callback=_csv(int), default=None, help="Comma-separated round counts."),
+        click.option("--shared-tokens", callback=_csv(int, "integers"), default=None, help="Comma-separated shared contexts."),
+        click.option("--qps", callback=_csv(finite_float, "finite numbers"), default=None,
+                     help="Comma-separated trajectory QPS (0 = single stream)."),
+        click.option("--agents", callback=_csv(int, "integers"), default=None, help="Comma-separated agent counts."),
+        click.option("--rounds", callback=_csv(int, "integers"), default=None, help="Comma-separated round counts."),
         click.option("--workflow", default="sequential", show_default=True),
         click.option("--task", type=click.Choice(TASKS), default="none", show_default=True,
                      help="recall, role-recall: scored task traces (gen-trace --task ...); runs get task_accuracy."),
@@ -93,6 +96,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbench.experiment.sweep import SweepSpec, run_sweep
+    from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.runner import ReplayError
     from kvbench.replay.server import ServerError
 
@@ -124,7 +128,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
             extra = 2 * len(spec.trace_specs()) if spec.quality else 0  # the reference and floor runs
             task = progress.add_task("", total=len(cells) + extra)
             run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name), after_cell)
-    except (ValueError, ServerError, ReplayError) as exc:
+    except (ValueError, ServerError, ReplayError, ResultDirError) as exc:
         raise click.ClickException(f"{exc} (finished cells are kept; rerun the same command to resume)") from None
     return out
 

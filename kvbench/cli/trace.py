@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from kvbench.cli.param_types import FiniteFloatRange
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 from kvbench.tracegen.generate import TASK_MODELS, TASK_ROLES, TASKS
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
@@ -43,11 +44,11 @@ def _trace_error(exc: Exception) -> click.ClickException:
                    "previous agent's answer, and every turn's gold answer is in the trace (`kvbench score`). "
                    "role-recall: every queue has a main and a fallback route and each agent's role says which "
                    "one it follows, so answers depend on the reading agent (for the kvbench:roles-* models).")
-@click.option("--qps", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--qps", type=FiniteFloatRange(min=0), default=1.0, show_default=True,
               help="Trajectory (workflow) arrivals per second recorded in the trace; 0 = single stream.")
 @click.option("--arrival", type=click.Choice(ARRIVAL_PROCESSES), default="poisson", show_default=True,
               help="Arrival process of trajectories.")
-@click.option("--burstiness", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--burstiness", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Gamma shape for --arrival gamma (1 = Poisson, <1 burstier, >1 smoother).")
 @click.option("--model", "--tokenizer", "model", default=None,
               help="Model (or tokenizer) whose tokenizer counts tokens; the trace names it, and replay serves it "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 
 from kvbench import run_files
 from kvbench.tracegen.generate import TASK_ROLES, TraceSpec
+
+logger = logging.getLogger(__name__)
 
 SWEEP_FILE = "sweep.json"
 QUALITY_BASELINE = "quality-baseline"  # config.json's `sweep_role` of a sweep's reference and floor runs
@@ -165,7 +168,16 @@ AfterCell = Callable[[SweepCell, Any, dict[str, Any]], None]  # (cell, its runni
 def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None = None,
               after_cell: AfterCell | None = None) -> list[SweepCell]:
     """Run every cell not already complete; returns all cells. `after_cell` runs after each cell
-    replayed now (not those done earlier), with the cell's server still up."""
+    replayed now (not those done earlier), with the cell's server still up. Holds the folder's
+    lock throughout (ResultDirError when another run holds it)."""
+    from kvbench.replay.result_lock import result_dir_lock
+
+    with result_dir_lock(root, on_note=logger.warning):  # one sweep per folder; each cell's replay locks its own
+        return _run_sweep(spec, root, on_cell, after_cell)
+
+
+def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
+               after_cell: AfterCell | None) -> list[SweepCell]:
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.model.store import resolve_model
     from kvbench.replay.runner import ReplayConfig, ReplayError
@@ -174,12 +186,11 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
     from kvbench.tracegen.schema import Trace, read_trace, write_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
 
-    root.mkdir(parents=True, exist_ok=True)
     spec_path = root / SWEEP_FILE
     if spec_path.exists() and not spec.extends(SweepSpec.from_json(json.loads(spec_path.read_text()))):
         raise ValueError(f"{root} holds a different sweep ({spec_path}); use another directory "
                          "(a sweep may only grow by methods)")
-    spec_path.write_text(json.dumps(spec.to_json(), indent=2) + "\n")
+    run_files.write_text_atomic(spec_path, json.dumps(spec.to_json(), indent=2) + "\n")
     tokenizer = load_tokenizer(spec.model)
     model = resolve_model(spec.model)
     traces: dict[str, Trace] = {}
