@@ -91,14 +91,21 @@ def reuse_figures(requests: pd.DataFrame) -> dict[str, Any]:
     columns = _reuse_columns(requests)
     if columns is None:
         return {"realized_rho": None, "eligible_rho": None, "reuse_lost_to_eviction_tokens": None,
-                "reuse_lost_to_eviction_share": None}
+                "reuse_lost_to_eviction_share": None, "reuse_lost_to_refusal_tokens": None,
+                "reuse_lost_to_refusal_share": None}
     reused, eligible, lost = columns
     reusable = eligible.sum() + lost.sum()
+    # Of the lost rows, those whose source was larger than the store's whole cap were refused at
+    # save, not evicted later: a cap to raise, not a working set that outgrew it.
+    refused = float(sum(s.get("source_refused_tokens", 0) for s in method_stats_of(requests)))
+    evicted = lost.sum() - refused
     return {
         "realized_rho": float(reused.sum() / reusable) if reusable else None,
         "eligible_rho": float(reused.sum() / eligible.sum()) if eligible.sum() else None,
-        "reuse_lost_to_eviction_tokens": int(lost.sum()),
-        "reuse_lost_to_eviction_share": float(lost.sum() / reusable) if reusable else None,
+        "reuse_lost_to_eviction_tokens": int(evicted),
+        "reuse_lost_to_eviction_share": float(evicted / reusable) if reusable else None,
+        "reuse_lost_to_refusal_tokens": int(refused),
+        "reuse_lost_to_refusal_share": float(refused / reusable) if reusable else None,
     }
 
 

@@ -19,10 +19,13 @@ COLUMN_NOTES = {
     "realized_rho": "shared PH tokens served by reuse / PH tokens the method could have served had the "
                     "segment store kept every source",
     "eligible_rho": "shared PH tokens served by reuse / PH tokens whose source the store still held",
-    "reuse_lost_to_eviction_share": "reusable PH tokens whose source the store's byte cap had dropped",
+    "reuse_lost_to_eviction_share": "reusable PH tokens whose source the store's byte cap had evicted",
+    "reuse_lost_to_refusal_share": "reusable PH tokens whose source was larger than the store's whole cap "
+                                   "(never stored: raise --max-store-bytes)",
     "method_state_mib": "method state: segment-store peak + method state (anchor pools, references)",
     "store_peak_mib": "segment-store peak of this run (since its reset)",
     "store_evictions": "segment-store evictions during this run (its byte cap, --max-store-bytes)",
+    "store_refused": "caches larger than the store's whole cap, never stored (not evictions)",
     "peak_server_rss_mib": "peak RSS of the server process tree (CPU); vLLM pre-allocates its KV pool",
     "peak_kv_cache_usage_perc": "peak of vllm:kv_cache_usage_perc during the run",
     "task_accuracy": "a task trace's final answers right (`kvbench score`)",
@@ -67,8 +70,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",
-                        "realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"]]
-    memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "peak_server_rss_mib",
+                        "realized_rho", "eligible_rho", "reuse_lost_to_eviction_share",
+                        "reuse_lost_to_refusal_share"]]
+    memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "store_refused", "peak_server_rss_mib",
                     "peak_kv_cache_usage_perc"]]
     models = sorted({run.model_name for run in runs})
     lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",

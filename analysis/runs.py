@@ -57,11 +57,12 @@ class Run:
         state_bytes = sum({**{k: v for k, v in state.items() if not k.startswith("peak_")}, **peaks}.values())
         rss = self.summary.get("peak_server_rss_bytes")
         usage = self.summary.get("peak_kv_cache_usage_perc")
-        evictions = self.summary.get("store_evictions")
+        evictions, refused = self.summary.get("store_evictions"), self.summary.get("store_refused")
         return {
             "method_state_mib": ((self.summary.get("method_store_peak_bytes") or 0) + state_bytes) / 2**20,
             "store_peak_mib": (self.summary.get("method_store_peak_bytes") or 0) / 2**20,
             "store_evictions": evictions if evictions is not None else math.nan,
+            "store_refused": refused if refused is not None else math.nan,
             "peak_server_rss_mib": rss / 2**20 if rss else math.nan,
             "peak_kv_cache_usage_perc": 100 * usage if usage is not None else math.nan,
         }

@@ -69,6 +69,25 @@ def _rank_mismatched(requests: pd.DataFrame) -> int:
     return int(sum("rank_mismatch" in json.loads(s) for s in requests["method_stats"].dropna()))
 
 
+_ADDED_OVER_SEGMENTS = {"store_evictions", "store_refused", "prefix_cache_hits", "prefix_cache_queries",
+                        "num_preemptions"}
+
+
+def _over_segments(per_segment: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures from its segments': counts added, peaks the largest (a dict of peaks,
+    key by key); None where no segment reported."""
+    combined: dict[str, Any] = {}
+    for key in per_segment[0]:
+        values = [figures[key] for figures in per_segment if figures.get(key) is not None]
+        if not values:
+            combined[key] = None
+        elif isinstance(values[0], dict):
+            combined[key] = {name: max(v.get(name, 0) for v in values) for name in {n for v in values for n in v}}
+        else:
+            combined[key] = sum(values) if key in _ADDED_OVER_SEGMENTS else max(values)
+    return combined
+
+
 def _read_requests(result_dir: Path) -> pd.DataFrame:
     path = result_dir / run_files.REQUESTS
     if not path.exists():
@@ -84,7 +103,6 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
     config = json.loads((result_dir / run_files.CONFIG).read_text())
     requests = _read_requests(result_dir)
     segments = config.get("segments") or [{}]
-    last_index = len(segments) - 1
     last = segments[-1]
     missing = last.get("method_stats_missing") or []
     status = str(last.get("status") or "")
@@ -94,11 +112,16 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         "num_prompts": int(len(requests)), "request_rate": config.get("request_rate"),
         "burstiness": config.get("burstiness"), "max_concurrency": config.get("max_concurrency"),
         **(config.get("metadata") or {}),
+        # A resumed run's rates are over its active time: the segments' replay time added up,
+        # the pause between an interruption and its resume left out (named below).
         **summarize(requests, sum(s.get("duration_s", 0.0) for s in segments),
                     config.get("metric_percentiles") or [50.0, 90.0, 99.0]),
-        **server_figures(result_dir, last_index),
-        # store and method state of the last segment (since its reset)
-        **store_figures(result_dir, last_index),
+        "duration_basis": "active" if len(segments) == 1 else f"active: {len(segments)} segments added, pauses left out",
+        "segment_durations_s": [s.get("duration_s") for s in segments],
+        **_over_segments([server_figures(result_dir, i) for i in range(len(segments))]),
+        # store and method state over every segment (each resets the store: peaks are the
+        # largest of any segment, counts their sum)
+        **_over_segments([store_figures(result_dir, i) for i in range(len(segments))]),
         "rank_mismatched_requests": _rank_mismatched(requests),
         **read_task_figures(result_dir),  # a task trace's accuracy, once scored
         **read_quality_figures(result_dir),  # outputs against a reference run, once compared

@@ -42,7 +42,7 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         row["trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
                                               if len(trajectories) else float("nan"))
         reuse = reuse_figures(ok)
-        for key in ("realized_rho", "eligible_rho", "reuse_lost_to_eviction_share"):
+        for key in ("realized_rho", "eligible_rho", "reuse_lost_to_eviction_share", "reuse_lost_to_refusal_share"):
             row[key] = reuse[key] if reuse[key] is not None else float("nan")
         row.update(run.memory())
         for key in QUALITY_KEYS:  # what the speed cost (NaN: never compared or scored)

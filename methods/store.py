@@ -85,6 +85,7 @@ class SegmentStore:
         self.peak_bytes = 0
         self.evictions = 0
         self.refused = 0  # entries larger than the whole budget, never stored
+        self.refused_keys: set[str] = set()  # their keys: a reader missing one was refused, not evicted
 
     def put(self, key: str, entry: SavedKV) -> float:
         """Keep `entry` (compressed when the store has a codec); returns the seconds compressing took."""
@@ -99,7 +100,9 @@ class SegmentStore:
             self._last_decoded = None
         if entry.nbytes > self.max_bytes:
             self.refused += 1
+            self.refused_keys.add(key)
             return  # larger than the whole budget: keep nothing rather than evict everything
+        self.refused_keys.discard(key)
         if key in self.entries:
             self.bytes -= self.entries.pop(key).nbytes
         self.entries[key] = entry
@@ -126,6 +129,10 @@ class SegmentStore:
             return decoded
         return entry
 
+    def was_refused(self, key: str) -> bool:
+        """The entry under `key` was larger than the whole cap, so never stored (not evicted)."""
+        return key in self.refused_keys
+
     def stored_nbytes(self, key: str) -> int | None:
         """The bytes an entry holds as stored (compressed or not)."""
         entry = self.entries.get(key)
@@ -140,3 +147,4 @@ class SegmentStore:
         self.peak_bytes = 0
         self.evictions = 0
         self.refused = 0
+        self.refused_keys.clear()

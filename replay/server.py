@@ -73,6 +73,30 @@ def tail(path: Path, max_lines: int = 40) -> str:
     return "\n".join(lines[-max_lines:])
 
 
+# What vLLM's API server logs when its engine-core process dies under it (it then shuts down
+# cleanly, exit code 0, so the code alone hides the cause).
+ENGINE_DEATH_MARKERS = ("engine core exited unexpectedly", "died unexpectedly", "died with exit code", "EngineDeadError")
+
+
+def exit_description(code: int | None, log_text: str) -> str:
+    """How the server process ended, in words: a signal by name, and an engine that died first
+    (from the log) when the API server itself exited as if asked to."""
+    if code is None:
+        what = "the vLLM server is gone"
+    elif code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        what = f"the vLLM server was killed by {name}"
+    else:
+        what = f"the vLLM server exited with code {code}"
+    engine = [line.strip() for line in log_text.splitlines() if any(m in line for m in ENGINE_DEATH_MARKERS)]
+    if engine:
+        what += f" after its engine process died ({engine[0][-200:]})"
+    return what
+
+
 def cpu_kv_cache_bytes(gib: float) -> int:
     """vLLM CPU's KV pool in bytes, for `--kv-cache-memory-bytes` (fractions of a GiB work)."""
     if not gib > 0:
@@ -216,9 +240,8 @@ class VLLMServer:
         while time.monotonic() < deadline:
             assert self.process is not None
             if (code := self.process.poll()) is not None:
-                raise ServerError(
-                    f"vLLM server exited with code {code} during start-up; log {self.log_path}:\n"
-                    + tail(self.log_path))  # type: ignore[arg-type]
+                log = tail(self.log_path)  # type: ignore[arg-type]
+                raise ServerError(f"{exit_description(code, log)} during start-up; log {self.log_path}:\n{log}")
             if health_ok(self.base_url):
                 return
             time.sleep(0.5)
@@ -234,7 +257,7 @@ class VLLMServer:
         if self.is_running():
             return None
         code = self.process.returncode if self.process is not None else None
-        return f"the vLLM server exited with code {code} (log: {self.log_path})"
+        return f"{exit_description(code, tail(self.log_path, 200))} (log: {self.log_path})"  # type: ignore[arg-type]
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to the API server, which shuts its engine down in order; then SIGKILL to the

@@ -311,3 +311,17 @@ def test_serve_names_its_log_while_it_starts_and_reports_a_dead_server(tmp_path:
     assert result.exit_code == 1
     assert f"log: {log}" in result.output and "starting vLLM (fullshared)" in result.output
     assert "exited with code 3" in result.output and started["config"].log_path == log
+
+
+@pytest.mark.parametrize(("code", "log", "expected"), [
+    (-9, "", ["the vLLM server was killed by SIGKILL"]),
+    (3, "", ["the vLLM server exited with code 3"]),
+    (0, "INFO ok\nWARNING [shutdown] MPClient: engine core exited unexpectedly; starting cleanup\nINFO bye",
+     ["the vLLM server exited with code 0 after its engine process died (", "engine core exited unexpectedly"]),
+])
+def test_a_servers_end_is_described_by_what_ended_it(code: int, log: str, expected: list[str]) -> None:
+    from kvbench.replay.server import exit_description
+
+    described = exit_description(code, log)
+    assert all(part in described for part in expected), described
+    assert ("engine" in described) == bool(log)

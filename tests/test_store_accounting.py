@@ -125,3 +125,32 @@ def test_a_fractional_cpu_kv_cache_reaches_vllm_in_bytes(monkeypatch: pytest.Mon
     assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**29)
     assert "VLLM_CPU_KVCACHE_SPACE" not in server.VLLMServer(options.server_config("nonshared", {}, "m")).environment()
     assert _server_options("--cpu-kv-cache-gib", "0")[0].exit_code == 2
+
+
+def test_a_source_larger_than_the_cap_is_a_refusal_not_an_eviction() -> None:
+    from kvbench.contracts import Plan, PlanSegment
+    from kvbench.methods.connector.materialize import find_candidates
+    from kvbench.methods.connector.specs import LoadSpec
+
+    store = SegmentStore(max_bytes=_bytes_by_hand(10))
+    store.put("huge", _entry(40))  # never stored
+    store.put("small", _entry(5))
+    store.put("gone", _entry(8))  # evicts "small"
+    assert store.was_refused("huge") and not store.was_refused("small") and store.evictions == 1
+    segments = (PlanSegment("ph", "q", 0, 4, source="huge", source_start=0),
+                PlanSegment("ph", "r", 4, 3, source="small", source_start=0))
+    spec = LoadSpec("r", list(range(8)), [0], 0, 7, Plan("t", "A1.r0", "A1", "k", segments=segments))
+    found = find_candidates(store, spec, torch.arange(8))
+    assert (found.evicted, found.refused) == (7, 4)  # 4 rows refused, 3 evicted: both missing sources
+    store.put("huge", _entry(3))  # stored after all: no longer a refusal
+    assert not store.was_refused("huge")
+    store.put("huge2", _entry(40))
+    store.clear()
+    assert not store.was_refused("huge2")
+    # The summary splits the lost rows by the stats' refused count.
+    requests = pd.DataFrame({
+        "reusable_tokens": [100], "reused_tokens": [20], "eligible_tokens": [20], "source_missing_tokens": [80],
+        "method_stats": [json.dumps({"source_refused_tokens": 30})], "success": [True]})
+    figures = reuse_figures(requests)
+    assert figures["reuse_lost_to_eviction_tokens"] == 50 and figures["reuse_lost_to_refusal_tokens"] == 30
+    assert figures["reuse_lost_to_refusal_share"] == pytest.approx(0.3) and figures["realized_rho"] == pytest.approx(0.2)

@@ -88,7 +88,7 @@ def test_server_figures_add_each_servers_own_deltas(tmp_path: Path) -> None:
     assert figures["num_preemptions"] is None  # no server exposed it
 
 
-def test_a_stopped_resumed_run_is_summarized_from_its_last_segment(tmp_path: Path) -> None:
+def test_a_stopped_resumed_run_is_summarized_over_its_segments(tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(GOLDEN / "fullshared", run)
     config = json.loads((run / run_files.CONFIG).read_text())
@@ -99,12 +99,22 @@ def test_a_stopped_resumed_run_is_summarized_from_its_last_segment(tmp_path: Pat
     requests = pd.read_parquet(run / run_files.REQUESTS)
     requests.loc[0, "method_stats"] = json.dumps({"reused_tokens": 0, "rank_mismatch": ["decisions"]})
     requests.to_parquet(run / run_files.REQUESTS)
+    # The resumed segment's store (reset at its start) peaked lower and evicted 3 entries.
+    with open(run / run_files.METHOD_STATS, "a") as journal:
+        journal.write(json.dumps({"kind": "state", "segment": 1, "server_url": "http://x", "t_s": 1.0,
+                                  "store_bytes": 100, "store_peak_bytes": 1000, "store_evictions": 3,
+                                  "store_refused": 1, "method_state_bytes": {"anchors": 7}}) + "\n")
     summary = write_summary(run)
     assert json.loads((run / run_files.SUMMARY).read_text())["interrupted"] == "SIGINT" == summary["interrupted"]
-    assert summary["duration"] == 5.0 and summary["segments"] == 2
+    # rates over the active time, named as such: 2 s + 3 s, the pause between them left out
+    assert summary["duration"] == 5.0 and summary["segments"] == 2 and summary["segment_durations_s"] == [2.0, 3.0]
+    assert summary["duration_basis"] == "active: 2 segments added, pauses left out"
     assert summary["method_stats_missing"] == 2 and summary["method_stats_missing_requests"] == ["x", "y"]
     assert summary["rank_mismatched_requests"] == 1
-    assert summary["method_store_peak_bytes"] is None  # the golden run's store state is segment 0's
+    # the peak of any segment (the first's 24,576 bytes, not the last's 1,000); counts added
+    assert summary["method_store_peak_bytes"] == 24576
+    assert (summary["store_evictions"], summary["store_refused"]) == (3, 1)
+    assert summary["method_state_bytes"] == {"anchors": 7}
 
 
 def test_a_directory_without_requests_is_named(tmp_path: Path) -> None:

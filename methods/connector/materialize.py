@@ -32,7 +32,8 @@ class Candidates:
 
     reuses: list[SegmentReuse] = field(default_factory=list)
     missing: int = 0  # PH rows no source holds (no source named, evicted, or other tokens)
-    evicted: int = 0  # among them: rows whose named source the store no longer holds
+    evicted: int = 0  # among them: rows whose named source the store no longer holds (evicted or refused)
+    refused: int = 0  # among those: rows whose source was larger than the store's whole cap
 
 
 def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -> Candidates:
@@ -50,6 +51,8 @@ def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -
             found.missing += stop - start
             if segment.source and source is None:  # the store's cap dropped (or refused) it
                 found.evicted += stop - start
+                if store.was_refused(segment.source):
+                    found.refused += stop - start
             continue
         dst = torch.arange(start, stop)
         src = dst - segment.start + segment.source_start
@@ -231,6 +234,7 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
         "layers": worker.num_layers,
         "ph_without_source_tokens": found.missing,
         "source_missing_tokens": found.evicted,
+        "source_refused_tokens": found.refused,
         "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in found.reuses)),
         "materialize_s": time.perf_counter() - started,
         **({"store_decode_s": decoded_s, "store_decoded_tokens": decoded_tokens} if decoded_tokens else {}),
