@@ -30,7 +30,7 @@ class MethodParams(BaseModel):
     """Every method's parameters: `store_codec` (what the connector's segment store keeps); a
     subclass adds its own. Strict types: 1.0 is not an integer, "yes" not a bool."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
     store_codec: str = Field("none", description=STORE_CODEC_HELP)
 
     @field_validator("store_codec")

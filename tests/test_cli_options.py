@@ -43,6 +43,8 @@ def _invoke(*args: str):
     (["replay", "--server-startup-timeout", "inf"], 2, "'inf' is not a finite number"),
     (["gen-trace", "-o", "unused", "--qps", "nan"], 2, "'nan' is not a finite number"),
     (["quickstart", "--qps", "inf"], 2, "'inf' is not a finite number"),
+    (["replay", "--method", "kvcmas", "--method-param", "tau=NaN", "--base-url", "http://127.0.0.1:1"], 2,
+     "tau: Input should be a finite number (got nan)"),
     (["sweep", "-o", "unused", "--methods", "nonshared", "--qps", "0,nan"], 2,
      "expected a comma-separated list of finite numbers, got '0,nan'"),
 ])
