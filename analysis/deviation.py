@@ -124,11 +124,19 @@ def _percent(value: float) -> str:
     return "–" if value is None or math.isnan(value) else f"{100 * value:.0f}"
 
 
+def _share(value: float) -> str:
+    return "–" if value is None or math.isnan(value) else f"{value:.2f}"
+
+
+SIGNIFICANT_P = 0.01  # a gain over FullShared shown as significant (exact McNemar test)
+
+
 def matrix_markdown(table: pd.DataFrame, floor: pd.DataFrame) -> str:
     """Per context and QPS: methods down, families across; each cell accuracy on reuse turns [95%
     interval] and realized rho (or recompute share for selective recomputation)."""
-    lines = ["Task accuracy on reuse turns, % [95% interval], then realized rho / recompute share. The "
-             "kvbench:roles-* models are constructed test models (docs/models.md): each family makes one "
+    lines = ["Task accuracy on reuse turns, % [95% interval], then realized rho / recompute share; **bold**: a "
+             f"gain over FullShared significant at p < {SIGNIFICANT_P:g} (exact McNemar test on the paired turns). "
+             "The kvbench:roles-* models are constructed test models (docs/models.md): each family makes one "
              "method family's assumption hold by construction.", ""]
     for (context, qps), block in table.groupby(["shared_tokens", "qps"], sort=True):
         models = [m for m in dict.fromkeys(block["model"])]
@@ -143,8 +151,11 @@ def matrix_markdown(table: pd.DataFrame, floor: pd.DataFrame) -> str:
                     cells.append("")
                     continue
                 r = row.iloc[0]
-                cells.append(f"{_percent(r.task_accuracy_reuse)} [{_percent(r.accuracy_low)}, "
-                             f"{_percent(r.accuracy_high)}] rho {r.realized_rho:.2f} / rs {r.recompute_share:.2f}")
+                accuracy = _percent(r.task_accuracy_reuse)
+                if r.gain_over_fullshared > 0 and r.gain_p_value < SIGNIFICANT_P:
+                    accuracy = f"**{accuracy}**"
+                cells.append(f"{accuracy} [{_percent(r.accuracy_low)}, {_percent(r.accuracy_high)}] "
+                             f"rho {_share(r.realized_rho)} / rs {_share(r.recompute_share)}")
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
     if len(floor):

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kvbench import run_files
-from kvbench.analysis.deviation import accuracy_interval, deviation_matrix, mcnemar_p, noise_floor, write_matrix
+from kvbench.analysis.deviation import accuracy_interval, deviation_matrix, matrix_markdown, mcnemar_p, noise_floor, write_matrix
 from kvbench.analysis.runs import Run
 
 
@@ -73,3 +73,16 @@ def test_written_files_name_the_constructed_models(tmp_path: Path) -> None:
     assert "constructed test models" in paths["markdown"].read_text()
     data = json.loads(paths["json"].read_text())
     assert data["schema"] == "kvbench-deviation-matrix" and len(data["rows"]) == 4
+
+
+def test_markdown_marks_significant_gains_and_missing_rho(tmp_path: Path) -> None:
+    # 12 trajectories: FullShared wrong on every reuse turn, the method right on all 36 (p = 2 * 0.5^36);
+    # a second method right on one trajectory's turns only (p = 2 * 0.5^3 = 0.25: not significant).
+    naive = _run(tmp_path, "roles-sparse", "fullshared", 0.0, [[True, False, False, False]] * 12, rho=1.0)
+    good = _run(tmp_path, "roles-sparse", "kvcmas", 0.0, [[True] * 4] * 12)
+    weak = _run(tmp_path, "roles-sparse", "kvcomm", 0.0, [[True] * 4] + [[True, False, False, False]] * 11)
+    dense = _run(tmp_path, "roles-sparse", "nonshared", 0.0, [[True] * 4] * 12, rho=float("nan"))
+    text = matrix_markdown(deviation_matrix([naive, good, weak, dense]), noise_floor([]))
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ") and "[" in line}
+    assert "**100**" in rows["kvcmas"] and "**" not in rows["kvcomm"] and "**" not in rows["fullshared"]
+    assert "rho – /" in rows["nonshared"] and "nan" not in text
