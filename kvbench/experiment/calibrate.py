@@ -43,7 +43,9 @@ def what_limits(steps: list[CalibrationStep]) -> str:
     decisions = steps[-1].decisions
     total = sum(decisions.values())
     if not total:
-        return "the method reported no segment decision (no reuse turn in the measured trajectories?)"
+        return ("the method reported no segment decision: selective recomputation (CacheBlend, RelayCaching) "
+                "chooses rows, not segments, so rows its rule always keeps computing cap rho; a delta method "
+                "reports none when no reuse turn was measured")
     parts = [f"{count} of {total} segments {DENSE_REASONS.get(kind, kind)}" for kind, count in
              sorted(decisions.items(), key=lambda kv: -kv[1]) if kind != "accepted"]
     return "; ".join(parts) or f"all {total} segments were accepted"
