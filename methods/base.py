@@ -128,6 +128,13 @@ class SharingMethod:
         (default): reused rows are never computed."""
         return None
 
+    def default_check_layer(self) -> int:
+        """The model's first context-dependent layer (where reuse error can first show), or the
+        last layer with one after it when context enters only in the model's last layer (a check
+        needs a later layer to act on: kvbench:roles-deep reads roles in its last layer only)."""
+        assert self.core is not None, "the default check layer needs the model (bind first)"
+        return min(self.core.first_context_layer, self.core.num_layers - 2)
+
     def check_layers(self) -> list[int]:
         """Every layer where `recompute` narrows the computed reused rows, ascending: the check
         layer, then (gradual filtering) later ones, each choosing among the rows the one before

@@ -50,8 +50,7 @@ class CacheBlend(SharingMethod):
     def check_layer(self) -> int | None:
         if self.params["check_layer"] is not None:
             return int(self.params["check_layer"])
-        assert self.core is not None, "the default check layer needs the model (bind first)"
-        return self.core.first_context_layer
+        return self.default_check_layer()
 
     def check_layers(self) -> list[int]:
         check = self.check_layer()

@@ -62,8 +62,7 @@ class RelayCaching(SharingMethod):
     def check_layer(self) -> int | None:
         if self.params["det_layer"] is not None:
             return int(self.params["det_layer"])
-        assert self.core is not None, "the default detection layer needs the model (bind first)"
-        return self.core.first_context_layer
+        return self.default_check_layer()
 
     def influence_queries(self) -> int:
         return int(self.params["suffix_tokens"])

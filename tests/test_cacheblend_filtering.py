@@ -75,3 +75,15 @@ def test_filtering_past_the_model_is_refused_at_attach() -> None:
     with pytest.raises(MethodConfigError, match="last filtering layer"):
         ConnectorWorker.check_method_fits(worker, blend(filter_ratios=[0.5, 0.3]))  # type: ignore[arg-type]
     ConnectorWorker.check_method_fits(worker, blend(filter_ratios=[0.5]))  # type: ignore[arg-type]
+
+
+def test_the_default_check_layer_leaves_a_layer_after_it() -> None:
+    """A model whose context enters only in its last layer (kvbench:roles-deep, first context
+    layer 7 of 8) checks at layer 6: at 7 there would be no later layer to act on."""
+    from kvbench.methods.relaycaching import RelayCaching
+
+    for method in (CacheBlend({}), RelayCaching({})):
+        method.bind(SimpleNamespace(sum_over_ranks=lambda t: t, first_context_layer=7, num_layers=8))  # type: ignore[arg-type]
+        assert method.check_layer() == 6
+        method.bind(SimpleNamespace(sum_over_ranks=lambda t: t, first_context_layer=1, num_layers=8))  # type: ignore[arg-type]
+        assert method.check_layer() == 1
