@@ -22,8 +22,11 @@ SCHEMA = "kvbench-leaderboard"
 # 2: a row per model too (`model`), task accuracy on reuse turns. 3: `pgr` is KVShareArena's (over
 # a task's score), `output_pgr` the one over token F1 (named `pgr` before).
 SCHEMA_VERSION = 3
-SORT_RULE = ("PGR over the task where any run has one, else output PGR, descending (undefined last), then TTFT "
-             "saved against NonShared descending")
+SORT_RULE = ("PGR over the task where any run has one, else output PGR, else task accuracy on reuse turns, else "
+             "task accuracy, descending (undefined last), then TTFT saved against NonShared descending")
+# The quality figures rows are ranked by, first present first: never by speed alone, which would put
+# the fastest wrong method on top.
+RANK_KEYS = ("pgr", "output_pgr", "task_accuracy_reuse", "task_accuracy")
 PGR_COLUMNS = ["pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive", "pgr_gain_p_value", "output_pgr",
                "output_pgr_low", "output_pgr_high", "output_pgr_gain_over_naive", "output_pgr_gain_p_value"]
 COLUMNS = ["model", "cell", "method", "shared_tokens", "qps", *PGR_COLUMNS, "exact_match_rate", "task_accuracy",
@@ -76,9 +79,9 @@ def leaderboard(runs: list[Run]) -> pd.DataFrame:
             "runs": len(cell_runs),
         })
     table = pd.DataFrame(rows, columns=COLUMNS)
-    first = "pgr" if table["pgr"].notna().any() else "output_pgr"  # the task's PGR where there is a task
-    return table.sort_values([first, "ttft_saved"], ascending=False, na_position="last", kind="stable").reset_index(
-        drop=True)
+    first = next((key for key in RANK_KEYS if table[key].notna().any()), "ttft_saved")
+    return table.sort_values(list(dict.fromkeys([first, "ttft_saved"])), ascending=False, na_position="last",
+                             kind="stable").reset_index(drop=True)
 
 
 def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:

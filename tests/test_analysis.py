@@ -382,6 +382,19 @@ def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
     assert (out / "leaderboard.csv").exists() and "| cell" in (out / "leaderboard.md").read_text()
 
 
+def test_leaderboard_without_pgr_ranks_by_task_accuracy_not_speed(tmp_path: Path) -> None:
+    results = tmp_path / "runs"
+    shutil.copytree(GOLDEN, results)
+    for method, accuracy in (("nonshared", 1.0), ("fullshared", 0.0)):  # FullShared is the faster one
+        summary = _summary(results / method)
+        summary.update(task_accuracy_reuse=accuracy, task_accuracy=accuracy)
+        (results / method / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "board"
+    assert _invoke("leaderboard", str(results), "-o", str(out)).exit_code == 0
+    rows = json.loads((out / "leaderboard.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["nonshared", "fullshared"] and rows[1]["ttft_saved"] > 0
+
+
 def test_the_floor_is_its_own_kind_of_run_and_the_reference_has_pgr_one(tmp_path: Path) -> None:
     """A `--drop-shared` run without a label is `no-context`, never a NonShared row: the leaderboard
     leaves it out (before, it merged it with NonShared: PGR 0.5, p50 the mean of the two, every
