@@ -163,9 +163,21 @@ class Replayer:
         by_trajectory: dict[str, list[dict[str, Any]]] = {}
         for record in existing:
             by_trajectory.setdefault(record["trajectory_id"], []).append(record)
-        # A trajectory is done when every turn succeeded; others re-run whole (outputs chain).
+        # A trajectory is done when every turn succeeded (and, under a connector method, its stats
+        # reached the stats journal: a kill between a request's record and the next stats poll loses
+        # them for good, since every run resets the server); others re-run whole (outputs chain).
+        journaled: set[str] = set()
+        if self.method_info.uses_connector:
+            journaled = {e["request_id"] for e in run_files.read_jsonl(result_dir / run_files.METHOD_STATS)
+                         if e.get("kind") == "request"}
+
+        def complete(record: dict[str, Any]) -> bool:
+            has_stats = (not self.method_info.uses_connector or record.get("reused_tokens") is not None
+                         or record["request_id"] in journaled)
+            return bool(record["success"]) and has_stats
+
         done = {tid for tid, recs in by_trajectory.items()
-                if tid in expected and len(recs) == expected[tid] and all(r["success"] for r in recs)}
+                if tid in expected and len(recs) == expected[tid] and all(complete(r) for r in recs)}
         kept = [r for r in existing if r["trajectory_id"] in done]
         todo = [t for t in measured if t.trajectory_id not in done]
         return warmups, todo, kept, run_config
