@@ -68,6 +68,25 @@ def method_server(method: str, model: str, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="session")
+def small_trace(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Makes a small four-agent trace with `kvbench gen-trace` on the tiny tokenizer (for replays
+    against a stub): small_trace(trajectories, shared_tokens, output_len) -> its path."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    def make(trajectories: int, shared_tokens: int, output_len: int) -> Path:
+        path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+        result = CliRunner().invoke(main, ["gen-trace", "-o", str(path), "--model", str(tiny_tokenizer_dir),
+                                           "--num-trajectories", str(trajectories), "--shared-tokens",
+                                           str(shared_tokens), "--output-len", str(output_len)])
+        assert result.exit_code == 0, result.output
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level BPE saved as a Hugging Face tokenizer directory (what `--model DIR`
     loads): traces made, validated and replayed against a stub with no model build."""

@@ -14,21 +14,15 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from click.testing import CliRunner
 
-from kvbench.cli import main
 from kvbench.replay.stub import StubServer
 
 KILL_POINTS = int(os.environ.get("KVBENCH_KILL_POINTS", "20"))
 
 
 @pytest.fixture(scope="module")
-def trace(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
-    result = CliRunner().invoke(main, ["gen-trace", "-o", str(path), "--model", str(tiny_tokenizer_dir),
-                                       "--num-trajectories", "4", "--shared-tokens", "60", "--output-len", "6"])
-    assert result.exit_code == 0, result.output
-    return path
+def trace(small_trace) -> Path:
+    return small_trace(trajectories=4, shared_tokens=60, output_len=6)
 
 
 def _replay(trace: Path, base_url: str, run: Path, resume: bool) -> list[str]:

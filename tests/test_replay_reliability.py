@@ -25,12 +25,8 @@ def _kvbench(*args: str):
 
 
 @pytest.fixture(scope="module")
-def trace(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
-    result = _kvbench("gen-trace", "-o", str(path), "--model", str(tiny_tokenizer_dir), "--num-trajectories", "4",
-                      "--shared-tokens", "120", "--output-len", "6")
-    assert result.exit_code == 0, result.output
-    return path
+def trace(small_trace) -> Path:
+    return small_trace(trajectories=4, shared_tokens=120, output_len=6)
 
 
 def _clean_failure(result, *messages: str) -> None:

@@ -34,12 +34,8 @@ def holder(tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def trace(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
-    result = CliRunner().invoke(main, ["gen-trace", "-o", str(path), "--model", str(tiny_tokenizer_dir),
-                                       "--num-trajectories", "3", "--shared-tokens", "60", "--output-len", "4"])
-    assert result.exit_code == 0, result.output
-    return path
+def trace(small_trace) -> Path:
+    return small_trace(trajectories=3, shared_tokens=60, output_len=4)
 
 
 def test_a_second_holder_is_refused_and_a_dead_ones_lock_taken_over(tmp_path: Path, holder: subprocess.Popen) -> None:
