@@ -23,12 +23,14 @@ from kvbench.analysis.task_score import read_task_figures
 MAX_LISTED_MISSING = 50
 
 
-def store_figures(result_dir: Path, segment: int) -> dict[str, Any]:
+def store_figures(result_dir: Path, segment: int, journal: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The store and method-state figures of one segment, over its servers: a server's store peak
     is its own and the run's the largest; evictions and refusals add up; each kind of method
-    state has its largest value over the segment's polls. None where no server reported."""
-    states = [e for e in run_files.read_jsonl(result_dir / run_files.METHOD_STATS)
-              if e.get("kind") == "state" and e.get("segment") == segment]
+    state has its largest value over the segment's polls. None where no server reported.
+    `journal`: the run's method-stats journal, when the caller has read it already."""
+    if journal is None:
+        journal = run_files.read_jsonl(result_dir / run_files.METHOD_STATS)
+    states = [e for e in journal if e.get("kind") == "state" and e.get("segment") == segment]
     if not states:
         return {"method_store_peak_bytes": None, "store_evictions": None, "store_refused": None,
                 "method_state_bytes": None}
@@ -45,9 +47,12 @@ def store_figures(result_dir: Path, segment: int) -> dict[str, Any]:
     }
 
 
-def server_figures(result_dir: Path, segment: int) -> dict[str, Any]:
-    """Peaks and run deltas of one segment's server samples, over all servers."""
-    samples = [s for s in run_files.read_jsonl(result_dir / run_files.SERVER_METRICS) if s.get("segment") == segment]
+def server_figures(result_dir: Path, segment: int, journal: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Peaks and run deltas of one segment's server samples, over all servers. `journal`: the
+    run's server-metrics journal, when the caller has read it already."""
+    if journal is None:
+        journal = run_files.read_jsonl(result_dir / run_files.SERVER_METRICS)
+    samples = [s for s in journal if s.get("segment") == segment]
     rss = [s["process_tree_rss_bytes"] for s in samples if "process_tree_rss_bytes" in s]
     usage = [s["vllm:kv_cache_usage_perc"] for s in samples if "vllm:kv_cache_usage_perc" in s]
     out: dict[str, Any] = {"peak_server_rss_bytes": max(rss) if rss else None,
@@ -103,6 +108,9 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
     config = json.loads((result_dir / run_files.CONFIG).read_text())
     requests = _read_requests(result_dir)
     segments = config.get("segments") or [{}]
+    # each journal read once, then split by segment (a run resumed many times has many)
+    metrics = run_files.read_jsonl(result_dir / run_files.SERVER_METRICS)
+    method_stats = run_files.read_jsonl(result_dir / run_files.METHOD_STATS)
     last = segments[-1]
     missing = last.get("method_stats_missing") or []
     status = str(last.get("status") or "")
@@ -118,10 +126,10 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
                     config.get("metric_percentiles") or [50.0, 90.0, 99.0]),
         "duration_basis": "active" if len(segments) == 1 else f"active: {len(segments)} segments added, pauses left out",
         "segment_durations_s": [s.get("duration_s") for s in segments],
-        **_over_segments([server_figures(result_dir, i) for i in range(len(segments))]),
+        **_over_segments([server_figures(result_dir, i, metrics) for i in range(len(segments))]),
         # store and method state over every segment (each resets the store: peaks are the
         # largest of any segment, counts their sum)
-        **_over_segments([store_figures(result_dir, i) for i in range(len(segments))]),
+        **_over_segments([store_figures(result_dir, i, method_stats) for i in range(len(segments))]),
         "rank_mismatched_requests": _rank_mismatched(requests),
         **read_task_figures(result_dir),  # a task trace's accuracy, once scored
         **read_quality_figures(result_dir),  # outputs against a reference run, once compared
