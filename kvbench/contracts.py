@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: Plan.claim became a ClaimPolicy (was a bool meaning "all" / "none")
 PLAN_KEY = "kvbench"  # the plan's key in a request's kv_transfer_params
 
 
@@ -23,6 +23,15 @@ class ContractError(ValueError):
 
 # ---------------------------------------------------------------------------------- the plan
 SegmentKind = Literal["pf", "ph"]
+# Which requests the connector claims (loads through its own partial forward):
+# - "method": those its method reuses something for (SharingMethod.loads_request: by default, a
+#   request with a shared segment that names a source cache); any other goes through vLLM's own
+#   batched prefill, keeps its prefix-cache hits and is only saved, so a turn that reuses nothing
+#   is NonShared in time and in outputs.
+# - "all": every prompt token but the last (tests of the partial forward itself).
+# - "none": never; the request is only saved (a dense reference for measuring KV error).
+ClaimPolicy = Literal["method", "all", "none"]
+CLAIM_POLICIES: tuple[ClaimPolicy, ...] = ("method", "all", "none")
 
 
 @dataclass(frozen=True)
@@ -63,9 +72,7 @@ class Plan:
     agent: str
     save_as: str | None  # where the connector saves this request's cache when it finishes
     segments: tuple[PlanSegment, ...] = ()
-    # False: vLLM prefills the request itself and the connector only saves its cache (e.g. a
-    # dense reference for measuring KV error).
-    claim: bool = True
+    claim: ClaimPolicy = "method"
     inject_fault: bool = False  # honoured only with kv_connector_extra_config.fault_injection="flagged"
     version: int = CONTRACT_VERSION
 
@@ -92,10 +99,13 @@ class Plan:
         segments = raw.get("segments", [])
         if not isinstance(segments, list):
             raise ContractError("a kvbench plan's segments must be a list")
+        claim = raw.get("claim", "method")
+        if claim not in CLAIM_POLICIES:
+            raise ContractError(f"a kvbench plan's claim must be one of {', '.join(CLAIM_POLICIES)}, got {claim!r}")
         return cls(trajectory=str(raw.get("trajectory", "")), turn=str(raw.get("turn", "")),
                    agent=str(raw.get("agent", "")), save_as=raw.get("save_as"),
                    segments=tuple(PlanSegment.from_dict(s) for s in segments),
-                   claim=bool(raw.get("claim", True)), inject_fault=bool(raw.get("inject_fault", False)))
+                   claim=claim, inject_fault=bool(raw.get("inject_fault", False)))
 
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> Plan | None:
@@ -219,11 +229,21 @@ class LoadStats(TypedDict, total=False):
     agent: str
     local_tokens: int  # rows vLLM's prefix cache held
     claimed_tokens: int
+    claimed: bool  # False: the connector left the request to vLLM's own prefill (it reused nothing)
     load_steps: int
     load_step_batches: list[int]
     load_step_offsets_s: list[float]
     fallback: str  # "dense": the load failed and vLLM recomputed the request
     error: str
+
+
+def vllm_prefill_stats(method: str, prompt_tokens: int, prefix_cached: int) -> LoadStats:
+    """The stats of a request the connector did not claim (vLLM prefilled it): what a load that
+    reused nothing would report, so that every request of a replay has its figures."""
+    computed = max(0, prompt_tokens - 1 - prefix_cached)  # the last token is vLLM's in every request
+    return {"method": method, "claimed": False, "reused_tokens": 0, "recomputed_tokens": computed,
+            "eligible_tokens": 0, "ph_without_source_tokens": 0, "source_missing_tokens": 0,
+            "local_tokens": prefix_cached, "claimed_tokens": 0}
 
 
 def _checked(cls: type, raw: Any, what: str) -> dict[str, Any]:

@@ -162,6 +162,18 @@ class SharingMethod:
         stream at `start`."""
         return None
 
+    def loads_request(self, plan: Plan) -> bool:
+        """Whether the connector loads this request (claim policy "method", kvbench.contracts):
+        by default when a shared segment names a source cache to reuse. Any other request is
+        prefilled by vLLM in its own batches, and the connector only saves its cache. Asked on
+        the scheduler side, before `bind`, so it reads only the plan and the parameters."""
+        return self.loads_every_request() or bool(plan.sources)
+
+    def loads_every_request(self) -> bool:
+        """Whether every request is loaded, even one that reuses nothing: for a method whose sources
+        must save what only the load captures. Default: no."""
+        return False
+
     def after_load(self, ctx: LoadContext) -> None:
         """Called once the request's cache is materialized (e.g. to update method state)."""
 

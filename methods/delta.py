@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from kvbench.contracts import PlanSegment
+from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.anchors import (
     Anchor,
     AnchorPool,
@@ -226,6 +226,11 @@ class DeltaCorrection(SharingMethod):
                 return reference
             seconds += time.perf_counter() - started
             yield rows
+
+    def loads_request(self, plan: Plan) -> bool:
+        # Non-chained: every shared segment is served from its context-free reference, a first
+        # agent's too; chained: only segments a source holds.
+        return bool(plan.sources) or (not self.chained and any(s.kind == "ph" for s in plan.segments))
 
     def prepare(self, ctx: LoadContext) -> Generator[int, None, None]:
         """Non-chained: prefill the context-free references this load lacks, so that asynchronous

@@ -55,6 +55,12 @@ class DroidSpeak(SharingMethod):
         width = min(total, max(2, round((1 - float(self.params["reuse_ratio"])) * total)))
         return total - width, total
 
+    def loads_every_request(self) -> bool:
+        # A source saves the residual stream entering the group, which only its load captures
+        # (the default group starts past layer 0 in every model of more than two layers).
+        layers = self.params["layers"]
+        return layers is None or int(layers[0]) > 0
+
     def select(self, ctx: LoadContext) -> list[SegmentReuse]:
         return with_saved_stream(ctx, self.recompute_layers()[0])  # type: ignore[index]
 

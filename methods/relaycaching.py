@@ -59,6 +59,9 @@ class RelayCaching(SharingMethod):
             end = self.core.num_layers - 1
         return int(self.params["start_layer"]), end + 1
 
+    def loads_every_request(self) -> bool:
+        return int(self.params["start_layer"]) > 0  # a source saves the stream entering start_layer
+
     def check_layer(self) -> int | None:
         if self.params["det_layer"] is not None:
             return int(self.params["det_layer"])

@@ -20,7 +20,7 @@ def dense_reference(base_url: str, model: str, prompt: list[int], key: str, time
     """Prefill `prompt` with vLLM's own forward and save its cache under `key` (a salt of its own
     keeps vLLM's prefix cache from serving it blocks of approximate requests)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "cache_salt": key,
-            "kv_transfer_params": Plan("", "", "", save_as=key, claim=False).to_params()}
+            "kv_transfer_params": Plan("", "", "", save_as=key, claim="none").to_params()}
     request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:

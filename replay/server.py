@@ -28,6 +28,9 @@ class ServerError(RuntimeError):
     """The server could not be started, died, or is unreachable; the message says why."""
 
 
+ENFORCE_EAGER_ENV = "KVBENCH_ENFORCE_EAGER"
+
+
 @dataclass
 class ServerConfig:
     model: str
@@ -47,6 +50,11 @@ class ServerConfig:
     post_start_rpcs: list[WorkerRpc] = field(default_factory=list)
     startup_timeout_s: float = 600.0
     log_path: Path | None = None
+    # vLLM's --enforce-eager: no torch.compile warm-up or CUDA graphs. Starts in about a quarter of
+    # the time on the embedded models and decodes slower, so it suits tests and smoke runs, where
+    # starts dominate, and not measurements. Default: the KVBENCH_ENFORCE_EAGER environment
+    # variable ("1": on), which the engine test tier sets.
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get(ENFORCE_EAGER_ENV, "") == "1")
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -175,6 +183,8 @@ class VLLMServer:
             # once, and the API server then logs an EngineDeadError traceback on every stop).
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         ]
+        if cfg.enforce_eager and "--enforce-eager" not in cfg.extra_args:
+            cmd.append("--enforce-eager")
         if cfg.max_model_len is not None:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.max_num_seqs is not None:

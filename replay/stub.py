@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from kvbench.contracts import Plan, ServerInfo, WorkerRpc, WorkerStats
+from kvbench.contracts import Plan, ServerInfo, WorkerRpc, WorkerStats, vllm_prefill_stats
 from kvbench.replay.prompts import reusable_rows
 
 StubMode = Literal["ok", "hang", "stream_error", "http_500", "truncate"]
@@ -90,25 +90,29 @@ class StubServer:
                     return response
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-        if self.connector:
-            self._record_stats(body.get("kv_transfer_params") or {}, len(prompt))
+        claimed = self.connector and self._record_stats(body.get("kv_transfer_params") or {}, len(prompt))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": max_tokens,
                  "total_tokens": len(prompt) + max_tokens,
                  # as vLLM counts it: a connector's claimed tokens are "cached" too
-                 "prompt_tokens_details": {"cached_tokens": len(prompt) - 1 if self.connector else 0}}
+                 "prompt_tokens_details": {"cached_tokens": len(prompt) - 1 if claimed else 0}}
         await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    def _record_stats(self, params: dict[str, Any], prompt_len: int) -> None:
+    def _record_stats(self, params: dict[str, Any], prompt_len: int) -> bool:
+        """Record what the connector would report for the request; returns whether it claimed it."""
         plan = Plan.from_params(params)  # the connector's own check of the plan
         if plan is None or not plan.save_as:
-            return
-        reused = reusable_rows(plan.segments, prompt_len)  # a perfect reuse
+            return False
         self._saved += 1
+        if plan.claim == "none" or (plan.claim == "method" and not plan.sources):  # FullShared's rule
+            self._stats[plan.save_as] = {**vllm_prefill_stats("stub", prompt_len, 0), "save_s": 0.001}
+            return False
+        reused = reusable_rows(plan.segments, prompt_len)  # a perfect reuse
         self._stats[plan.save_as] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
                                      "recomputed_tokens": max(0, prompt_len - 1 - reused),
                                      "source_missing_tokens": 0, "local_tokens": 0, "claimed_tokens": prompt_len - 1}
+        return True
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -39,7 +39,7 @@ def _params(plan: dict) -> dict:
 
 def _compute_all(prompt: list[int], key: str) -> dict:
     """A plan that claims the prompt and computes every row in the connector's partial forward."""
-    return {"save_as": key, "segments": [{"kind": "pf", "id": "all", "start": 0, "length": len(prompt)}]}
+    return {"save_as": key, "claim": "all", "segments": [{"kind": "pf", "id": "all", "start": 0, "length": len(prompt)}]}
 
 
 def test_a_load_over_engine_steps_matches_dense(server: VLLMServer, prompts: dict, bf16_noise: dict,

@@ -12,7 +12,7 @@ from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.base import MethodConfigError
 from kvbench.methods.connector.loads import AsyncLoads, LoadJob, SyncLoads
 from kvbench.methods.connector.materialize import count_rows, find_candidates, served_entries
-from kvbench.methods.connector.settings import ConnectorSettings
+from kvbench.methods.connector.settings import ConnectorSettings, load_method
 from kvbench.methods.connector.specs import LoadSpec
 from kvbench.methods.store import SavedKV, SegmentStore
 
@@ -95,7 +95,8 @@ def test_a_consumer_waits_for_its_unsaved_source_and_an_aborted_producer_release
     from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}),
+                                   load_method("fullshared", {}))
     producer = _request("p", Plan("t", "A0.r0", "A0", "run/t/A0.r0"))
     consumer = _request("c", Plan("t", "A1.r0", "A1", "run/t/A1.r0",
                                   (PlanSegment("ph", "q", 0, 5, source="run/t/A0.r0", source_start=0),)))
@@ -120,10 +121,49 @@ def test_a_consumer_waits_for_its_unsaved_source_and_an_aborted_producer_release
     assert scheduler.get_num_new_matched_tokens(waiting, 0) == (9, False)  # released, not hung
 
 
+@pytest.mark.parametrize("method, params, loads_first", [
+    ("fullshared", {}, False), ("kvcmas", {}, False), ("relaycaching", {}, False), ("cacheblend", {}, False),
+    ("relaycaching", {"start_layer": 1}, True), ("droidspeak", {}, True), ("droidspeak", {"layers": [0, 4]}, False),
+    ("kvcomm", {}, True), ("graphflow", {}, True)])
+def test_a_request_that_reuses_nothing_is_left_to_vllm(method: str, params: dict, loads_first: bool) -> None:
+    """A first agent names no source: vLLM prefills it in its own batches (no claim) and its
+    figures come with its save, unless its method reuses something for it (a non-chained method's
+    context-free reference) or must load every request (a source's saved residual stream)."""
+    from vllm.v1.request import RequestStatus
+
+    from kvbench.methods.connector.scheduler import ConnectorScheduler
+
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": method, "params": params}),
+                                   load_method(method, params))
+    first = Plan("t", "A0.r0", "A0", "run/t/A0.r0", (PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 6)))
+    scheduler.on_new_request(_request("a0", first))
+    assert scheduler.get_num_new_matched_tokens(_request("a0", first), 2) == ((7, False) if loads_first else (0, False))
+    saving, _ = scheduler.request_finished(_request("a0", first, status=RequestStatus.FINISHED_STOPPED, computed=10), [1])
+    (save,) = scheduler.build_connector_meta(SimpleNamespace(
+        num_scheduled_tokens={}, scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).saves
+    assert saving and save.key == "run/t/A0.r0"
+    assert save.unclaimed == (None if loads_first else (10, 2))  # prompt tokens, vLLM's prefix-cache hit
+    forced = Plan("t", "A0.r0", "A0", "k", first.segments, claim="all")
+    assert scheduler.get_num_new_matched_tokens(_request("f", forced), 3) == (6, False)  # after vLLM's prefix hit
+    never = Plan("t", "A1.r0", "A1", "k1", (PlanSegment("ph", "q", 4, 6, source="run/t/A0.r0", source_start=4),),
+                 claim="none")
+    assert scheduler.get_num_new_matched_tokens(_request("n", never), 0) == (0, False)
+
+
+def test_an_unclaimed_request_reports_what_vllm_computed() -> None:
+    from kvbench.contracts import vllm_prefill_stats
+
+    stats = vllm_prefill_stats("fullshared", prompt_tokens=100, prefix_cached=32)
+    assert stats["reused_tokens"] == 0 and stats["recomputed_tokens"] == 67 and stats["local_tokens"] == 32
+    assert stats["claimed"] is False and stats["claimed_tokens"] == 0
+
+
 def test_an_unreadable_plan_is_served_without_the_connector() -> None:
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}),
+                                   load_method("fullshared", {}))
     request = _request("r", Plan("t", "A0.r0", "A0", "k"))
     request.kv_transfer_params["kvbench"]["version"] = 999
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -177,3 +217,16 @@ def test_row_accounting(check: int | None, group: tuple[int, int] | None, stages
     compute = torch.arange(10) if check is not None and group is None else torch.arange(4)
     assert count_rows(reused, compute, stages, check, group, layers=4) == expected
     assert served_entries(6, stages, check, group, layers=4) == entries
+
+
+def test_parameters_that_need_every_request_loaded_are_refused_after_start_up() -> None:
+    """The scheduler side decided at start-up which requests the connector loads; new parameters
+    that need every request loaded (a stream saved past layer 0) would find sources without one."""
+    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.connector.worker import ConnectorWorker
+
+    settings = ConnectorSettings.from_extra_config({"method": "relaycaching"})
+    worker = ConnectorWorker(settings, load_method("relaycaching", {}), 16, {})
+    with pytest.raises(MethodConfigError, match="start the server with them"):
+        worker.set_params({"start_layer": 1})
+    assert worker.set_params({"tau_dev": 2.0})["tau_dev"] == 2.0 and worker.method.params["start_layer"] == 0

@@ -28,7 +28,9 @@ def test_a_plan_survives_the_trip_through_kv_transfer_params() -> None:
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"version": CONTRACT_VERSION + 1, "segments": []}, "plan version 2, this kvbench reads version 1"),
+    ({"version": CONTRACT_VERSION + 1, "segments": []},
+     f"plan version {CONTRACT_VERSION + 1}, this kvbench reads version {CONTRACT_VERSION}"),
+    ({"version": CONTRACT_VERSION, "claim": True, "segments": []}, "claim must be one of method, all, none"),
     ({"segments": []}, "plan version None"),
     ({"version": CONTRACT_VERSION, "segments": [{"kind": "xx", "id": "q", "start": 0, "length": 1}]},
      "kind must be 'pf' or 'ph'"),
@@ -98,3 +100,12 @@ def test_register_method_checks_what_it_registers(monkeypatch: pytest.MonkeyPatc
         registry.register_method(Taken)
     with pytest.raises(ValueError, match="unknown method 'telepathy'; available: cacheblend, droidspeak"):
         registry.method_class("telepathy")
+
+
+def test_the_claim_policy_crosses_the_boundary() -> None:
+    """The method decides by default; "all" and "none" are kept as sent (what they do: the
+    scheduler's tests in test_connector_units.py)."""
+    for claim in ("method", "all", "none"):
+        plan = Plan("t", "A0.r0", "A0", "k0", (PlanSegment("ph", "q", 10, 64),), claim=claim)
+        assert Plan.from_params(plan.to_params()) == plan
+    assert Plan.from_dict({"version": CONTRACT_VERSION}).claim == "method"

@@ -31,7 +31,7 @@ def test_partial_forward_of_all_tokens_matches_dense(server: VLLMServer, prompts
                                                      name: str) -> None:
     dense_key, pf_key = new_key(), new_key()
     dense = dense_prefill(server, prompts[name], dense_key)
-    computed = complete(server, prompts[name], {"save_as": pf_key, "segments": []}, salt=pf_key)
+    computed = complete(server, prompts[name], {"save_as": pf_key, "claim": "all", "segments": []}, salt=pf_key)
     assert max_dlogprob(dense, computed) <= bf16_noise[name]
     n = len(prompts[name]) - 1
     error = kv_error(server, pf_key, dense_key, 0, n)
@@ -86,7 +86,7 @@ def test_fullshared_from_another_prefix_differs_measurably(server: VLLMServer, p
     dense_prefill(server, prompts["p0"], source_key)
     shared = complete(server, prompts["p1"], reuse_q(prompts, "p1", source_key, target_key), salt=target_key)
     dense = dense_prefill(server, prompts["p1"], dense_key)
-    computed = complete(server, prompts["p1"], {"save_as": computed_key, "segments": []}, salt=computed_key)
+    computed = complete(server, prompts["p1"], {"save_as": computed_key, "claim": "all", "segments": []}, salt=computed_key)
     n = len(prompts["p1"]) - 1
     reuse_error = kv_error(server, target_key, dense_key, 0, n)["layers"]
     noise = kv_error(server, computed_key, dense_key, 0, n)["layers"]  # same path, no reuse
@@ -114,7 +114,7 @@ def test_exact_request_after_approximate_is_not_contaminated(server: VLLMServer,
         complete(server, prompt, plan, salt=salt)
         dense_key, plain_key = new_key(), new_key()
         dense_prefill(server, prompt, dense_key)
-        complete(server, prompt, {"save_as": plain_key, "claim": False, "segments": []})
+        complete(server, prompt, {"save_as": plain_key, "claim": "none", "segments": []})
         return kv_error(server, plain_key, dense_key, 0, n)
 
     # With a salt (as the replayer sends for approximate methods) the later exact request is

@@ -267,9 +267,16 @@ def test_prefix_cache_reuse_and_computation_are_counted_apart(tiny_tokenizer_dir
         assert _replay("--method", "fullshared", "--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "1",
                        *SMALL, "--result-dir", str(tmp_path / "fs"), model=tiny_tokenizer_dir).exit_code == 0
     requests = pd.read_parquet(tmp_path / "fs" / "requests.parquet")
-    assert (requests["cached_tokens"] == requests["prompt_tokens"] - 1).all()  # vLLM's figure: every claim
+    claimed = requests["reusable_tokens"] > 0  # the first agent reuses nothing: vLLM prefills it, unclaimed
+    assert claimed.sum() == 3 and (requests.loc[~claimed, "reused_tokens"] == 0).all()
+    assert (requests.loc[claimed, "cached_tokens"] == requests.loc[claimed, "prompt_tokens"] - 1).all()  # every claim
+    assert (requests.loc[~claimed, "cached_tokens"] == 0).all()
     assert (requests["prefix_cached_tokens"] == 0).all()  # the stub's connector reports its prefix cache empty
+    # the unclaimed turn's figures come from the client, its save's from the server: none missing
+    assert requests["method_stats"].notna().all()
+    assert (requests.loc[~claimed, "recomputed_tokens"] == requests.loc[~claimed, "prompt_tokens"] - 1).all()
     summary = json.loads((tmp_path / "fs" / "summary.json").read_text())
+    assert summary["method_stats_missing"] == 0
     assert summary["prefix_cached_tokens"] == 0 and summary["reused_tokens"] == requests["reused_tokens"].sum() > 0
     assert summary["computed_prompt_tokens"] == (requests["prompt_tokens"] - requests["reused_tokens"]).sum()
     with StubServer() as plain:
@@ -278,6 +285,24 @@ def test_prefix_cache_reuse_and_computation_are_counted_apart(tiny_tokenizer_dir
     plain_summary = json.loads((tmp_path / "ns" / "summary.json").read_text())
     assert plain_summary["prefix_cached_tokens"] == plain_summary["cached_tokens"] == 0
     assert plain_summary["computed_prompt_tokens"] == plain_summary["total_input_tokens"]
+
+
+def test_profile_splits_the_turns_that_reuse_from_those_vllm_prefilled(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """`kvbench profile` reads the connector's per-request stats of a run: the first agent reuses
+    nothing (vLLM prefilled it: not claimed, only saved), the three later agents were loaded."""
+    with StubServer(connector=True, connector_method="fullshared") as stub:
+        assert _replay("--method", "fullshared", "--base-url", stub.base_url, "--qps", "0", "--num-trajectories", "2",
+                       *SMALL, "--result-dir", str(tmp_path / "fs"), model=tiny_tokenizer_dir).exit_code == 0
+    out = tmp_path / "profile.md"
+    result = CliRunner().invoke(main, ["profile", str(tmp_path / "fs"), "--out", str(out)], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| fullshared")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    assert [row[2:5] for row in cells] == [["reuse turns", "6", "6"], ["turns reusing nothing", "2", "0"]]
+    assert "`save_ms`" in out.read_text()
+    (tmp_path / "empty").mkdir()
+    empty = CliRunner().invoke(main, ["profile", str(tmp_path / "empty")], prog_name="kvbench")
+    assert empty.exit_code == 1 and "no kvbench run" in empty.output, empty.output
 
 
 def test_serve_names_its_log_while_it_starts_and_reports_a_dead_server(tmp_path: Path,

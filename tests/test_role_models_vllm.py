@@ -50,7 +50,7 @@ def _replay(server: VLLMServer, trajectory, mode: str) -> dict[str, list[int]]:
     for turn in trajectory.turns:
         prompt = builder.build(trajectory, turn, outputs, prompts)
         plan = prompt.plan.to_dict()
-        plan.update({"dense": {"claim": False}, "reuse": {}, "fallback": {"inject_fault": True}}[mode])
+        plan.update({"dense": {"claim": "none"}, "reuse": {}, "fallback": {"inject_fault": True}}[mode])
         choice = complete(server, prompt.token_ids, plan, salt=plan["save_as"].replace("/", "-"), max_tokens=3)
         outputs[turn.turn_id] = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
         prompts[turn.turn_id] = prompt

@@ -127,6 +127,20 @@ def test_a_fractional_cpu_kv_cache_reaches_vllm_in_bytes(monkeypatch: pytest.Mon
     assert _server_options("--cpu-kv-cache-gib", "0")[0].exit_code == 2
 
 
+def test_eager_servers_are_asked_for_by_the_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVBENCH_ENFORCE_EAGER=1 (the engine test tier's) makes every server kvbench starts eager;
+    an explicit --vllm-arg=--enforce-eager is not passed twice."""
+    from kvbench.replay import server
+
+    monkeypatch.delenv(server.ENFORCE_EAGER_ENV, raising=False)
+    assert "--enforce-eager" not in server.VLLMServer(server.ServerConfig("m", port=1)).command()
+    monkeypatch.setenv(server.ENFORCE_EAGER_ENV, "1")
+    assert server.VLLMServer(server.ServerConfig("m", port=1)).command().count("--enforce-eager") == 1
+    explicit = server.ServerConfig("m", port=1, extra_args=["--enforce-eager"])
+    assert server.VLLMServer(explicit).command().count("--enforce-eager") == 1
+    assert "--enforce-eager" not in server.VLLMServer(server.ServerConfig("m", port=1, enforce_eager=False)).command()
+
+
 def test_a_source_larger_than_the_cap_is_a_refusal_not_an_eviction() -> None:
     from kvbench.contracts import Plan, PlanSegment
     from kvbench.methods.connector.materialize import find_candidates

@@ -46,7 +46,7 @@ def max_dlogprob(a: dict, b: dict) -> float:
 
 def dense_prefill(server: VLLMServer, prompt: list[int], key: str, max_tokens: int = 1) -> dict:
     """vLLM's own prefill (nothing claimed), saved under `key` as the reference cache."""
-    return complete(server, prompt, {"save_as": key, "claim": False, "segments": []}, salt=key,
+    return complete(server, prompt, {"save_as": key, "claim": "none", "segments": []}, salt=key,
                      max_tokens=max_tokens)
 
 

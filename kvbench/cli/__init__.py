@@ -8,6 +8,7 @@ from kvbench import __version__
 from kvbench.cli.analysis import (
     compare_command,
     leaderboard_command,
+    profile_command,
     quality_command,
     report_command,
     score_command,
@@ -59,6 +60,7 @@ main.add_command(quality_command)
 main.add_command(leaderboard_command)
 main.add_command(compare_command)
 main.add_command(summarize_command)
+main.add_command(profile_command)
 main.add_command(score_command)
 main.add_command(sweep_command)
 main.add_command(paper_command)

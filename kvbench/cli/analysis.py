@@ -46,6 +46,34 @@ def _run_dirs(result_dirs: tuple[Path, ...]) -> list[Path]:
     return runs
 
 
+@click.command("profile")
+@click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the table and its legend as markdown to this file.")
+def profile_command(result_dirs: tuple[Path, ...], out: Path | None) -> None:
+    """Where each turn's time goes inside the connector: the median of each step of its loads
+    (waiting, decoding, matching, gate, correction, partial forward, attention, save) beside the
+    p50 TTFT, for the turns that reuse and those that reuse nothing (each RESULT_DIR is a run, or a
+    sweep holding runs). From recorded stats only: profiles any run after the fact."""
+    from kvbench.analysis.profile import legend, profile_table
+    from kvbench.analysis.runs import RunLoadError, find_runs
+
+    try:
+        runs = find_runs(list(result_dirs))
+    except RunLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    table = profile_table(runs)
+    if table.empty:
+        raise click.ClickException("no successful requests with connector stats in these runs")
+    text = table.to_markdown(index=False, floatfmt=".1f") + "\n\nSteps (median ms over the turns the connector " \
+        "loaded; `claimed` counts them):\n" + legend() + "\n"
+    click.echo(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        click.echo(f"profile: {out}", err=True)
+
+
 @click.command("summarize")
 @click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 def summarize_command(result_dirs: tuple[Path, ...]) -> None:

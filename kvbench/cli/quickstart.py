@@ -25,9 +25,13 @@ from kvbench.tracegen.generate import TASK_MODELS, TASKS
               help="The trace's task (gen-trace --task): role-recall scores every answer on reuse turns.")
 @click.option("--num-warmups", type=click.IntRange(min=0), default=3, show_default=True,
               help="Trajectories each replay runs first (and leaves out); KVCMAS keeps what it learned from them.")
+@click.option("--enforce-eager/--no-enforce-eager", default=True, show_default=True,
+              help="Run vLLM eager (its --enforce-eager): no torch.compile warm-up, so each of the four servers "
+                   "starts in about a quarter of the time, and decoding is slower. Every method runs alike, so the "
+                   "comparison holds; for absolute figures use `kvbench replay`/`sweep`, compiled by default.")
 @click.pass_context
 def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectories: int, shared_tokens: int,
-                       model: str | None, task: str, num_warmups: int) -> None:
+                       model: str | None, task: str, num_warmups: int, enforce_eager: bool) -> None:
     """Generate a four-agent trace, replay it inside vLLM with NonShared, FullShared and KVCMAS,
     compare their outputs with NonShared's (exact match, token F1, first-token KL, PGR against a
     run without the shared context) and, on a task trace, score their answers, and report both
@@ -52,6 +56,7 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     ctx.invoke(gen_trace_command, output=trace, num_trajectories=num_trajectories + num_warmups,
                shared_tokens=shared_tokens, qps=qps, task=task, model=model)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
+    vllm_args = ("--enforce-eager",) if enforce_eager else ()  # recorded in each run's server_command
     runs = {name: out / f"{name}-{stamp}" for name in ("nonshared", "fullshared", "kvcmas", "no-context")}
     # NonShared is the reference (its outputs: what the others are compared with; its logprobs:
     # the first-token KL); the no-context run is PGR's floor (greedy everywhere).
@@ -60,11 +65,12 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
                                 ("nonshared", "no-context", {"drop_shared": True})):
         click.echo(f"[3/5] replay ({name})", err=True)
         ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=num_warmups,
-                   result_dir=runs[name], label=name, **extra)  # the trace names its model
+                   result_dir=runs[name], label=name, vllm_args=vllm_args, **extra)  # the trace names its model
     click.echo("[4/5] quality against NonShared's outputs", err=True)
     ctx.invoke(quality_command, result_dirs=(runs["fullshared"], runs["kvcmas"], runs["no-context"]),
                reference_dir=runs["nonshared"], floor_dir=runs["no-context"], naive_dir=runs["fullshared"])
     click.echo("[5/5] report", err=True)
     ctx.invoke(report_command, result_dirs=tuple(runs[n] for n in ("nonshared", "fullshared", "kvcmas")),
                out=out / f"report-{stamp}",
-               title=f"kvbench quickstart on {model}{constructed}: what NonShared, FullShared and KVCMAS save and cost")
+               title=f"kvbench quickstart on {model}{constructed}{', vLLM eager' if enforce_eager else ''}: "
+                     "what NonShared, FullShared and KVCMAS save and cost")

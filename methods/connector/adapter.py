@@ -48,7 +48,7 @@ class KVBenchConnector(KVConnectorBase_V1):
         self.scheduler_side: ConnectorScheduler | None = None
         self.worker_side: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = ConnectorScheduler(settings)
+            self.scheduler_side = ConnectorScheduler(settings, method)
         else:
             self.worker_side = ConnectorWorker(settings, method, vllm_config.cache_config.block_size,
                                                vllm_config.compilation_config.static_forward_context,

@@ -1,8 +1,11 @@
 """The connector's scheduler side (engine process): claims, waits and pending saves.
 
-For a request with a kvbench plan, claim every prompt token but the last as an external hit, so
-the worker side loads them before the forward; wait (claim None) while a source cache is still
-being produced; hold finished requests' blocks until the worker has copied them into the store.
+For a request its method reuses something for (by the plan's claim policy, kvbench.contracts:
+by default `SharingMethod.loads_request`), claim every prompt token vLLM's prefix cache does not
+hold but the last as an external hit, so the worker side loads them before the forward; wait
+(claim None) while a source cache is still being produced. Any other request is vLLM's own
+prefill, in its own batches. Hold finished requests' blocks until the worker has copied them into
+the store.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvbench.contracts import PLAN_KEY, ContractError, Plan
+from kvbench.methods.base import SharingMethod
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import LoadSpec, SaveSpec
@@ -25,13 +29,15 @@ logger = logging.getLogger("kvbench.connector")
 
 
 class ConnectorScheduler:
-    def __init__(self, settings: ConnectorSettings) -> None:
-        self.settings = settings
+    def __init__(self, settings: ConnectorSettings, method: SharingMethod) -> None:
+        """`method`: built from the same settings as the workers' (never bound to a model here)."""
+        self.settings, self.method = settings, method
         self._pending_loads: dict[str, LoadSpec] = {}
         self._pending_saves: list[SaveSpec] = []
         self._unsaved_keys: set[str] = set()  # a producer is running or its save is unconfirmed
         self._failed_loads: set[str] = set()  # async loads that failed: vLLM computes them itself
         self._bad_plans: set[str] = set()  # requests whose plan was refused (logged once each)
+        self._vllm_prefills: dict[str, int] = {}  # unclaimed requests -> rows vLLM's prefix cache held
 
     def plan_of(self, request: Request) -> Plan | None:
         """The request's plan; a plan this kvbench cannot read is logged and the request served
@@ -47,7 +53,10 @@ class ConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self.plan_of(request)
-        if plan is None or not plan.claim:
+        if plan is None:
+            return 0, False
+        if not self.loads(plan):  # vLLM prefills it in its own batches; it is still saved when it finishes
+            self._vllm_prefills[request.request_id] = num_computed_tokens
             return 0, False
         if request.request_id in self._failed_loads:  # asked again after a failed async load
             self._failed_loads.discard(request.request_id)
@@ -56,6 +65,12 @@ class ConnectorScheduler:
             return None, False  # a source is still being produced: ask again next step
         count = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
         return count, count > 0 and self.settings.asynchronous
+
+    def loads(self, plan: Plan) -> bool:
+        """Whether the connector loads (claims) the request under its plan's claim policy."""
+        if plan.claim == "method":
+            return self.method.loads_request(plan)
+        return plan.claim == "all"
 
     def on_new_request(self, request: Request) -> None:
         plan = self.plan_of(request)
@@ -102,6 +117,7 @@ class ConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         self._failed_loads.discard(request.request_id)
+        prefix_cached = self._vllm_prefills.pop(request.request_id, None)
         plan = self.plan_of(request)
         self._bad_plans.discard(request.request_id)
         if plan is None or not plan.save_as:
@@ -111,5 +127,7 @@ class ConnectorScheduler:
             return False, None
         # K/V exists for every computed token: the prompt and all generated tokens but the last.
         tokens = list(request.all_token_ids[: request.num_computed_tokens])
-        self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids)))
+        # A request vLLM prefilled itself is reported at its save (no load saw it).
+        unclaimed = None if prefix_cached is None else (request.num_prompt_tokens, prefix_cached)
+        self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids), unclaimed))
         return True, {PLAN_KEY: {"save_as": plan.save_as, "num_tokens": len(tokens)}}

@@ -28,3 +28,6 @@ class SaveSpec:
     key: str
     token_ids: list[int]
     block_ids: list[int]
+    # (prompt tokens, rows vLLM's prefix cache held) of a request the connector did not claim
+    # (vLLM prefilled it): its stats are recorded at the save. None: a load reported it.
+    unclaimed: tuple[int, int] | None = None

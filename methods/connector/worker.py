@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvbench import __version__
-from kvbench.contracts import LoadStats, ServerInfo, WorkerStats
+from kvbench.contracts import LoadStats, ServerInfo, WorkerStats, vllm_prefill_stats
 from kvbench.methods.base import MethodConfigError, SharingMethod
 from kvbench.methods.compute_tracker import ComputedRequests
 from kvbench.methods.connector.loads import LoadJob, make_loads
@@ -40,6 +40,8 @@ class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, method: SharingMethod, block_size: int,
                  static_forward_context: dict[str, Any], model_path: str = "") -> None:
         self.settings, self.method, self.block_size = settings, method, block_size
+        # What the scheduler side (another object, maybe another process) read at start-up and keeps.
+        self._scheduler_loads_every_request = method.loads_every_request()
         self.model_path = model_path  # what vLLM loaded: a directory or a hub name
         self._forward_context = static_forward_context  # layer name -> attention module
         self.store = SegmentStore(settings.max_store_bytes, store_codec(self.method))
@@ -210,6 +212,8 @@ class ConnectorWorker:
                 entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None))
                 encode_s = self.store.put(save.key, entry)
                 stats = self.request_stats.setdefault(save.key, {})
+                if save.unclaimed is not None:
+                    stats.update(vllm_prefill_stats(self.method.name, *save.unclaimed))
                 stats["save_s"] = time.perf_counter() - started
                 stored = self.store.stored_nbytes(save.key)
                 if stored is not None:  # what the store holds for it (compressed or not), measured
@@ -258,6 +262,10 @@ class ConnectorWorker:
     def set_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """Replace the method (same name, new parameters, empty state): e.g. to tune tau on one server."""
         method = load_method(self.settings.method, {**self.method.params, **params})
+        if method.loads_every_request() and not self._scheduler_loads_every_request:
+            raise MethodConfigError(f"{method.name}: these parameters need every request loaded by the connector (its "
+                                    "sources save a residual stream only their load captures), which the scheduler "
+                                    "decided at start-up: start the server with them instead")
         if self.forward is not None:
             method.bind(self)  # first: a method may size itself by the model (DroidSpeak's default group)
             self.check_method_fits(method)
