@@ -73,12 +73,22 @@ class Plan:
     save_as: str | None  # where the connector saves this request's cache when it finishes
     segments: tuple[PlanSegment, ...] = ()
     claim: ClaimPolicy = "method"
+    # Earlier caches of this trajectory that may hold the prompt's first rows exactly (the agent's
+    # own earlier turns: its next round starts with its earlier prompt). The connector copies the
+    # longest such prefix instead of computing it; they are never reused approximately.
+    prefix_sources: tuple[str, ...] = ()
     inject_fault: bool = False  # honoured only with kv_connector_extra_config.fault_injection="flagged"
     version: int = CONTRACT_VERSION
 
     @property
     def sources(self) -> set[str]:
+        """The caches its shared segments reuse."""
         return {s.source for s in self.segments if s.source}
+
+    @property
+    def waits_for(self) -> set[str]:
+        """Every cache the request reads, each saved before its load starts."""
+        return self.sources | set(self.prefix_sources)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -105,7 +115,8 @@ class Plan:
         return cls(trajectory=str(raw.get("trajectory", "")), turn=str(raw.get("turn", "")),
                    agent=str(raw.get("agent", "")), save_as=raw.get("save_as"),
                    segments=tuple(PlanSegment.from_dict(s) for s in segments),
-                   claim=claim, inject_fault=bool(raw.get("inject_fault", False)))
+                   claim=claim, prefix_sources=tuple(str(k) for k in raw.get("prefix_sources") or ()),
+                   inject_fault=bool(raw.get("inject_fault", False)))
 
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> Plan | None:

@@ -44,6 +44,10 @@ class SavedKV(_HeldRows):
     hidden: torch.Tensor | None = None
     hidden_valid: torch.Tensor | None = None
     hidden_layer: int | None = None
+    # Its first rows hold what a dense prefill of its tokens computes (no reused row before them):
+    # a later request with the same tokens there may copy them as vLLM's prefix cache would
+    # serve them. 0: none known exact (a compressed entry's decoded rows never are).
+    exact_rows: int = 0
 
 
 @dataclass

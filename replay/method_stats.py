@@ -137,7 +137,9 @@ class MethodStatsCollector:
             record["eligible_tokens"] = stats.get("eligible_tokens")
             record["recomputed_tokens"] = stats["recomputed_tokens"]
             record["source_missing_tokens"] = stats.get("source_missing_tokens")
-            # vLLM counts the connector's claims as cached too; its own prefix cache is `local_tokens`
-            record["prefix_cached_tokens"] = stats.get("local_tokens")
+            # vLLM counts the connector's claims as cached too; its own prefix cache is `local_tokens`,
+            # to which the rows the connector copied from an earlier cache's exact prefix add alike
+            local = stats.get("local_tokens")
+            record["prefix_cached_tokens"] = None if local is None else local + stats.get("exact_prefix_tokens", 0)
             record["method_stats"] = json.dumps(stats)
         return missing

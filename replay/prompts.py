@@ -130,8 +130,11 @@ class PromptBuilder:
                 source=cache_key(self.run_id, trajectory.trajectory_id, source),
                 source_start=_start_in_cache(span.id, source, prompts[source]), source_turn=source,
                 source_agent=trajectory.turn_by_id[source].agent))
+        # The agent's own finished turns: its prompt may start with one of theirs, copied exactly.
+        own = [t for t in trajectory.turns if t.agent == turn.agent and t.turn_id in prompts and t.turn_id != turn.turn_id]
         return Plan(trajectory=trajectory.trajectory_id, turn=turn.turn_id, agent=turn.agent,
-                    save_as=cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id), segments=tuple(segments))
+                    save_as=cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id), segments=tuple(segments),
+                    prefix_sources=tuple(cache_key(self.run_id, trajectory.trajectory_id, t.turn_id) for t in own))
 
 
 def _start_in_cache(ph: str, source_turn: str, source_prompt: TurnPrompt) -> int:

@@ -49,7 +49,9 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
     cached_tokens: int | None = None  # vLLM's usage figure: its prefix cache plus every token a connector claimed
-    prefix_cached_tokens: int | None = None  # rows vLLM's own prefix cache served
+    # rows served as a dense prefill computes them, without computing: vLLM's own prefix cache, and
+    # under a connector method also rows copied from an earlier cache's exact prefix
+    prefix_cached_tokens: int | None = None
     eligible_tokens: int | None = None  # method-reported: PH tokens it could have served from a cache
     reused_tokens: int | None = None  # method-reported
     recomputed_tokens: int | None = None  # method-reported

@@ -72,6 +72,26 @@ def test_candidates_count_an_evicted_source_and_a_producers_last_token() -> None
     assert found.missing == 2 and found.evicted == 1  # the row past the producer's cache, the evicted q
 
 
+def test_an_exact_prefix_is_the_longest_whole_blocks_of_the_same_tokens_inside_a_sources_exact_rows() -> None:
+    """An agent's next round starts with its own earlier prompt: those rows, same tokens at the same
+    positions before any reused row, are what a dense prefill computes; copied in whole blocks."""
+    from kvbench.methods.connector.materialize import exact_prefix
+
+    store = SegmentStore(1 << 20)
+    earlier = _saved(list(range(10)))
+    earlier.exact_rows = 10
+    store.put("own", earlier)
+    store.put("other", _saved(list(range(9)) + [77]))  # exact_rows 0: nothing known exact
+    tokens = list(range(9)) + [50, 51, 52]
+    spec = _spec((PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 8, source="own", source_start=4),
+                  PlanSegment("ph", "x", 10, 2, source="other", source_start=0)), tokens)
+    source, stop = exact_prefix(store, spec, torch.tensor(tokens), block_size=4)
+    assert source is store.get("own") and stop == 8  # 9 tokens in common, whole blocks of 4
+    earlier.exact_rows = 6  # a reused row at 6: what follows it is approximate
+    assert exact_prefix(store, spec, torch.tensor(tokens), block_size=4)[1] == 4
+    assert exact_prefix(store, spec, torch.tensor(tokens), block_size=16) == (None, 0)
+
+
 def test_store_evicts_the_least_recently_used_first() -> None:
     one = _saved([1, 2, 3]).nbytes
     store = SegmentStore(2 * one)

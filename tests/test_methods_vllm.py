@@ -50,7 +50,10 @@ def test_exact_source_reuse_is_bit_identical(server: VLLMServer, prompts: dict, 
     reused = complete(server, prompts["p0"], plan, salt=reuse_key)
     assert max_dlogprob(dense, reused) <= bf16_noise["p0"]  # the last row alone: another GEMM shape
     assert kv_error(server, reuse_key, dense_key, 0, n)["bit_identical"]
-    assert request_stats(server, reuse_key)["reused_tokens"] == n
+    stats = request_stats(server, reuse_key)
+    # Whole blocks of the dense source are copied as its exact prefix, the rest reused (bit-identical too)
+    assert stats["exact_prefix_tokens"] > 0 and stats["reused_tokens"] > 0
+    assert stats["exact_prefix_tokens"] + stats["reused_tokens"] == n
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -100,6 +103,37 @@ def test_fullshared_from_another_prefix_differs_measurably(server: VLLMServer, p
     # (0.031 against 0.015, one bf16 step of its logits), while the caches differ by over 5x.
     assert max_dlogprob(dense, shared) > max(max_dlogprob(dense, computed), 1e-3)
     assert request_stats(server, target_key)["reused_tokens"] == len(prompts["q"])
+
+
+def test_a_later_round_copies_its_own_earlier_prompt_exactly(server: VLLMServer, prompts: dict, bf16_noise: dict) -> None:
+    """A first turn reuses nothing: vLLM prefills it (not claimed) and it is saved, exact. A later
+    turn of the same agent starts with that prompt and its output: the connector copies those rows
+    (whole blocks) from the saved cache as vLLM's prefix cache would, instead of computing the role
+    prompt again behind its cache_salt, and the result is the dense one."""
+    sys_len, q_len = len(prompts["sys0"]), len(prompts["q"])
+    first_key, dense_key, later_key = new_key(), new_key(), new_key()
+    first = complete(server, prompts["p0"], {"save_as": first_key, "segments": [
+        {"kind": "pf", "id": "system", "start": 0, "length": sys_len},
+        {"kind": "ph", "id": "q", "start": sys_len, "length": q_len}]}, salt=first_key, max_tokens=4)
+    assert request_stats(server, first_key)["claimed"] is False
+    output = [int(t.split(":")[1]) for t in first["logprobs"]["tokens"]][:3]  # the last has no K/V
+    later_prompt = prompts["p0"] + output + prompts["tail"]
+    plan = {"save_as": later_key, "segments": [
+        {"kind": "pf", "id": "system", "start": 0, "length": sys_len},
+        {"kind": "ph", "id": "q", "start": sys_len, "length": q_len, "source": first_key, "source_start": sys_len},
+        {"kind": "ph", "id": "out:A0.r0", "start": len(prompts["p0"]), "length": 3, "source": first_key,
+         "source_start": len(prompts["p0"])},
+        {"kind": "pf", "id": "text", "start": len(prompts["p0"]) + 3, "length": len(prompts["tail"])}]}
+    dense = dense_prefill(server, later_prompt, dense_key)
+    later = complete(server, later_prompt, plan, salt=later_key)
+    stats = request_stats(server, later_key)
+    common = len(prompts["p0"]) + 3
+    assert 0 < stats["exact_prefix_tokens"] <= common < stats["exact_prefix_tokens"] + 1024  # whole blocks of it
+    assert stats["local_tokens"] == 0  # its salt keeps vLLM's own prefix cache out
+    assert stats["exact_prefix_tokens"] + stats["reused_tokens"] + stats["recomputed_tokens"] == len(later_prompt) - 1
+    assert max_dlogprob(dense, later) <= bf16_noise["p0"]
+    error = kv_error(server, later_key, dense_key, 0, stats["exact_prefix_tokens"])
+    assert all(layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01 for layer in error["layers"]), error
 
 
 def test_exact_request_after_approximate_is_not_contaminated(server: VLLMServer, prompts: dict) -> None:

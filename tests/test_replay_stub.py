@@ -83,6 +83,28 @@ def test_plan_spans_match_prompt_tokens(tiny_tokenizer_dir: Path) -> None:
     assert plan.segments[2].source is not None  # A3 reuses q from A2
 
 
+def test_a_later_round_names_the_agents_own_earlier_turns_as_prefix_sources(tiny_tokenizer_dir: Path) -> None:
+    """An agent's next round may start with its earlier prompt: the plan names its own finished
+    turns, whose exact rows the connector may copy."""
+    from kvbench.replay.prompts import PromptBuilder
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_tokenizer_dir))
+    _, (trajectory,) = generate_trace(TraceSpec(shared_tokens=100, output_len=3, num_trajectories=1, workflow="loop",
+                                                rounds=2), tokenizer)
+    builder = PromptBuilder(tokenizer, [], run_id="run")
+    outputs: dict = {}
+    prompts: dict = {}
+    for turn in trajectory.turns:
+        prompt = builder.build(trajectory, turn, outputs, prompts)
+        expected = [f"run/{trajectory.trajectory_id}/{t}" for t in prompts if trajectory.turn_by_id[t].agent == turn.agent]
+        assert list(prompt.plan.prefix_sources) == expected
+        assert set(expected) <= prompt.plan.waits_for
+        outputs[turn.turn_id], prompts[turn.turn_id] = [7, 8, 9], prompt
+    assert Plan.from_params(prompt.plan.to_params()) == prompt.plan and prompt.plan.prefix_sources  # A3.r1 names A3.r0
+
+
 def test_arrivals_follow_the_schedule(tiny_tokenizer_dir: Path, stub: StubServer, tmp_path: Path) -> None:
     result = _replay("--base-url", stub.base_url, "--qps", "10", "--arrival", "constant", "--num-trajectories", "20",
                      *SMALL, "--result-dir", str(tmp_path / "r"), model=tiny_tokenizer_dir)

@@ -9,6 +9,7 @@ are computed in which layers; `count_rows` turns that into whole-token reused/re
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from kvbench.contracts import LoadStats
 from kvbench.methods.base import LoadContext, SegmentReuse, SharingMethod
 from kvbench.methods.connector.specs import LoadSpec
 from kvbench.methods.forward import LayerGroup
-from kvbench.methods.store import SegmentStore
+from kvbench.methods.store import SavedKV, SegmentStore
 
 if TYPE_CHECKING:
     from kvbench.methods.connector.worker import ConnectorWorker
@@ -63,6 +64,35 @@ def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -
         if bool(same.any()):
             found.reuses.append(SegmentReuse(segment, source, dst[same], src[same]))
     return found
+
+
+def exact_prefix(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor, block_size: int) -> tuple[SavedKV | None, int]:
+    """The cache named in the plan (a source or a prefix source) holding the longest run of this
+    request's first rows with the same tokens at the same positions inside its exact rows
+    (SavedKV.exact_rows), and where that run ends, in whole blocks (as vLLM's prefix cache serves
+    them); (None, 0) where none does. Such rows are what a dense prefill computes: copied, not
+    reused (an agent's next round reads its own earlier prompt this way, which its cache_salt
+    keeps vLLM's prefix cache from serving)."""
+    best: tuple[SavedKV | None, int] = (None, 0)
+    for key in sorted(spec.plan.waits_for):  # sorted: every tensor-parallel rank picks alike
+        source = store.get(key)
+        if source is None or source.exact_rows <= 0:
+            continue
+        n = min(len(tokens), source.exact_rows)
+        differs = (source.token_ids[:n] != tokens[:n]).nonzero()
+        common = int(differs[0]) if len(differs) else n
+        common -= common % block_size
+        if common > best[1]:
+            best = (source, common)
+    return best
+
+
+def copy_exact_rows(worker: ConnectorWorker, source: SavedKV, start: int, stop: int, slots: torch.Tensor) -> None:
+    """Rows [start, stop) of `source` into the request's blocks, every layer, as they are."""
+    rows = torch.arange(start, stop, device=source.k.device)
+    for index, name in enumerate(worker.forward.layer_names):
+        worker.layouts[name].write(worker.kv_caches[name], slots[start:stop], source.k[index].index_select(0, rows),
+                                   source.v[index].index_select(0, rows))
 
 
 class Placement:
@@ -189,6 +219,12 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
     positions = torch.arange(n, dtype=torch.long)
     slots = block_ids[positions // worker.block_size] * worker.block_size + positions % worker.block_size
     decoded_s, decoded_tokens = worker.store.decode_s, worker.store.decoded_tokens
+    exact_source, exact_stop = exact_prefix(worker.store, spec, tokens, worker.block_size)
+    exact_copied = 0
+    if exact_source is not None and exact_stop > spec.num_local:
+        copy_exact_rows(worker, exact_source, spec.num_local, exact_stop, slots)
+        exact_copied = exact_stop - spec.num_local
+        spec = dataclasses.replace(spec, num_local=exact_stop)  # valid from here on, like vLLM's own hits
     found = find_candidates(worker.store, spec, tokens)
     decoded_s, decoded_tokens = worker.store.decode_s - decoded_s, worker.store.decoded_tokens - decoded_tokens
     ctx = LoadContext(spec.key, spec.plan, tokens, spec.num_local, found.reuses, worker.rows_reader(block_ids),
@@ -226,12 +262,16 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
         keep_hidden(str(spec.plan.save_as), (*forward.captured, capture))
     stages = narrowing.stages if narrowing else []
     reused_count, recomputed = count_rows(reused, compute, stages, check, group_layers, worker.num_layers)
+    if spec.plan.save_as:  # rows before the first reused one are exact: later requests may copy them
+        placed = reused.nonzero()
+        worker.note_exact_rows(spec.plan.save_as, int(placed[0]) if len(placed) else 1 << 62)
     stats: dict[str, Any] = {
         "method": method.name,
         "reused_tokens": reused_count,
         "recomputed_tokens": recomputed,
         "served_entries": served_entries(int(reused.sum()), stages, check, group_layers, worker.num_layers),
         "layers": worker.num_layers,
+        "exact_prefix_tokens": exact_copied,
         "ph_without_source_tokens": found.missing,
         "source_missing_tokens": found.evicted,
         "source_refused_tokens": found.refused,

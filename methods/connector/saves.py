@@ -15,9 +15,11 @@ ReadLayer = Callable[[str, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]
 Hidden = tuple[torch.Tensor, torch.Tensor, int]
 
 
-def saved_copy(save: SaveSpec, layer_names: list[str], read_layer: ReadLayer, hidden: Hidden | None) -> SavedKV:
+def saved_copy(save: SaveSpec, layer_names: list[str], read_layer: ReadLayer, hidden: Hidden | None,
+               exact_rows: int | None = None) -> SavedKV:
     """The request's K/V as one [layers, n, Hkv, hd] tensor each, with the residual stream the
-    load captured for the rows it computed (rows vLLM computed, its generated tokens, have none)."""
+    load captured for the rows it computed (rows vLLM computed, its generated tokens, have none).
+    `exact_rows`: its first rows a dense prefill would have computed alike (None: all of them)."""
     n = len(save.token_ids)
     block_ids = torch.tensor(save.block_ids, dtype=torch.long)
     keys = values = None
@@ -30,7 +32,8 @@ def saved_copy(save: SaveSpec, layer_names: list[str], read_layer: ReadLayer, hi
         values[index].copy_(v)
     if keys is None or values is None:
         raise RuntimeError("no KV cache layers to save from")
-    entry = SavedKV(torch.tensor(save.token_ids, dtype=torch.long), keys, values)
+    entry = SavedKV(torch.tensor(save.token_ids, dtype=torch.long), keys, values,
+                    exact_rows=n if exact_rows is None else min(n, exact_rows))
     if hidden is not None:
         rows, stream, layer = hidden
         entry.hidden = stream.new_zeros((n, stream.shape[1]))

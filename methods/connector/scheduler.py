@@ -61,7 +61,7 @@ class ConnectorScheduler:
         if request.request_id in self._failed_loads:  # asked again after a failed async load
             self._failed_loads.discard(request.request_id)
             return 0, False
-        if plan.sources & self._unsaved_keys:
+        if plan.waits_for & self._unsaved_keys:
             return None, False  # a source is still being produced: ask again next step
         count = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
         return count, count > 0 and self.settings.asynchronous

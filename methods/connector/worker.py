@@ -59,6 +59,8 @@ class ConnectorWorker:
         # save key -> (rows, their residual stream [rows, hidden], layer) captured at the load,
         # attached to the cache when the request finishes (methods with recompute_layers only)
         self._hidden_for_save: dict[str, Hidden] = {}
+        # save key -> the rows before its first reused row (exact, as a dense prefill), from its load
+        self._exact_rows_for_save: dict[str, int] = {}
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -179,6 +181,12 @@ class ConnectorWorker:
         while len(self._hidden_for_save) > MAX_PENDING_HIDDEN:  # requests aborted before their save
             self._hidden_for_save.pop(next(iter(self._hidden_for_save)))
 
+    def note_exact_rows(self, key: str, rows: int) -> None:
+        """A load's request `key` holds dense-prefill K/V in its first `rows` rows (kept for its save)."""
+        self._exact_rows_for_save[key] = rows
+        while len(self._exact_rows_for_save) > MAX_PENDING_HIDDEN:
+            self._exact_rows_for_save.pop(next(iter(self._exact_rows_for_save)))
+
     def _finish_load(self, job: LoadJob, stats: LoadStats) -> None:
         self._record_stats(job.key, job.finished_stats(stats))
 
@@ -209,7 +217,9 @@ class ConnectorWorker:
         for save in meta.saves:
             started = time.perf_counter()
             try:
-                entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None))
+                # vLLM prefilled an unclaimed request: exact throughout; a load said how far (none: it failed)
+                exact = None if save.unclaimed is not None else self._exact_rows_for_save.pop(save.key, 0)
+                entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None), exact)
                 encode_s = self.store.put(save.key, entry)
                 stats = self.request_stats.setdefault(save.key, {})
                 if save.unclaimed is not None:
@@ -279,6 +289,7 @@ class ConnectorWorker:
         (warm-ups that prime anchor pools before a measured run)."""
         self.store.clear()
         self._hidden_for_save.clear()
+        self._exact_rows_for_save.clear()
         if keep_method_state:
             self.method.restart_peaks()
         else:
