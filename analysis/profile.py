@@ -65,7 +65,8 @@ def profile_rows(run: Run) -> list[dict[str, Any]]:
         if not mask.any():
             continue
         kind_stats = stats[mask]
-        row: dict[str, Any] = {"run": run.name, "method": run.method, "turns": kind,
+        name = run.name if run.path.name == run.name else f"{run.name} {run.path.name}"  # a sweep cell: its point
+        row: dict[str, Any] = {"run": name, "method": run.method, "turns": kind,
                                "requests": int(mask.sum()), "claimed": int(claimed[mask].sum()),
                                "p50_ttft_ms": float(requests.loc[mask, "ttft_ms"].median())}
         loaded = kind_stats[claimed[mask]]

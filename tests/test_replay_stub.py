@@ -318,7 +318,7 @@ def test_profile_splits_the_turns_that_reuse_from_those_vllm_prefilled(tiny_toke
     out = tmp_path / "profile.md"
     result = CliRunner().invoke(main, ["profile", str(tmp_path / "fs"), "--out", str(out)], prog_name="kvbench")
     assert result.exit_code == 0, result.output
-    lines = [line for line in out.read_text().splitlines() if line.startswith("| fullshared")]
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| fullshared fs")]
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
     assert [row[2:5] for row in cells] == [["reuse turns", "6", "6"], ["turns reusing nothing", "2", "0"]]
     assert "`save_ms`" in out.read_text()
