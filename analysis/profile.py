@@ -40,8 +40,11 @@ STEPS: list[tuple[str, str, Callable[[Stats], float]]] = [
     ("gate_ms", "anchor distances and the entropy gate", _decisions_sum("gate_s")),
     ("interpolate_ms", "token-weighted interpolation of anchor deltas", _decisions_sum("interpolate_s")),
     ("decide_ms", "every segment's decision (includes the three above)", _decisions_sum("decide_s")),
-    ("forward_ms", "placement and partial forward over every layer (includes the two below)",
+    ("forward_ms", "placement and partial forward over every layer (includes the four below)",
      lambda s: s.get("materialize_s", float("nan"))),
+    ("placement_ms", "building the reused rows every layer: gather, RoPE, correction, finiteness check "
+     "(includes the two below)", lambda s: s.get("placement_s", float("nan"))),
+    ("rope_ms", "re-rotating reused keys to their new positions", lambda s: s.get("rope_s", float("nan"))),
     ("correction_ms", "low-rank reconstruction and adding the deltas, inside the layers", _decisions_sum("apply_s")),
     ("attention_ms", "attention of the computed rows over the paged cache", lambda s: s.get("attention_s", 0.0)),
     ("load_ms", "the whole load, first step to last (waits between steps included)",
@@ -85,4 +88,6 @@ def profile_table(runs: list[Run]) -> pd.DataFrame:
 
 def legend() -> str:
     """What each step column measures (for the report under the table)."""
-    return "\n".join(f"- `{column}`: {what}" for column, what, _ in STEPS)
+    return "\n".join(f"- `{column}`: {what}" for column, what, _ in STEPS) + (
+        "\n\nNot in the table: anchor building and prematching run after the first token (`run_deferred`, "
+        "outside TTFT); the stats RPCs run between engine steps, every few seconds.")

@@ -106,6 +106,8 @@ class Placement:
         self.check = check_layers[0] if check_layers else None
         self.rows = torch.cat([r.dst for r in chosen]) if chosen else torch.empty(0, dtype=torch.long)
         self.at_check: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.seconds = 0.0  # building the placed rows, every layer: gathering, RoPE, correction, checks
+        self.rope_seconds = 0.0  # of which re-rotating keys to their new positions
 
     def all_computed(self, layer: int) -> bool:
         """Every reused row is computed in this layer (so none is placed)."""
@@ -117,10 +119,14 @@ class Placement:
     def __call__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.chosen or self.all_computed(layer):
             return self.rows[:0], torch.empty(0), torch.empty(0)
+        started = time.perf_counter()
         ks, vs = [], []
         for reuse in self.chosen:
             src = reuse.src.to(reuse.source.k.device)  # plans index on the CPU; the cache may be on a GPU
-            k = self.worker.aligner.rotate(reuse.source.k[layer].index_select(0, src), reuse.dst - reuse.src)
+            gathered = reuse.source.k[layer].index_select(0, src)
+            rope_started = time.perf_counter()
+            k = self.worker.aligner.rotate(gathered, reuse.dst - reuse.src)
+            self.rope_seconds += time.perf_counter() - rope_started
             v = reuse.source.v[layer].index_select(0, src)
             k, v = self.method.correct(layer, reuse, k, v)
             ks.append(k)
@@ -135,6 +141,7 @@ class Placement:
             raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
         if layer in self.check_layers:  # written, then overwritten by the fresh rows: kept for the comparison
             self.at_check[layer] = (k_all, v_all)
+        self.seconds += time.perf_counter() - started
         return self.rows, k_all, v_all
 
 
@@ -279,6 +286,8 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
         "materialize_s": time.perf_counter() - started,
         **({"store_decode_s": decoded_s, "store_decoded_tokens": decoded_tokens} if decoded_tokens else {}),
         "attention_s": forward.attention_s,
+        "placement_s": placement.seconds,
+        "rope_s": placement.rope_seconds,
         "segments": [{"id": r.segment.id, "source": r.segment.source, "reused": int(len(r.dst))} for r in chosen],
         **ctx.stats,
     }
