@@ -36,7 +36,7 @@ TRACES = {  # name -> the sweep's workload
 
 
 def _claimed(stats: str | None) -> bool:
-    return bool(stats) and json.loads(stats).get("claimed", True)
+    return bool(stats) and bool(json.loads(stats).get("claimed", True))
 
 
 def report(name: str, runs: dict[str, pd.DataFrame]) -> None:
