@@ -62,13 +62,13 @@ def profile_rows(run: Run) -> list[dict[str, Any]]:
         return []
     stats = requests["method_stats"].map(lambda s: json.loads(s) if isinstance(s, str) and s else {})
     claimed = stats.map(lambda s: bool(s) and s.get("claimed", True) and "reused_tokens" in s)
+    name = run.name if run.path.name == run.name else f"{run.name} {run.path.name}"  # a sweep cell: its point
     rows = []
     for kind, mask in (("reuse turns", requests["reusable_tokens"] > 0),
                        ("turns reusing nothing", requests["reusable_tokens"] == 0)):
         if not mask.any():
             continue
         kind_stats = stats[mask]
-        name = run.name if run.path.name == run.name else f"{run.name} {run.path.name}"  # a sweep cell: its point
         row: dict[str, Any] = {"run": name, "method": run.method, "turns": kind,
                                "requests": int(mask.sum()), "claimed": int(claimed[mask].sum()),
                                "p50_ttft_ms": float(requests.loc[mask, "ttft_ms"].median())}

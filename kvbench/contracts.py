@@ -8,6 +8,7 @@ here bumps CONTRACT_VERSION, and each side checks the other's version before rel
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
@@ -84,6 +85,11 @@ class Plan:
     def sources(self) -> set[str]:
         """The caches its shared segments reuse."""
         return {s.source for s in self.segments if s.source}
+
+    def claimed(self, method_loads: Callable[[Plan], bool]) -> bool:
+        """Whether the connector claims this request under its claim policy, for a method that
+        loads the requests `method_loads` accepts (SharingMethod.loads_request)."""
+        return method_loads(self) if self.claim == "method" else self.claim == "all"
 
     @property
     def waits_for(self) -> set[str]:

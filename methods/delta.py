@@ -230,7 +230,7 @@ class DeltaCorrection(SharingMethod):
     def loads_request(self, plan: Plan) -> bool:
         # Non-chained: every shared segment is served from its context-free reference, a first
         # agent's too; chained: only segments a source holds.
-        return bool(plan.sources) or (not self.chained and any(s.kind == "ph" for s in plan.segments))
+        return super().loads_request(plan) or (not self.chained and any(s.kind == "ph" for s in plan.segments))
 
     def prepare(self, ctx: LoadContext) -> Generator[int, None, None]:
         """Non-chained: prefill the context-free references this load lacks, so that asynchronous

@@ -133,6 +133,12 @@ class SegmentStore:
             return decoded
         return entry
 
+    def exact_entry(self, key: str) -> SavedKV | None:
+        """The entry under `key` if it is kept as saved with exact rows (SavedKV.exact_rows > 0), else
+        None; a peek: nothing decoded (a compressed entry's rows are never exact), LRU order kept."""
+        entry = self.entries.get(key)
+        return entry if isinstance(entry, SavedKV) and entry.exact_rows > 0 else None
+
     def was_refused(self, key: str) -> bool:
         """The entry under `key` was larger than the whole cap, so never stored (not evicted)."""
         return key in self.refused_keys

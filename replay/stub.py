@@ -105,7 +105,7 @@ class StubServer:
         if plan is None or not plan.save_as:
             return False
         self._saved += 1
-        if plan.claim == "none" or (plan.claim == "method" and not plan.sources):  # FullShared's rule
+        if not plan.claimed(lambda plan: bool(plan.sources)):  # FullShared's rule (SharingMethod.loads_request)
             self._stats[plan.save_as] = {**vllm_prefill_stats("stub", prompt_len, 0), "save_s": 0.001}
             return False
         reused = reusable_rows(plan.segments, prompt_len)  # a perfect reuse

@@ -75,8 +75,8 @@ def exact_prefix(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor, bloc
     keeps vLLM's prefix cache from serving)."""
     best: tuple[SavedKV | None, int] = (None, 0)
     for key in sorted(spec.plan.waits_for):  # sorted: every tensor-parallel rank picks alike
-        source = store.get(key)
-        if source is None or source.exact_rows <= 0:
+        source = store.exact_entry(key)
+        if source is None:
             continue
         n = min(len(tokens), source.exact_rows)
         differs = (source.token_ids[:n] != tokens[:n]).nonzero()
@@ -89,10 +89,9 @@ def exact_prefix(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor, bloc
 
 def copy_exact_rows(worker: ConnectorWorker, source: SavedKV, start: int, stop: int, slots: torch.Tensor) -> None:
     """Rows [start, stop) of `source` into the request's blocks, every layer, as they are."""
-    rows = torch.arange(start, stop, device=source.k.device)
     for index, name in enumerate(worker.forward.layer_names):
-        worker.layouts[name].write(worker.kv_caches[name], slots[start:stop], source.k[index].index_select(0, rows),
-                                   source.v[index].index_select(0, rows))
+        worker.layouts[name].write(worker.kv_caches[name], slots[start:stop], source.k[index, start:stop],
+                                   source.v[index, start:stop])
 
 
 class Placement:

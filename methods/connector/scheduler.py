@@ -55,7 +55,7 @@ class ConnectorScheduler:
         plan = self.plan_of(request)
         if plan is None:
             return 0, False
-        if not self.loads(plan):  # vLLM prefills it in its own batches; it is still saved when it finishes
+        if not plan.claimed(self.method.loads_request):  # vLLM prefills it in its own batches; it is still saved when it finishes
             self._vllm_prefills[request.request_id] = num_computed_tokens
             return 0, False
         if request.request_id in self._failed_loads:  # asked again after a failed async load
@@ -65,12 +65,6 @@ class ConnectorScheduler:
             return None, False  # a source is still being produced: ask again next step
         count = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
         return count, count > 0 and self.settings.asynchronous
-
-    def loads(self, plan: Plan) -> bool:
-        """Whether the connector loads (claims) the request under its plan's claim policy."""
-        if plan.claim == "method":
-            return self.method.loads_request(plan)
-        return plan.claim == "all"
 
     def on_new_request(self, request: Request) -> None:
         plan = self.plan_of(request)
