@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
-CONTRACT_VERSION = 2  # 2: Plan.claim became a ClaimPolicy (was a bool meaning "all" / "none")
+CONTRACT_VERSION = 3  # 3: Plan.keep_cache; 2: Plan.claim became a ClaimPolicy (was a bool meaning "all" / "none")
 PLAN_KEY = "kvbench"  # the plan's key in a request's kv_transfer_params
 
 
@@ -71,7 +71,7 @@ class Plan:
     trajectory: str
     turn: str
     agent: str
-    save_as: str | None  # where the connector saves this request's cache when it finishes
+    save_as: str | None  # the request's key: its stats, and where its cache is saved when it finishes
     segments: tuple[PlanSegment, ...] = ()
     claim: ClaimPolicy = "method"
     # Earlier caches of this trajectory that may hold the prompt's first rows exactly (the agent's
@@ -79,6 +79,10 @@ class Plan:
     # longest such prefix instead of computing it; they are never reused approximately.
     prefix_sources: tuple[str, ...] = ()
     inject_fault: bool = False  # honoured only with kv_connector_extra_config.fault_injection="flagged"
+    # Whether the connector keeps the finished request's cache under `save_as`. False when no later
+    # turn reads it (a trajectory's last agent): the copy into the store would only delay the next
+    # engine step, which is often the next trajectory's first agent. Its stats are reported anyway.
+    keep_cache: bool = True
     version: int = CONTRACT_VERSION
 
     @property
@@ -90,6 +94,11 @@ class Plan:
         """Whether the connector claims this request under its claim policy, for a method that
         loads the requests `method_loads` accepts (SharingMethod.loads_request)."""
         return method_loads(self) if self.claim == "method" else self.claim == "all"
+
+    @property
+    def saved_key(self) -> str | None:
+        """The key its cache is kept under when it finishes (None: not kept)."""
+        return self.save_as if self.keep_cache else None
 
     @property
     def waits_for(self) -> set[str]:
@@ -122,7 +131,7 @@ class Plan:
                    agent=str(raw.get("agent", "")), save_as=raw.get("save_as"),
                    segments=tuple(PlanSegment.from_dict(s) for s in segments),
                    claim=claim, prefix_sources=tuple(str(k) for k in raw.get("prefix_sources") or ()),
-                   inject_fault=bool(raw.get("inject_fault", False)))
+                   inject_fault=bool(raw.get("inject_fault", False)), keep_cache=bool(raw.get("keep_cache", True)))
 
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> Plan | None:

@@ -463,12 +463,12 @@ class DeltaCorrection(SharingMethod):
             if decision.get("id") in applied:
                 decision["apply_s"] = applied[decision["id"]]
         self._corrections.clear()
-        if self.params.get("prematch") and self.chained and self.matching and ctx.plan.save_as:
+        if self.params.get("prematch") and self.chained and self.matching and ctx.plan.saved_key:
             for segment in ctx.plan.segments:  # this request's rows are a later edge's source
                 stop = min(segment.start + segment.length, len(ctx.tokens))
                 if segment.kind == "ph" and stop > segment.start:
                     rows = torch.arange(segment.start, stop)
-                    self.prematches.append(Prematch(ctx.req_id, (ctx.plan.save_as, segment.start, segment.id),
+                    self.prematches.append(Prematch(ctx.req_id, (ctx.plan.saved_key, segment.start, segment.id),
                                                     segment.id, segment.start, lambda rows=rows: ctx.read_rows(rows)))
         for fallback in self._fallbacks.pop(ctx.request_key, []):
             # The segment was computed densely: its exact cache against the (aligned) source gives

@@ -60,16 +60,19 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: TraceTokenizer, prefix_ids: list[int], run_id: str,
                  reference_outputs: Mapping[tuple[str, str], list[int]] | None = None,
-                 drop_shared: bool = False) -> None:
+                 drop_shared: bool = False, keep_unread_caches: bool = True) -> None:
         """`reference_outputs` (trajectory id, turn id) -> output ids: a reference run's outputs,
         fed to later turns instead of this run's own where it has them (reference-anchored
         replay). `drop_shared`: every shared segment left out of every prompt (the no-context
-        floor of PGR)."""
+        floor of PGR). `keep_unread_caches`: the server keeps every turn's cache, also those no
+        later turn reads (what KV-error measurements compare afterwards)."""
         self.tokenizer = tokenizer
         self.prefix_ids = list(prefix_ids)
         self.run_id = run_id
         self.reference_outputs = reference_outputs
         self.drop_shared = drop_shared
+        self.keep_unread_caches = keep_unread_caches
+        self._read: dict[str, set[str]] = {}  # trajectory id -> read_caches
         self._text_ids: dict[str, list[int]] = {}
 
     def _ids_of_text(self, text: str) -> list[int]:
@@ -134,7 +137,26 @@ class PromptBuilder:
         own = [t for t in trajectory.turns if t.agent == turn.agent and t.turn_id in prompts and t.turn_id != turn.turn_id]
         return Plan(trajectory=trajectory.trajectory_id, turn=turn.turn_id, agent=turn.agent,
                     save_as=cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id), segments=tuple(segments),
-                    prefix_sources=tuple(cache_key(self.run_id, trajectory.trajectory_id, t.turn_id) for t in own))
+                    prefix_sources=tuple(cache_key(self.run_id, trajectory.trajectory_id, t.turn_id) for t in own),
+                    keep_cache=self.keep_unread_caches or turn.turn_id in self._read_caches(trajectory))
+
+    def _read_caches(self, trajectory: Trajectory) -> set[str]:
+        if trajectory.trajectory_id not in self._read:
+            self._read[trajectory.trajectory_id] = read_caches(trajectory)
+        return self._read[trajectory.trajectory_id]
+
+
+def read_caches(trajectory: Trajectory) -> set[str]:
+    """Turns whose cache a later turn may read: the source of one of its shared segments, or an
+    earlier turn of its own agent (a prefix source, see PromptBuilder.plan) that may have finished
+    before it starts."""
+    read = {source for turn in trajectory.turns for ph in trajectory.shared_keys(turn)
+            if (source := trajectory.source_of(turn, ph)) is not None}
+    for turn in trajectory.turns:
+        if any(other.agent == turn.agent and other.turn_id != turn.turn_id
+               and not trajectory.is_ancestor(other.turn_id, turn.turn_id) for other in trajectory.turns):
+            read.add(turn.turn_id)
+    return read
 
 
 def _start_in_cache(ph: str, source_turn: str, source_prompt: TurnPrompt) -> int:

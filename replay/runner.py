@@ -97,6 +97,8 @@ class ReplayConfig:
     drop_shared: bool = False  # every shared segment left out of every prompt (PGR's floor)
     logprobs: int = 0  # top-K logprobs of each first generated token, recorded (0: none)
     request_timeout_s: float = 600.0
+    # Also keeps every turn's cache on the server, those no later turn reads too: KV-error and
+    # fidelity measurements need both (they rebuild each prompt and compare its cache afterwards).
     save_prompt_ids: bool = False
     resume: bool = False
     server_pids: dict[str, int] = field(default_factory=dict)
@@ -237,7 +239,8 @@ class Replayer:
         builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
                                 run_id=f"{run_config['run_id']}/s{segment}",
                                 reference_outputs=cfg.reference.outputs if cfg.reference is not None else None,
-                                drop_shared=cfg.drop_shared)
+                                drop_shared=cfg.drop_shared,
+                                keep_unread_caches=cfg.save_prompt_ids)
         sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self.servers.fetch_stats)

@@ -104,9 +104,10 @@ class StubServer:
         plan = Plan.from_params(params)  # the connector's own check of the plan
         if plan is None or not plan.save_as:
             return False
-        self._saved += 1
+        self._saved += plan.keep_cache
         if not plan.claimed(lambda plan: bool(plan.sources)):  # FullShared's rule (SharingMethod.loads_request)
-            self._stats[plan.save_as] = {**vllm_prefill_stats("stub", prompt_len, 0), "save_s": 0.001}
+            self._stats[plan.save_as] = {**vllm_prefill_stats("stub", prompt_len, 0),
+                                         **({"save_s": 0.001} if plan.keep_cache else {})}
             return False
         reused = reusable_rows(plan.segments, prompt_len)  # a perfect reuse
         self._stats[plan.save_as] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,

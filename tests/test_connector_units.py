@@ -171,6 +171,43 @@ def test_a_request_that_reuses_nothing_is_left_to_vllm(method: str, params: dict
     assert scheduler.get_num_new_matched_tokens(_request("n", never), 0) == (0, False)
 
 
+@pytest.mark.parametrize("method", ["fullshared", "kvcomm"])
+def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
+    """A last agent's cache: no consumer waits for it, its blocks are freed at once (no save), and a
+    request vLLM prefilled still reports its figures; one the connector loaded reported them at its load."""
+    from vllm.v1.request import RequestStatus
+
+    from kvbench.methods.connector.scheduler import ConnectorScheduler
+
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": method}), load_method(method, {}))
+    last = Plan("t", "A3.r0", "A3", "run/t/A3.r0", (PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 6)),
+                keep_cache=False)
+    assert last.saved_key is None and Plan.from_params(last.to_params()) == last
+    scheduler.on_new_request(_request("a3", last))
+    reader = Plan("t", "X", "X", "run/t/X", (PlanSegment("ph", "q", 0, 5, source="run/t/A3.r0", source_start=4),))
+    assert scheduler.get_num_new_matched_tokens(_request("x", reader), 0) == (9, False)  # nothing to wait for
+    claimed = scheduler.get_num_new_matched_tokens(_request("a3", last), 2)[0] > 0
+    finished = _request("a3", last, status=RequestStatus.FINISHED_STOPPED, computed=10)
+    assert scheduler.request_finished(finished, [1]) == (False, None)  # vLLM frees its blocks now
+    saves = scheduler.build_connector_meta(SimpleNamespace(
+        num_scheduled_tokens={}, scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).saves
+    if claimed:  # kvcomm serves a first agent from its reference: the load reported it
+        assert saves == []
+    else:
+        (save,) = saves
+        assert not save.keep and save.key == "run/t/A3.r0" and save.unclaimed == (10, 2) and save.block_ids == []
+        from kvbench.methods.connector.metadata import KVBenchMetadata
+        from kvbench.methods.connector.worker import ConnectorWorker
+
+        worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": method}), load_method(method, {}),
+                                 block_size=16, static_forward_context={})
+        worker.wait_for_save(KVBenchMetadata(saves=[save]))
+        stats = worker.stats(clear=False)
+        assert stats.requests["run/t/A3.r0"]["local_tokens"] == 2 and "save_s" not in stats.requests["run/t/A3.r0"]
+        assert stats.store_entries == 0 and worker.get_finished(set())[0] == set()  # nothing held, nothing to free
+
+
 def test_an_unclaimed_request_reports_what_vllm_computed() -> None:
     from kvbench.contracts import vllm_prefill_stats
 

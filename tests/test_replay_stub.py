@@ -372,3 +372,36 @@ def test_a_servers_end_is_described_by_what_ended_it(code: int, log: str, expect
     described = exit_description(code, log)
     assert all(part in described for part in expected), described
     assert ("engine" in described) == bool(log)
+
+
+@pytest.mark.parametrize("workflow, rounds, unread", [
+    ("sequential", 1, {"A3.r0"}),  # the last agent
+    ("loop", 2, {"A3.r1"}),  # every first-round turn is a later round's prefix source
+    ("fan-in", 1, {"A3.r0"}),  # the aggregator
+])
+def test_the_server_keeps_only_caches_a_later_turn_reads(tiny_tokenizer_dir: Path, workflow: str, rounds: int,
+                                                          unread: set[str]) -> None:
+    """Keeping the last agent's cache would only delay the next engine step; KV-error runs
+    (--save-prompt-ids) keep them all."""
+    from kvbench.replay.prompts import PromptBuilder, read_caches
+    from kvbench.tracegen.generate import TraceSpec, generate_trace
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_tokenizer_dir))
+    _, (trajectory,) = generate_trace(TraceSpec(shared_tokens=100, output_len=3, num_trajectories=1, workflow=workflow,
+                                                rounds=rounds), tokenizer)
+    turns = {t.turn_id for t in trajectory.turns}
+    assert turns - read_caches(trajectory) == unread
+    for keep_all in (False, True):
+        builder = PromptBuilder(tokenizer, [], run_id="run", keep_unread_caches=keep_all)
+        outputs: dict = {}
+        prompts: dict = {}
+        kept = set()
+        for turn in trajectory.turns:
+            prompt = builder.build(trajectory, turn, outputs, prompts)
+            outputs[turn.turn_id], prompts[turn.turn_id] = [7, 8, 9], prompt
+            if prompt.plan.keep_cache:
+                kept.add(turn.turn_id)
+            read = {s.source for s in prompt.plan.segments if s.source} | set(prompt.plan.prefix_sources)
+            assert {k.rsplit("/", 1)[1] for k in read} <= kept  # whatever a turn reads was kept
+        assert kept == (turns if keep_all else turns - unread)

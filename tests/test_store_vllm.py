@@ -63,9 +63,11 @@ def test_evictions_and_lost_reuse_are_reported_per_run(capped_server: VLLMServer
     small = _run(capped_server, tmp_path / "small", "--qps", "0", "--num-trajectories", "1",
                  "--shared-tokens", "32", "--output-len", "4")
     # the same server, a run of small caches: its own peak and evictions, not the earlier runs'.
-    # All four caches fit, so the peak is exactly their bytes: every token with K/V (the prompt
-    # and the output but its last token).
+    # The three caches a later turn reads fit (the last agent's is not kept), so the peak is exactly
+    # their bytes: every token with K/V (the prompt and the output but its last token).
     per_token = kv_bytes_per_token(default_model)
     requests = pd.read_parquet(tmp_path / "small" / "requests.parquet")
-    assert small["method_store_peak_bytes"] == per_token * (requests["prompt_tokens"] + requests["output_tokens"] - 1).sum()
+    kept = requests[requests["turn_id"] != "A3.r0"]
+    assert len(kept) == 3
+    assert small["method_store_peak_bytes"] == per_token * (kept["prompt_tokens"] + kept["output_tokens"] - 1).sum()
     assert small["method_store_peak_bytes"] < single["method_store_peak_bytes"] and small["store_evictions"] == 0

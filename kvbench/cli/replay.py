@@ -91,7 +91,9 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--resume", is_flag=True, help="Finish an interrupted run in --result-dir.")
 @click.option("--request-timeout", type=FiniteFloatRange(min=0.1), default=600.0, show_default=True,
               help="Seconds before a request counts as failed.")
-@click.option("--save-prompt-ids", is_flag=True, help="Store every prompt's token ids in requests.parquet.")
+@click.option("--save-prompt-ids", is_flag=True,
+              help="Store every prompt's token ids in requests.parquet and keep every turn's cache on the server, also "
+                   "those no later turn reads (what KV-error measurements compare afterwards).")
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Shared context of the in-memory trace (ignored with --trace).")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,

@@ -260,17 +260,17 @@ def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
     if check is not None and group is None:  # CacheBlend: every row is computed up to the check layer
         compute = torch.arange(spec.num_local, n)
     narrowing = Narrowing(worker, ctx, placement, reused, block_ids) if check is not None else None
-    capture = worker.hidden_layer() if spec.plan.save_as else None
+    capture = worker.hidden_layer() if spec.plan.saved_key else None
 
     started = time.perf_counter()
     forward = yield from worker.forward.steps(tokens, block_ids, slots, compute, placement, narrowing, group, capture)
     if capture is not None and forward.captured is not None:
-        keep_hidden(str(spec.plan.save_as), (*forward.captured, capture))
+        keep_hidden(str(spec.plan.saved_key), (*forward.captured, capture))
     stages = narrowing.stages if narrowing else []
     reused_count, recomputed = count_rows(reused, compute, stages, check, group_layers, worker.num_layers)
-    if spec.plan.save_as:  # rows before the first reused one are exact: later requests may copy them
+    if spec.plan.saved_key:  # rows before the first reused one are exact: later requests may copy them
         placed = reused.nonzero()
-        worker.note_exact_rows(spec.plan.save_as, int(placed[0]) if len(placed) else 1 << 62)
+        worker.note_exact_rows(spec.plan.saved_key, int(placed[0]) if len(placed) else 1 << 62)
     stats: dict[str, Any] = {
         "method": method.name,
         "reused_tokens": reused_count,

@@ -68,8 +68,8 @@ class ConnectorScheduler:
 
     def on_new_request(self, request: Request) -> None:
         plan = self.plan_of(request)
-        if plan is not None and plan.save_as:
-            self._unsaved_keys.add(plan.save_as)  # consumers arriving now must wait for it
+        if plan is not None and plan.saved_key:
+            self._unsaved_keys.add(plan.saved_key)  # consumers arriving now must wait for it
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -123,5 +123,9 @@ class ConnectorScheduler:
         tokens = list(request.all_token_ids[: request.num_computed_tokens])
         # A request vLLM prefilled itself is reported at its save (no load saw it).
         unclaimed = None if prefix_cached is None else (request.num_prompt_tokens, prefix_cached)
+        if not plan.keep_cache:  # nothing reads it: its blocks are freed now, its figures still reported
+            if unclaimed is not None:
+                self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, [], [], unclaimed, keep=False))
+            return False, None
         self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids), unclaimed))
         return True, {PLAN_KEY: {"save_as": plan.save_as, "num_tokens": len(tokens)}}

@@ -215,6 +215,10 @@ class ConnectorWorker:
         self._saves_done_for = meta
         names = self.forward.layer_names if self.forward is not None else list(self.kv_caches)
         for save in meta.saves:
+            if not save.keep:  # stats only: vLLM prefilled it and nothing reads its cache
+                assert save.unclaimed is not None, "the scheduler sends stats-only saves for unclaimed requests"
+                self.request_stats.setdefault(save.key, {}).update(vllm_prefill_stats(self.method.name, *save.unclaimed))
+                continue
             started = time.perf_counter()
             try:
                 # vLLM prefilled an unclaimed request: exact throughout; a load said how far (none: it failed)
