@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvbench import run_files
 from kvbench.analysis.runs import Run
 
 Stats = dict[str, Any]
@@ -32,6 +33,8 @@ def _first_offset(stats: Stats) -> float:
 
 # (column, what it is, how to read it from one request's stats), in the order a load runs them.
 STEPS: list[tuple[str, str, Callable[[Stats], float]]] = [
+    ("source_wait_ms", "held back by the scheduler until a source cache was saved (before the load exists)",
+     lambda s: s.get("source_wait_s", float("nan"))),
     ("queued_ms", "from the load's creation to its first engine step (behind other loads)", _first_offset),
     ("store_decode_ms", "decoding compressed source entries (PolyKV)", lambda s: s.get("store_decode_s", 0.0)),
     ("reference_prefill_ms", "context-free reference prefills (non-chained methods)",
@@ -86,8 +89,38 @@ def profile_table(runs: list[Run]) -> pd.DataFrame:
     return pd.DataFrame([row for run in runs for row in profile_rows(run)])
 
 
+def outside_turns_row(run: Run) -> dict[str, Any] | None:
+    """Work of `run` that belongs to no turn but runs inside the engine's steps, from the last
+    segment's method-stats journal: the method's deferred work (anchor building and prematching,
+    after their request's first token; slowest rank, summed over servers) and the stats polls
+    (round trip; the engine answers between two steps). None for a run without the journal."""
+    states = [e for e in run_files.read_jsonl(run.path / run_files.METHOD_STATS) if e.get("kind") == "state"]
+    if not states:
+        return None
+    segment = max(int(e.get("segment", 0)) for e in states)
+    states = [e for e in states if int(e.get("segment", 0)) == segment]
+    latest = {e["server_url"]: e for e in states}  # the journal is in time order
+    deferred_s = sum(float(e.get("deferred_s", 0.0)) for e in latest.values())
+    polls = [float(e["poll_s"]) for e in states if e.get("poll_s")]
+    turns = int(run.requests["success"].sum())
+    name = run.name if run.path.name == run.name else f"{run.name} {run.path.name}"
+    return {"run": name, "method": run.method, "turns": turns, "deferred_ms": deferred_s * 1e3,
+            "deferred_ms_per_turn": deferred_s * 1e3 / turns if turns else float("nan"),
+            "stats_polls": len(polls), "p50_poll_ms": float(np.median(polls) * 1e3) if polls else float("nan")}
+
+
+def outside_turns_table(runs: list[Run]) -> pd.DataFrame:
+    return pd.DataFrame([row for run in runs if (row := outside_turns_row(run)) is not None])
+
+
 def legend() -> str:
     """What each step column measures (for the report under the table)."""
-    return "\n".join(f"- `{column}`: {what}" for column, what, _ in STEPS) + (
-        "\n\nNot in the table: anchor building and prematching run after the first token (`run_deferred`, "
-        "outside TTFT); the stats RPCs run between engine steps, every few seconds.")
+    return "\n".join(f"- `{column}`: {what}" for column, what, _ in STEPS)
+
+
+OUTSIDE_TURNS_LEGEND = (
+    "- `deferred_ms`: the method's deferred work over the run (anchor building, prematching): after its "
+    "request's first token, in a later engine step that other requests may share; `deferred_ms_per_turn` "
+    "spreads it over the run's turns\n"
+    "- `stats_polls`, `p50_poll_ms`: the replayer's polls of the connector's stats and their round trip "
+    "(answered between two engine steps)")

@@ -259,6 +259,7 @@ class LoadStats(TypedDict, total=False):
     load_steps: int
     load_step_batches: list[int]
     load_step_offsets_s: list[float]
+    source_wait_s: float  # held back by the scheduler while a source cache was still being saved
     fallback: str  # "dense": the load failed and vLLM recomputed the request
     error: str
 
@@ -320,7 +321,8 @@ class WorkerStats:
     method_state_bytes: dict[str, int]
     model_attached: bool
     contract_version: int = CONTRACT_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)  # nothing yet: room without a version bump
+    # room without a version bump: "deferred_s", seconds of the method's deferred work since the reset
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,8 @@ class ServerState:
     store_evictions: int = 0
     store_refused: int = 0
     method_state_bytes: dict[str, int] = field(default_factory=dict)
+    deferred_s: float = 0.0  # the method's deferred work (anchor building, prematching), slowest rank
+    poll_s: float = 0.0  # this poll's round trip (the engine answers it between two steps)
 
 
 @dataclass
@@ -92,11 +95,12 @@ class MethodStatsCollector:
         """Ask every server for what it has not reported yet; journal it (with the segment and
         the seconds since its start), then merge it."""
         for url in self.base_urls:
+            started = time.perf_counter()
             workers = await self.fetch(url)
             if workers:
-                self._take(url, workers, segment, t_s)
+                self._take(url, workers, segment, t_s, time.perf_counter() - started)
 
-    def _take(self, url: str, workers: list[WorkerStats], segment: int, t_s: float) -> None:
+    def _take(self, url: str, workers: list[WorkerStats], segment: int, t_s: float, poll_s: float = 0.0) -> None:
         """A tensor-parallel server answers once per rank: each holds a shard of every cache, so
         bytes add up over its ranks, and the ranks must have decided alike (the first rank's
         stats are kept; a disagreement is recorded)."""
@@ -115,7 +119,8 @@ class MethodStatsCollector:
             store_evictions=workers[0].store_evictions,
             store_refused=workers[0].store_refused,
             method_state_bytes={name: sum(w.method_state_bytes.get(name, 0) for w in workers)
-                                for name in workers[0].method_state_bytes})
+                                for name in workers[0].method_state_bytes},
+            deferred_s=max(float(w.extra.get("deferred_s", 0.0)) for w in workers), poll_s=round(poll_s, 6))
         lines.append({"kind": "state", "segment": segment, "server_url": url, "t_s": round(t_s, 3),
                       **state.__dict__})
         with open(self.path, "a", encoding="utf-8") as journal:  # on disk before it is used

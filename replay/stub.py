@@ -35,6 +35,7 @@ class StubServer:
     rpc_calls: list[str] = field(default_factory=list)
     _stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     _saved: int = 0  # requests "saved" since the last reset: the stand-in store holds 1 KiB each
+    _loaded: int = 0  # requests the stand-in connector "loaded" since the last reset
     # request id -> (received, first chunk written) in time.perf_counter_ns(), for overhead checks
     timings: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompts: dict[str, list[int]] = field(default_factory=dict)
@@ -110,6 +111,7 @@ class StubServer:
                                          **({"save_s": 0.001} if plan.keep_cache else {})}
             return False
         reused = reusable_rows(plan.segments, prompt_len)  # a perfect reuse
+        self._loaded += 1
         self._stats[plan.save_as] = {"method": "stub", "reused_tokens": reused, "eligible_tokens": reused,
                                      "recomputed_tokens": max(0, prompt_len - 1 - reused),
                                      "source_missing_tokens": 0, "local_tokens": 0, "claimed_tokens": prompt_len - 1}
@@ -130,10 +132,12 @@ class StubServer:
             result = WorkerStats(method=self.connector_method, params={}, requests=requests,
                                  store_bytes=1024 * self._saved, store_peak_bytes=1024 * self._saved,
                                  store_entries=self._saved, store_evictions=0, store_refused=0,
-                                 method_state_bytes={}, model_attached=True).to_dict()
+                                 method_state_bytes={}, model_attached=True,
+                                 # as if each loaded request left 2 ms of deferred work (anchor building)
+                                 extra={"deferred_s": 0.002 * self._loaded}).to_dict()
         elif method == WorkerRpc.RESET:
             self._stats.clear()
-            self._saved = 0
+            self._saved = self._loaded = 0
             result = True
         else:
             result = True

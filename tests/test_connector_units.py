@@ -130,6 +130,11 @@ def test_a_consumer_waits_for_its_unsaved_source_and_an_aborted_producer_release
     scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVBenchWorkerMetadata({"run/t/A0.r0"}),
                                                       failed_recving=None))
     assert scheduler.get_num_new_matched_tokens(consumer, 0) == (9, False)  # every prompt token but the last
+    scheduler.update_state_after_alloc(consumer, SimpleNamespace(get_block_ids=lambda: [[1]]), 9)
+    (load,) = scheduler.build_connector_meta(SimpleNamespace(
+        num_scheduled_tokens={"c": 1}, scheduled_new_reqs=[SimpleNamespace(req_id="c", block_ids=([1],))],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).loads
+    assert load.source_wait_s > 0  # how long it was held back, for `kvbench profile`
 
     other = _request("p2", Plan("t2", "A0.r0", "A0", "run/t2/A0.r0"))
     waiting = _request("c2", Plan("t2", "A1.r0", "A1", "run/t2/A1.r0",

@@ -318,10 +318,16 @@ def test_profile_splits_the_turns_that_reuse_from_those_vllm_prefilled(tiny_toke
     out = tmp_path / "profile.md"
     result = CliRunner().invoke(main, ["profile", str(tmp_path / "fs"), "--out", str(out)], prog_name="kvbench")
     assert result.exit_code == 0, result.output
-    lines = [line for line in out.read_text().splitlines() if line.startswith("| fullshared fs")]
-    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    steps, outside = out.read_text().split("Work outside the turns")
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in steps.splitlines()
+             if line.startswith("| fullshared fs")]
     assert [row[2:5] for row in cells] == [["reuse turns", "6", "6"], ["turns reusing nothing", "2", "0"]]
-    assert "`save_ms`" in out.read_text()
+    assert "`save_ms`" in steps and "`source_wait_ms`" in steps
+    # the stand-in's 2 ms of deferred work per loaded turn (3 per measured trajectory), and the
+    # round trip of every stats poll
+    (row,) = [[c.strip() for c in line.strip("|").split("|")] for line in outside.splitlines()
+              if line.startswith("| fullshared fs")]
+    assert row[2:5] == ["8", "12.0", "1.5"] and int(row[5]) >= 1 and float(row[6]) > 0, row
     (tmp_path / "empty").mkdir()
     empty = CliRunner().invoke(main, ["profile", str(tmp_path / "empty")], prog_name="kvbench")
     assert empty.exit_code == 1 and "no kvbench run" in empty.output, empty.output

@@ -55,7 +55,7 @@ def profile_command(result_dirs: tuple[Path, ...], out: Path | None) -> None:
     (waiting, decoding, matching, gate, correction, partial forward, attention, save) beside the
     p50 TTFT, for the turns that reuse and those that reuse nothing (each RESULT_DIR is a run, or a
     sweep holding runs). From recorded stats only: profiles any run after the fact."""
-    from kvbench.analysis.profile import legend, profile_table
+    from kvbench.analysis.profile import OUTSIDE_TURNS_LEGEND, legend, outside_turns_table, profile_table
     from kvbench.analysis.runs import RunLoadError, find_runs
 
     try:
@@ -67,6 +67,10 @@ def profile_command(result_dirs: tuple[Path, ...], out: Path | None) -> None:
         raise click.ClickException("no successful requests with connector stats in these runs")
     text = table.to_markdown(index=False, floatfmt=".1f") + "\n\nSteps (median ms over the turns the connector " \
         "loaded; `claimed` counts them):\n" + legend() + "\n"
+    outside = outside_turns_table(runs)
+    if not outside.empty:
+        text += "\nWork outside the turns, inside the engine's steps:\n\n" + \
+            outside.to_markdown(index=False, floatfmt=".1f") + "\n\n" + OUTSIDE_TURNS_LEGEND + "\n"
     click.echo(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ the store.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvbench.contracts import PLAN_KEY, ContractError, Plan
@@ -38,6 +39,7 @@ class ConnectorScheduler:
         self._failed_loads: set[str] = set()  # async loads that failed: vLLM computes them itself
         self._bad_plans: set[str] = set()  # requests whose plan was refused (logged once each)
         self._vllm_prefills: dict[str, int] = {}  # unclaimed requests -> rows vLLM's prefix cache held
+        self._waiting_since: dict[str, float] = {}  # requests held back for an unsaved source -> since when
 
     def plan_of(self, request: Request) -> Plan | None:
         """The request's plan; a plan this kvbench cannot read is logged and the request served
@@ -62,6 +64,7 @@ class ConnectorScheduler:
             self._failed_loads.discard(request.request_id)
             return 0, False
         if plan.waits_for & self._unsaved_keys:
+            self._waiting_since.setdefault(request.request_id, time.perf_counter())
             return None, False  # a source is still being produced: ask again next step
         count = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
         return count, count > 0 and self.settings.asynchronous
@@ -77,10 +80,11 @@ class ConnectorScheduler:
         plan = self.plan_of(request)
         assert plan is not None, "only requests with a plan claim tokens"
         num_target = request.num_prompt_tokens - 1
+        since = self._waiting_since.pop(request.request_id, None)
         self._pending_loads[request.request_id] = LoadSpec(
             req_id=request.request_id, token_ids=list(request.prompt_token_ids or []),
             block_ids=list(blocks.get_block_ids()[0]), num_local=num_target - num_external_tokens,
-            num_target=num_target, plan=plan)
+            num_target=num_target, plan=plan, source_wait_s=0.0 if since is None else time.perf_counter() - since)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBenchMetadata:
         meta = KVBenchMetadata(scheduled_req_ids=frozenset(scheduler_output.num_scheduled_tokens))
@@ -111,6 +115,7 @@ class ConnectorScheduler:
         from vllm.v1.request import RequestStatus
 
         self._failed_loads.discard(request.request_id)
+        self._waiting_since.pop(request.request_id, None)
         prefix_cached = self._vllm_prefills.pop(request.request_id, None)
         plan = self.plan_of(request)
         self._bad_plans.discard(request.request_id)

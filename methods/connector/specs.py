@@ -15,6 +15,7 @@ class LoadSpec:
     num_local: int  # rows already valid (vLLM prefix-cache hit)
     num_target: int  # rows valid after the load: prompt length - 1
     plan: Plan
+    source_wait_s: float = 0.0  # how long the scheduler held it back while a source was being saved
 
     @property
     def key(self) -> str:

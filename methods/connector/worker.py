@@ -61,6 +61,7 @@ class ConnectorWorker:
         self._hidden_for_save: dict[str, Hidden] = {}
         # save key -> the rows before its first reused row (exact, as a dense prefill), from its load
         self._exact_rows_for_save: dict[str, int] = {}
+        self.deferred_s = 0.0  # the method's deferred work (anchor building, prematching) since the reset
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -199,10 +200,12 @@ class ConnectorWorker:
     def start_load_kv(self, meta: KVBenchMetadata) -> None:
         self._do_saves(meta)  # first: a load in this same step may read a source saved now
         self.computed_requests.step(meta.scheduled_req_ids)
+        started = time.perf_counter()
         try:
             self.method.run_deferred()
         except Exception:  # method state updates must never take the engine down
             logger.exception("kvbench: deferred work of %s failed", self.method.name)
+        self.deferred_s += time.perf_counter() - started  # off every request's first token, not off the step
         layers = len(self.forward.layers) if self.forward is not None else 1
         self.loads.step(meta.loads, meta.scheduled_req_ids, layers)
 
@@ -268,7 +271,7 @@ class ConnectorWorker:
             store_bytes=self.store.bytes, store_peak_bytes=self.store.peak_bytes,
             store_entries=len(self.store.entries), store_evictions=self.store.evictions,
             store_refused=self.store.refused, method_state_bytes=self.method.state_bytes(),
-            model_attached=self.forward is not None)
+            model_attached=self.forward is not None, extra={"deferred_s": self.deferred_s})
         if clear:
             self.request_stats.clear()
         return out
@@ -292,6 +295,7 @@ class ConnectorWorker:
         """Drop saved caches and per-request stats; also the method's learned state unless kept
         (warm-ups that prime anchor pools before a measured run)."""
         self.store.clear()
+        self.deferred_s = 0.0
         self._hidden_for_save.clear()
         self._exact_rows_for_save.clear()
         if keep_method_state:
