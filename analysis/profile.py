@@ -93,8 +93,9 @@ def outside_turns_row(run: Run) -> dict[str, Any] | None:
     """Work of `run` that belongs to no turn but runs inside the engine's steps, from the last
     segment's method-stats journal: the method's deferred work (anchor building and prematching,
     after their request's first token; slowest rank, summed over servers) and the stats polls
-    (round trip; the engine answers between two steps). None for a run without the journal."""
-    states = [e for e in run_files.read_jsonl(run.path / run_files.METHOD_STATS) if e.get("kind") == "state"]
+    (round trip; the engine answers between two steps). None for a run that did not record them."""
+    states = [e for e in run_files.read_jsonl(run.path / run_files.METHOD_STATS)
+              if e.get("kind") == "state" and "deferred_s" in e]  # (runs recorded before kvbench measured it: none)
     if not states:
         return None
     segment = max(int(e.get("segment", 0)) for e in states)
