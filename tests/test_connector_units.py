@@ -14,7 +14,7 @@ from kvbench.methods.connector.loads import AsyncLoads, LoadJob, SyncLoads
 from kvbench.methods.connector.materialize import count_rows, find_candidates, served_entries
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
 from kvbench.methods.connector.specs import LoadSpec
-from kvbench.methods.store import SavedKV, SegmentStore
+from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 4
 

@@ -19,9 +19,9 @@ import torch
 
 from kvbench.contracts import LoadStats
 from kvbench.methods.base import LoadContext, SegmentReuse, SharingMethod
+from kvbench.methods.connector.forward import LayerGroup
 from kvbench.methods.connector.specs import LoadSpec
-from kvbench.methods.forward import LayerGroup
-from kvbench.methods.store import SavedKV, SegmentStore
+from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 if TYPE_CHECKING:
     from kvbench.methods.connector.worker import ConnectorWorker

@@ -15,14 +15,14 @@ import torch
 from kvbench import __version__
 from kvbench.contracts import LoadStats, ServerInfo, WorkerStats, vllm_prefill_stats
 from kvbench.methods.base import MethodConfigError, SharingMethod
-from kvbench.methods.compute_tracker import ComputedRequests
+from kvbench.methods.connector.compute_tracker import ComputedRequests
+from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
 from kvbench.methods.connector.materialize import materialize_steps
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
-from kvbench.methods.kv_codec import KVCodec, make_codec
-from kvbench.methods.store import SavedKV, SegmentStore
+from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 logger = logging.getLogger("kvbench.connector")
 
@@ -65,7 +65,7 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvbench.methods.paged import layout_for
+        from kvbench.methods.connector.paged import layout_for
 
         self.kv_caches = kv_caches
         by_kind: dict[tuple, Any] = {}
@@ -78,8 +78,8 @@ class ConnectorWorker:
 
     def attach_model(self, model: torch.nn.Module) -> None:
         """Called once per worker (kvbench's worker extension, over collective_rpc)."""
-        from kvbench.methods.forward import PartialForward
-        from kvbench.methods.rope import RopeAligner
+        from kvbench.methods.connector.forward import PartialForward
+        from kvbench.methods.connector.rope import RopeAligner
 
         inner = model.model
         layers = list(inner.layers)[inner.start_layer:inner.end_layer]
@@ -165,7 +165,7 @@ class ConnectorWorker:
     def influence(self, layer: int, q: torch.Tensor, q_rows: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Attention mass each row of the request receives at `layer` from the query rows `q_rows`
         (summed over them and the heads), over the K/V now in the paged cache."""
-        from kvbench.methods.influence import attention_mass
+        from kvbench.methods.connector.influence import attention_mass
 
         name = self.forward.layer_names[layer]
         keys, _ = self.layouts[name].read(self.kv_caches[name], block_ids, int(q_rows.max()) + 1)

@@ -21,7 +21,11 @@ import torch
 from pydantic import Field
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.anchors import (
+from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
+from kvbench.methods.connector.forward import run_to_end
+from kvbench.methods.connector.kv_codec import make_codec
+from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.delta.anchors import (
     Anchor,
     AnchorPool,
     Correction,
@@ -30,17 +34,13 @@ from kvbench.methods.anchors import (
     gate_from_distances,
     token_weighted_corrections,
 )
-from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
-from kvbench.methods.forward import run_to_end
-from kvbench.methods.kv_codec import make_codec
-from kvbench.methods.match_memo import MatchMemo, SegmentDistances
-from kvbench.methods.store import SavedKV
-from kvbench.methods.stored import BaseCodec
+from kvbench.methods.delta.match_memo import MatchMemo, SegmentDistances
+from kvbench.methods.delta.stored import BaseCodec
 
 OUTPUT_SEGMENT_PREFIX = "out:"  # an agent's output segment (kvbench.tracegen.schema.OUT_PREFIX)
 
 MAX_REFERENCES = 256
-logger = logging.getLogger("kvbench.methods.delta")
+logger = logging.getLogger("kvbench.methods.delta.correction")
 Rows = tuple[torch.Tensor, torch.Tensor]  # keys (canonical positions), values: [layers, n, D]
 
 
