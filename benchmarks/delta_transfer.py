@@ -33,7 +33,8 @@ from transformers import AutoModelForCausalLM
 
 from kvbench.methods.connector.rope import RopeAligner
 from kvbench.methods.delta.anchors import AnchorPool, interpolated_delta
-from kvbench.model.store import first_context_layer, resolve_model
+from kvbench.model.resolve import resolve_model
+from kvbench.model.store import first_context_layer
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trajectory

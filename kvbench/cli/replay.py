@@ -206,7 +206,7 @@ def _report_failures(result_dir: Path, summary: dict[str, Any]) -> None:
 
 def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: int | None, num_warmups: int,
                 shared_tokens: int, output_len: int, seed: int) -> tuple[Any, Any, str]:
-    from kvbench.model.store import resolve_model
+    from kvbench.model.resolve import resolve_model
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.schema import Trace, TraceError, read_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
@@ -302,7 +302,7 @@ def serve_command(method: str, host: str, port: int, log_path: Path | None, serv
     """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
     import time
 
-    from kvbench.model.store import resolve_model
+    from kvbench.model.resolve import resolve_model
     from kvbench.replay.server import ServerError, VLLMServer
 
     params = _check_method(method, server.method_params)

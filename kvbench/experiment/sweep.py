@@ -179,7 +179,7 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
 def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
                after_cell: AfterCell | None) -> list[SweepCell]:
     from kvbench.experiment.run import replay_and_summarize
-    from kvbench.model.store import resolve_model
+    from kvbench.model.resolve import resolve_model
     from kvbench.replay.runner import ReplayConfig, ReplayError
     from kvbench.replay.server import VLLMServer, method_server_config
     from kvbench.tracegen.generate import generate_trace
