@@ -100,5 +100,24 @@ def test_no_two_packages_import_each_other() -> None:
     assert _cycles(graph) == []
 
 
+# docs/architecture.md's layers, bottom up: kvbench's second-level name -> layer
+LAYERS = ["contracts", "model", "tracegen", "methods", "replay", "analysis", "experiment", "cli"]
+CONTRACTS = {"kvbench", "kvbench.contracts", "kvbench.run_files"}
+
+
+def _layer(module: str) -> int:
+    if module in CONTRACTS:
+        return 0
+    if module == "kvbench.__main__":
+        return LAYERS.index("cli")
+    return LAYERS.index(module.split(".")[1])
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    upward = sorted(f"{module} -> {target}" for module, targets in _import_graph().items() for target in targets
+                    if _layer(target) > _layer(module))
+    assert upward == []
+
+
 def test_the_check_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
