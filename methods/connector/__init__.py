@@ -10,6 +10,8 @@
 - `saves.py`, `diagnostics.py`: into and out of the segment store.
 - `specs.py`, `metadata.py`: what the sides hand each other.
 - `worker_ext.py`: the vLLM worker extension that answers kvbench's worker RPCs.
+- `counters.py`, `metrics.py`: reuse totals on vLLM's own connector-stats path, and the
+  `vllm:kvbench_*` Prometheus metrics they become on `/metrics`.
 
 What the sides compute with (the core services every method sees):
 
@@ -19,5 +21,5 @@ What the sides compute with (the core services every method sees):
 - `rope.py`: re-rotating reused keys to new positions; `influence.py`: attention mass per row.
 - `compute_tracker.py`: which requests vLLM has computed (what deferred method work waits for).
 
-Only `adapter.py` and `metadata.py` import vLLM at module level, so the rest is testable without it.
+Only `adapter.py`, `metadata.py` and `metrics.py` import vLLM at module level, so the rest is testable without it.
 """

@@ -16,6 +16,7 @@ from kvbench import __version__
 from kvbench.contracts import LoadStats, ServerInfo, WorkerStats, vllm_prefill_stats
 from kvbench.methods.base import MethodConfigError, SharingMethod
 from kvbench.methods.connector.compute_tracker import ComputedRequests
+from kvbench.methods.connector.counters import ReuseCounters
 from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
 from kvbench.methods.connector.materialize import materialize_steps
@@ -62,6 +63,7 @@ class ConnectorWorker:
         # save key -> the rows before its first reused row (exact, as a dense prefill), from its load
         self._exact_rows_for_save: dict[str, int] = {}
         self.deferred_s = 0.0  # the method's deferred work (anchor building, prematching) since the reset
+        self.reuse_counters = ReuseCounters()  # totals for vLLM's connector-stats path (/metrics)
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -193,6 +195,7 @@ class ConnectorWorker:
 
     def _record_stats(self, key: str, stats: LoadStats) -> None:
         self.request_stats[key] = stats
+        self.reuse_counters.add_request(dict(stats))
         while len(self.request_stats) > MAX_KEPT_REQUEST_STATS:
             self.request_stats.pop(next(iter(self.request_stats)))
 
@@ -220,7 +223,10 @@ class ConnectorWorker:
         for save in meta.saves:
             if not save.keep:  # stats only: vLLM prefilled it and nothing reads its cache
                 assert save.unclaimed is not None, "the scheduler sends stats-only saves for unclaimed requests"
-                self.request_stats.setdefault(save.key, {}).update(vllm_prefill_stats(self.method.name, *save.unclaimed))
+                prefill = vllm_prefill_stats(self.method.name, *save.unclaimed)
+                self.request_stats.setdefault(save.key, {}).update(prefill)
+                self.reuse_counters.add_request(dict(prefill))
+                self._finished_sending.add(save.req_id)  # its blocks: nothing to copy
                 continue
             started = time.perf_counter()
             try:
@@ -231,6 +237,8 @@ class ConnectorWorker:
                 stats = self.request_stats.setdefault(save.key, {})
                 if save.unclaimed is not None:
                     stats.update(vllm_prefill_stats(self.method.name, *save.unclaimed))
+                    self.reuse_counters.add_request(dict(stats))
+                self.reuse_counters.add_save(self.store.bytes)
                 stats["save_s"] = time.perf_counter() - started
                 stored = self.store.stored_nbytes(save.key)
                 if stored is not None:  # what the store holds for it (compressed or not), measured
@@ -259,6 +267,10 @@ class ConnectorWorker:
             return None
         meta, self._saved_this_step = KVBenchWorkerMetadata(self._saved_this_step), set()
         return meta
+
+    def take_reuse_counts(self) -> dict[str, Any] | None:
+        """What vLLM's connector-stats path carries from this step (kvbench.methods.connector.metrics)."""
+        return self.reuse_counters.take(self.tensor_parallel_rank() if self.forward is not None else 0)
 
     # ---------------------------------------------------------------- worker RPCs
     def info(self) -> ServerInfo:
