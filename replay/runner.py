@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import json
 import logging
 import platform
@@ -24,7 +23,7 @@ import aiohttp
 
 from kvbench import __version__, run_files
 from kvbench.model.store import model_identity
-from kvbench.replay.client import stream_completion
+from kvbench.replay.backend import CompletionsBackend
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
 from kvbench.replay.method_stats import MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
@@ -133,6 +132,8 @@ class Replayer:
         self.t0_ns = 0
         self._consecutive_unreachable = 0
         self.servers = ReplayServers(config.base_urls, config.method, self.method_info.uses_connector)
+        self.backend = CompletionsBackend(self.servers.served_models, config.sampling, config.logprobs,
+                                          config.request_timeout_s)  # models: filled when the servers are checked
         self.progress = ReplayProgress(config.method, 0, enabled=False)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -453,51 +454,27 @@ class Replayer:
 
     async def _send(self, session: aiohttp.ClientSession, url: str, turn: Turn, prompt: TurnPrompt,
                     record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
-        body = {
-            "model": self.servers.served_models[url], "prompt": prompt.token_ids, "max_tokens": turn.max_tokens,
-            "ignore_eos": True, **self.config.sampling.request_fields(), "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True, "kv_transfer_params": prompt.plan.to_params(),
-        }
-        if self.config.logprobs:  # keyed by token id, not by its (ambiguous) text
-            body.update(logprobs=self.config.logprobs, return_tokens_as_token_ids=True)
-        if self.method_info.approximate and record.reusable_tokens:
-            # Approximate K/V must never serve a later exact request from vLLM's prefix cache.
-            body["cache_salt"] = hashlib.sha256(record.request_id.encode()).hexdigest()[:32]
+        salted = self.method_info.approximate and record.reusable_tokens
+        body = self.backend.body(url, prompt.token_ids, turn.max_tokens, prompt.plan.to_params(),
+                                 record.request_id if salted else None)
         queued_ns = time.perf_counter_ns()
         try:
             async with self.semaphore if self.semaphore is not None else contextlib.nullcontext():
-                result = await stream_completion(session, f"{url}/v1/completions", body,
-                                                 self.config.request_timeout_s, record.request_id)
+                result = await self.backend.send(session, url, body, record.request_id)
         except asyncio.CancelledError:  # the run was stopped with this request in flight
             record.sent_ns, record.end_ns = queued_ns - self.t0_ns, time.perf_counter_ns() - self.t0_ns
             why = f"by {signal.Signals(self.interrupted).name}" if self.interrupted else "by cancellation"
             record.error_type, record.error_message = "interrupted", f"the run was stopped {why} before the answer ended"
             self._record(record, writer)
             raise
-        record.client_queue_ms = (result.sent_ns - queued_ns) / 1e6
-        record.sent_ns = result.sent_ns - self.t0_ns
-        record.end_ns = (result.end_ns or result.sent_ns) - self.t0_ns
-        record.error_type, record.error_message = result.error_type, result.error_message
+        output_ids = (result.output_token_ids or self.config.tokenizer.encode(result.output_text)) \
+            if result.success else []
+        record.take_result(result, self.t0_ns, queued_ns, output_ids)
         if self.config.save_prompt_ids:
             record.prompt_token_ids = result.prompt_token_ids if result.prompt_token_ids is not None else prompt.token_ids
-        if result.usage:
-            record.cached_tokens = ((result.usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
-            if not self.method_info.uses_connector:  # plain vLLM: all of it is its prefix cache
-                record.prefix_cached_tokens = record.cached_tokens
+        if not self.method_info.uses_connector:  # plain vLLM: all of what it calls cached is its prefix cache
+            record.prefix_cached_tokens = record.cached_tokens
         if result.success:
-            output_ids = result.output_token_ids or self.config.tokenizer.encode(result.output_text)
-            record.success = True
-            record.first_token_ns = (result.first_token_ns or 0) - self.t0_ns
-            record.ttft_ms = ((result.first_token_ns or 0) - result.sent_ns) / 1e6
-            record.e2el_ms = ((result.end_ns or 0) - result.sent_ns) / 1e6
-            record.output_tokens = int((result.usage or {}).get("completion_tokens") or len(output_ids))
-            if record.output_tokens > 1:
-                record.tpot_ms = (record.e2el_ms - record.ttft_ms) / (record.output_tokens - 1)
-            record.itl_ms = [(b - a) / 1e6 for a, b in zip(result.chunk_ns, result.chunk_ns[1:])]
-            record.output_token_ids = list(output_ids)
-            if result.first_token_logprobs is not None:
-                record.first_token_logprobs = json.dumps(result.first_token_logprobs)
             outputs[turn.turn_id] = list(output_ids)
             self._consecutive_unreachable = 0
         elif result.error_type == "connection_refused":
