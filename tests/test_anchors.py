@@ -775,7 +775,7 @@ def test_kvcomm_ref_prefills_references_after_bos_and_corrects_outputs_from_thei
             producer_rows = ctx.candidates[0].source.v[:, 71:87].reshape(LAYERS, 16, D)
             assert anchor.source == "A0" and torch.equal(anchor.base_v.rows(16), producer_rows.bfloat16().float())
             (q_anchor,) = method.pools["q"].anchors.values()  # the base: the reference's q rows, after BOS
-            reference = method.references[next(iter(method.references))]
+            reference = method.references.entries[next(iter(method.references.entries))]
             assert len(reference.token_ids) == 65
             assert torch.equal(q_anchor.base_v.rows(64), reference.v[:, 1:].reshape(LAYERS, 64, D).bfloat16().float())
 
