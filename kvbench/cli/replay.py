@@ -211,8 +211,9 @@ def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int
                 shared_tokens: int, output_len: int, seed: int) -> tuple[Any, Any, str]:
     from kvbench.model.resolve import resolve_model
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import Trace, TraceError, read_trace
+    from kvbench.tracegen.schema import Trace, TraceError
     from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import read_trace
 
     try:
         if trace_path is None:
