@@ -121,3 +121,12 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
 
 def test_the_check_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MAX_MODULE_LINES = 440  # "about 400": a module past it holds more than one job; split it by job
+
+
+def test_no_module_grows_past_about_400_lines() -> None:
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
