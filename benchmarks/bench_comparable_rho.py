@@ -29,7 +29,7 @@ from kvbench.analysis.runs import find_runs
 from kvbench.experiment.calibrate import best_step, calibrate_threshold, profile_layers, what_limits, within
 from kvbench.experiment.sweep import TASK_ROLES, MethodConfig, SweepPoint, SweepSpec, run_sweep
 from kvbench.methods.registry import method_class
-from kvbench.model.store import resolve_model
+from kvbench.model.resolve import resolve_model
 from kvbench.replay.server import VLLMServer, method_server_config
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace

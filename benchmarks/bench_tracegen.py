@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.schema import read_trace, write_trace
 from kvbench.tracegen.tokenizer import load_tokenizer
+from kvbench.tracegen.trace_files import read_trace, write_trace
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ shared query rows, leave-one-content-out over N contents, for:
                   with --source reference the context-free reference)
   mean_others     the plain mean of the other contents' deltas
   anchors_r{r}    kvbench's anchor path: token-wise softmax weights over the other contents
-                  (methods/anchors.py, rank-r factors; what KVCMAS applies on an accepted edge)
+                  (methods/delta/anchors.py, rank-r factors; what KVCMAS applies on an accepted edge)
   best_segment    least-squares weights per segment fitted on the target itself (an oracle bound
                   for any segment-wise interpolation of these deltas)
   best_token      least-squares weights per token fitted on the target (oracle bound, token-wise)
@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvbench.methods.anchors import AnchorPool, interpolated_delta
-from kvbench.methods.rope import RopeAligner
-from kvbench.model.store import first_context_layer, resolve_model
+from kvbench.methods.connector.rope import RopeAligner
+from kvbench.methods.delta.anchors import AnchorPool, interpolated_delta
+from kvbench.model.resolve import resolve_model
+from kvbench.model.store import first_context_layer
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trajectory

@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.anchors import (
+from kvbench.methods.connector.rope import RopeAligner
+from kvbench.methods.delta.anchors import (
     Anchor,
     anchor_distances,
     distance_paths,
     gate_from_distances,
     interpolated_delta,
 )
-from kvbench.methods.rope import RopeAligner
-from kvbench.methods.stored import LowRank
+from kvbench.methods.delta.stored import LowRank
 
 EDGE = "A0->A1"
 

@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
+from kvbench.methods.connector.store import SavedKV
 from kvbench.methods.params import MethodConfigError, MethodParams
-from kvbench.methods.store import SavedKV
 
 __all__ = ["MethodConfigError", "MethodParams", "SharingMethod"]
 
@@ -49,7 +49,7 @@ class LoadContext:
 class CoreServices(Protocol):
     """What the connector core offers methods beyond placing rows."""
 
-    aligner: Any  # kvbench.methods.rope.RopeAligner
+    aligner: Any  # kvbench.methods.connector.rope.RopeAligner
     num_layers: int  # decoder layers of this worker's model
     # The first layer whose K/V can depend on more than a row's few neighbours (1 in a standard
     # model; kvbench.model.store.first_context_layer): where reuse error can first show.

@@ -3,7 +3,7 @@ compute every row through the first layers; at the check layer, keep recomputing
 tokens whose K/V deviates most from the fresh one (and the rows no source held) in the layers
 after it. The deviation is taken on values, summed over heads and channels, as in CacheBlend's
 own code (LMCache's port uses keys: `deviation="key"`); the paper recomputes 15-16% of tokens
-at check layer 1 (peer-methods.md section 2.6), the first layer whose K/V depend on the context.
+at check layer 1 (as the CacheBlend paper reports), the first layer whose K/V depend on the context.
 The default check layer is that layer of the model served: 1 in a standard model, 3 in kvbench's
 recall model, whose hand-set layers 0-2 attend only to a row's ~10 predecessors (their K/V differ
 between agents only on a segment's first rows, so a check there would pick tokens at random)."""

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from kvbench.methods.anchors import Correction
 from kvbench.methods.base import MethodParams
-from kvbench.methods.delta import DeltaCorrection, PendingAnchor, Rows
-from kvbench.methods.match_memo import SegmentDistances
+from kvbench.methods.delta.anchors import Correction
+from kvbench.methods.delta.correction import DeltaCorrection, PendingAnchor, Rows
+from kvbench.methods.delta.match_memo import SegmentDistances
+from kvbench.methods.delta.stored import Stored, store
 from kvbench.methods.registry import register_method
-from kvbench.methods.stored import Stored, store
 
 
 class GraphFlowParams(MethodParams):

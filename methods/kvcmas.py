@@ -5,7 +5,7 @@ a rejected match prefills the segment densely and becomes a new anchor."""
 
 from __future__ import annotations
 
-from kvbench.methods.delta import DeltaCorrection
+from kvbench.methods.delta.correction import DeltaCorrection
 from kvbench.methods.registry import register_method
 
 

@@ -3,7 +3,7 @@ corrected from a context-free reference of each segment, prefilled on first sigh
 
 from __future__ import annotations
 
-from kvbench.methods.delta import DeltaCorrection
+from kvbench.methods.delta.correction import DeltaCorrection
 from kvbench.methods.registry import register_method
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from kvbench.methods.base import MethodParams
-from kvbench.methods.delta import DeltaCorrection
+from kvbench.methods.delta.correction import DeltaCorrection
 from kvbench.methods.registry import register_method
 
 

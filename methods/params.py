@@ -37,7 +37,7 @@ class MethodParams(BaseModel):
     @classmethod
     def _known_codec(cls, value: str) -> str:
         if value != "none":
-            from kvbench.methods.kv_codec import make_codec
+            from kvbench.methods.connector.kv_codec import make_codec
 
             make_codec(value)  # raises ValueError naming the known codecs
         return value

@@ -1,7 +1,7 @@
 """PolyKV: one compressed shared pool. FullShared's reuse (every shared segment from the source
 agent's cache, keys re-rotated), with the segment store holding PolyKV-compressed K/V: compressed
 once when a turn is saved, decompressed when a reuse turn loads it. `store_codec` picks the
-codec's variant (kvbench.methods.kv_codec); `polykv-published` is the scheme exactly as published
+codec's variant (kvbench.methods.connector.kv_codec); `polykv-published` is the scheme exactly as published
 (one index per int8, fp32 norms), `identity` turns compression off (then it is FullShared)."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 CONNECTOR_CLASS = "KVBenchConnector"
 CONNECTOR_MODULE = "kvbench.methods.connector.adapter"
-WORKER_EXTENSION = "kvbench.methods.worker_ext.KVBenchWorkerExtension"
+WORKER_EXTENSION = "kvbench.methods.connector.worker_ext.KVBenchWorkerExtension"
 ENTRY_POINT_GROUP = "kvbench.methods"
 REGISTER_MARK = "@register_method"
 

@@ -8,7 +8,7 @@ segment (their decoded outputs included), and rectify it only in a band of middl
   rows >= tau_inf * mean of it;
 - layers (det_layer, end_layer]: only those rows are computed; after end_layer every row is reused.
 
-The official code was not readable (peer-methods.md section 3.2): the stages and Eq. 1, 5, 6, 9
+The official code was not readable when this was written: the stages and Eq. 1, 5, 6, 9
 come from a third-party port's comments, tau_dev 1.5, tau_inf 1.45 and 10 suffix tokens from
 there too; start_layer 0 and the band's ends are this implementation's defaults. The detection
 layer defaults to the model's first layer whose K/V depend on the context (1 in a standard model;

@@ -14,13 +14,16 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvbench import run_files
 from kvbench.run_files import replace_durably, write_text_atomic
+
+if TYPE_CHECKING:
+    from kvbench.replay.backend import CompletionResult
 
 
 @dataclass
@@ -63,6 +66,29 @@ class RequestRecord:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None  # only with --save-prompt-ids
     first_token_logprobs: str | None = None  # JSON {"token_id:N": logprob}: top-K of the first token (--logprobs)
+
+    def take_result(self, result: CompletionResult, t0_ns: int, queued_ns: int, output_ids: list[int]) -> None:
+        """Times (against the run's start `t0_ns`; `queued_ns`: when the request waited for a
+        concurrency slot), usage, outcome and, on success, the output `output_ids` of one answer."""
+        self.client_queue_ms = (result.sent_ns - queued_ns) / 1e6
+        self.sent_ns = result.sent_ns - t0_ns
+        self.end_ns = (result.end_ns or result.sent_ns) - t0_ns
+        self.error_type, self.error_message = result.error_type, result.error_message
+        if result.usage:
+            self.cached_tokens = (result.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if not result.success:
+            return
+        self.success = True
+        self.first_token_ns = (result.first_token_ns or 0) - t0_ns
+        self.ttft_ms = ((result.first_token_ns or 0) - result.sent_ns) / 1e6
+        self.e2el_ms = ((result.end_ns or 0) - result.sent_ns) / 1e6
+        self.output_tokens = int((result.usage or {}).get("completion_tokens") or len(output_ids))
+        if self.output_tokens > 1:
+            self.tpot_ms = (self.e2el_ms - self.ttft_ms) / (self.output_tokens - 1)
+        self.itl_ms = [(b - a) / 1e6 for a, b in zip(result.chunk_ns, result.chunk_ns[1:])]
+        self.output_token_ids = list(output_ids)
+        if result.first_token_logprobs is not None:
+            self.first_token_logprobs = json.dumps(result.first_token_logprobs)
 
 
 SCHEMA = pa.schema([

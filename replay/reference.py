@@ -15,7 +15,8 @@ import pandas as pd
 
 from kvbench import run_files
 from kvbench.model.store import model_identity
-from kvbench.tracegen.schema import Trajectory, trajectory_digest
+from kvbench.tracegen.schema import Trajectory
+from kvbench.tracegen.trace_files import trajectory_digest
 
 
 class ReferenceRunError(ValueError):

@@ -6,39 +6,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import json
 import logging
-import platform
-import secrets
 import signal
-import subprocess
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from kvbench import __version__, run_files
-from kvbench.model.store import model_identity
-from kvbench.replay.client import stream_completion
+from kvbench import run_files
+from kvbench.replay.backend import CompletionsBackend
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
 from kvbench.replay.method_stats import MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter, read_journal, write_text_atomic
-from kvbench.replay.reference import ReferenceRun, trajectory_digests
 from kvbench.replay.result_lock import result_dir_lock
-from kvbench.replay.sampling import SamplingParams
+from kvbench.replay.run_config import ReplayConfig, ReplayError, check_resumable, new_run_config
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.replay.servers import ReplayServers
 from kvbench.tracegen.arrivals import arrival_times
-from kvbench.tracegen.schema import Trace, Trajectory, Turn
-from kvbench.tracegen.tokenizer import TraceTokenizer
+from kvbench.tracegen.schema import Trajectory, Turn
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +49,6 @@ async def _sleep_until(target_ns: int) -> None:
         await asyncio.sleep(0)
 
 
-class ReplayError(RuntimeError):
-    """A replay could not run or finish; finished requests are on disk regardless."""
-
-
 @dataclass(frozen=True)
 class ReplayOutcome:
     """A finished run: its files are in `result_dir` (`kvbench.analysis.summary` summarizes them)."""
@@ -69,53 +56,6 @@ class ReplayOutcome:
     result_dir: Path
     completed: int
     failed: int
-
-
-@dataclass
-class ReplayConfig:
-    trace: Trace
-    tokenizer: TraceTokenizer
-    method: str
-    base_urls: list[str]
-    result_dir: Path
-    qps: float = 1.0
-    arrival: str = "poisson"
-    burstiness: float = 1.0
-    use_trace_timestamps: bool = False
-    seed: int = 0
-    max_concurrency: int | None = None
-    num_warmups: int = 0
-    # Warm-ups also prime the method's online state (anchor pools...): measures the steady state
-    # rather than a cold start. vLLM's prefix cache and saved source caches are reset either way.
-    prime_method_state: bool = False
-    metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
-    label: str | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy by default
-    # Reference-anchored replay: later turns read the reference run's outputs, not this run's.
-    reference: ReferenceRun | None = None
-    drop_shared: bool = False  # every shared segment left out of every prompt (PGR's floor)
-    logprobs: int = 0  # top-K logprobs of each first generated token, recorded (0: none)
-    request_timeout_s: float = 600.0
-    # Also keeps every turn's cache on the server, those no later turn reads too: KV-error and
-    # fidelity measurements need both (they rebuild each prompt and compare its cache afterwards).
-    save_prompt_ids: bool = False
-    resume: bool = False
-    server_pids: dict[str, int] = field(default_factory=dict)
-    # Returns a reason when a server kvbench manages has died (then no new work is started).
-    server_failure: Callable[[], str | None] = lambda: None
-    method_params: dict[str, Any] = field(default_factory=dict)
-    extra_config: dict[str, Any] = field(default_factory=dict)  # model, method parameters, server args
-    show_progress: bool = True
-
-
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 class Replayer:
@@ -133,6 +73,8 @@ class Replayer:
         self.t0_ns = 0
         self._consecutive_unreachable = 0
         self.servers = ReplayServers(config.base_urls, config.method, self.method_info.uses_connector)
+        self.backend = CompletionsBackend(self.servers.served_models, config.sampling, config.logprobs,
+                                          config.request_timeout_s)  # models: filled when the servers are checked
         self.progress = ReplayProgress(config.method, 0, enabled=False)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -145,17 +87,9 @@ class Replayer:
         config_path = result_dir / run_files.CONFIG
         if cfg.resume:
             run_config = json.loads(config_path.read_text())
-            if run_config["method"] != cfg.method:
-                raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method!r}")
-            recorded = SamplingParams.from_dict(run_config.get("sampling"))
-            if recorded != cfg.sampling:
-                raise ReplayError(f"--resume: {result_dir} was sampled with {recorded.to_dict()}, not "
-                                  f"{cfg.sampling.to_dict()}")
-            if run_config.get("prompt_mode", "free") != self.prompt_mode:
-                raise ReplayError(f"--resume: {result_dir} was replayed in {run_config.get('prompt_mode', 'free')!r} "
-                                  f"mode, not {self.prompt_mode!r}")
+            check_resumable(run_config, cfg)
         else:
-            run_config = self._new_run_config()
+            run_config = new_run_config(cfg)
         trajectories = cfg.trace.trajectories
         warmups = trajectories[: cfg.num_warmups]
         measured = trajectories[cfg.num_warmups:]
@@ -183,51 +117,6 @@ class Replayer:
         kept = [r for r in existing if r["trajectory_id"] in done]
         todo = [t for t in measured if t.trajectory_id not in done]
         return warmups, todo, kept, run_config
-
-    @property
-    def prompt_mode(self) -> str:
-        """free (each turn reads this run's own upstream outputs), reference or drop_shared."""
-        if self.config.reference is not None:
-            return "reference"
-        return "drop_shared" if self.config.drop_shared else "free"
-
-    def _new_run_config(self) -> dict[str, Any]:
-        cfg = self.config
-        stamp = datetime.now(UTC)
-        return {
-            "run_id": f"{cfg.label or cfg.method}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
-            "date": f"{stamp:%Y%m%d-%H%M%S}",
-            "method": cfg.method,
-            "label": cfg.label,
-            "metadata": cfg.metadata,
-            "base_urls": cfg.base_urls,
-            "request_rate": cfg.qps,
-            "arrival": cfg.arrival,
-            "burstiness": cfg.burstiness,
-            "use_trace_timestamps": cfg.use_trace_timestamps,
-            "max_concurrency": cfg.max_concurrency,
-            "num_warmups": cfg.num_warmups,
-            "prime_method_state": cfg.prime_method_state,
-            "num_trajectories": len(cfg.trace.trajectories) - cfg.num_warmups,
-            "seed": cfg.seed,
-            "metric_percentiles": cfg.metric_percentiles,
-            "sampling": cfg.sampling.to_dict(),
-            "logprobs": cfg.logprobs,
-            "prompt_mode": self.prompt_mode,
-            "reference_run": cfg.reference.describe() if cfg.reference is not None else None,
-            "trajectory_digests": trajectory_digests(cfg.trace.trajectories),
-            "request_timeout_s": cfg.request_timeout_s,
-            "trace_header": cfg.trace.header.model_dump(mode="json"),
-            "tokenizer": cfg.tokenizer.name,
-            "kvbench_version": __version__,
-            "git_sha": _git_sha(),
-            "python": platform.python_version(),
-            "host": platform.node(),
-            "segments": [],
-            **cfg.extra_config,
-            # the model as `kvbench quality` compares it, readable after the path has gone
-            "model_identity": model_identity(cfg.extra_config.get("model")),
-        }
 
     # -- the run -----------------------------------------------------------------------------
     async def run(self) -> ReplayOutcome:
@@ -453,51 +342,27 @@ class Replayer:
 
     async def _send(self, session: aiohttp.ClientSession, url: str, turn: Turn, prompt: TurnPrompt,
                     record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
-        body = {
-            "model": self.servers.served_models[url], "prompt": prompt.token_ids, "max_tokens": turn.max_tokens,
-            "ignore_eos": True, **self.config.sampling.request_fields(), "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True, "kv_transfer_params": prompt.plan.to_params(),
-        }
-        if self.config.logprobs:  # keyed by token id, not by its (ambiguous) text
-            body.update(logprobs=self.config.logprobs, return_tokens_as_token_ids=True)
-        if self.method_info.approximate and record.reusable_tokens:
-            # Approximate K/V must never serve a later exact request from vLLM's prefix cache.
-            body["cache_salt"] = hashlib.sha256(record.request_id.encode()).hexdigest()[:32]
+        salted = self.method_info.approximate and record.reusable_tokens
+        body = self.backend.body(url, prompt.token_ids, turn.max_tokens, prompt.plan.to_params(),
+                                 record.request_id if salted else None)
         queued_ns = time.perf_counter_ns()
         try:
             async with self.semaphore if self.semaphore is not None else contextlib.nullcontext():
-                result = await stream_completion(session, f"{url}/v1/completions", body,
-                                                 self.config.request_timeout_s, record.request_id)
+                result = await self.backend.send(session, url, body, record.request_id)
         except asyncio.CancelledError:  # the run was stopped with this request in flight
             record.sent_ns, record.end_ns = queued_ns - self.t0_ns, time.perf_counter_ns() - self.t0_ns
             why = f"by {signal.Signals(self.interrupted).name}" if self.interrupted else "by cancellation"
             record.error_type, record.error_message = "interrupted", f"the run was stopped {why} before the answer ended"
             self._record(record, writer)
             raise
-        record.client_queue_ms = (result.sent_ns - queued_ns) / 1e6
-        record.sent_ns = result.sent_ns - self.t0_ns
-        record.end_ns = (result.end_ns or result.sent_ns) - self.t0_ns
-        record.error_type, record.error_message = result.error_type, result.error_message
+        output_ids = (result.output_token_ids or self.config.tokenizer.encode(result.output_text)) \
+            if result.success else []
+        record.take_result(result, self.t0_ns, queued_ns, output_ids)
         if self.config.save_prompt_ids:
             record.prompt_token_ids = result.prompt_token_ids if result.prompt_token_ids is not None else prompt.token_ids
-        if result.usage:
-            record.cached_tokens = ((result.usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
-            if not self.method_info.uses_connector:  # plain vLLM: all of it is its prefix cache
-                record.prefix_cached_tokens = record.cached_tokens
+        if not self.method_info.uses_connector:  # plain vLLM: all of what it calls cached is its prefix cache
+            record.prefix_cached_tokens = record.cached_tokens
         if result.success:
-            output_ids = result.output_token_ids or self.config.tokenizer.encode(result.output_text)
-            record.success = True
-            record.first_token_ns = (result.first_token_ns or 0) - self.t0_ns
-            record.ttft_ms = ((result.first_token_ns or 0) - result.sent_ns) / 1e6
-            record.e2el_ms = ((result.end_ns or 0) - result.sent_ns) / 1e6
-            record.output_tokens = int((result.usage or {}).get("completion_tokens") or len(output_ids))
-            if record.output_tokens > 1:
-                record.tpot_ms = (record.e2el_ms - record.ttft_ms) / (record.output_tokens - 1)
-            record.itl_ms = [(b - a) / 1e6 for a, b in zip(result.chunk_ns, result.chunk_ns[1:])]
-            record.output_token_ids = list(output_ids)
-            if result.first_token_logprobs is not None:
-                record.first_token_logprobs = json.dumps(result.first_token_logprobs)
             outputs[turn.turn_id] = list(output_ids)
             self._consecutive_unreachable = 0
         elif result.error_type == "connection_refused":

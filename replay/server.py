@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.contracts import WorkerRpc
+from kvbench.replay.errors import ServerError  # raised here; callers import it from here or errors
+from kvbench.replay.worker_rpc import WorkerClient
 
 SHUTDOWN_TIMEOUT_S = 10  # vLLM's own drain on SIGTERM; VLLMServer.stop waits longer before SIGKILL
-
-
-class ServerError(RuntimeError):
-    """The server could not be started, died, or is unreachable; the message says why."""
 
 
 ENFORCE_EAGER_ENV = "KVBENCH_ENFORCE_EAGER"
@@ -236,8 +234,6 @@ class VLLMServer:
         )
         try:
             self.wait_until_healthy()
-            from kvbench.replay.worker_rpc import WorkerClient
-
             for rpc in self.config.post_start_rpcs:
                 WorkerClient(self.base_url).call(rpc)
         except BaseException:

@@ -17,7 +17,7 @@ from kvbench.contracts import (
     WorkerRpc,
     WorkerStats,
 )
-from kvbench.replay.server import ServerError
+from kvbench.replay.errors import ServerError
 
 
 def collective_rpc(base_url: str, method: str, timeout_s: float = 120.0, **kwargs: str) -> list[Any]:

@@ -10,7 +10,7 @@ import pytest
 
 from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
-from kvbench.model.store import resolve_model
+from kvbench.model.resolve import resolve_model
 from kvbench.replay.server import ServerConfig, VLLMServer, method_server_config
 
 # KV slots of the connector server: small enough that concurrent long requests get preempted.

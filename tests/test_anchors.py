@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.anchors import (
+from kvbench.methods.base import LoadContext, SegmentReuse
+from kvbench.methods.connector.rope import RopeAligner
+from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.delta.anchors import (
     AnchorPool,
     Correction,
     anchor_distances,
@@ -17,11 +20,8 @@ from kvbench.methods.anchors import (
     interpolated_delta,
     reliability_gate,
 )
-from kvbench.methods.base import LoadContext, SegmentReuse
+from kvbench.methods.delta.stored import EXACT_EIGH_MAX_FEATURES, FullRank, LowRank
 from kvbench.methods.registry import method_class
-from kvbench.methods.rope import RopeAligner
-from kvbench.methods.store import SavedKV
-from kvbench.methods.stored import EXACT_EIGH_MAX_FEATURES, FullRank, LowRank
 
 LAYERS, HEADS, HEAD_DIM = 4, 4, 32
 D = HEADS * HEAD_DIM
@@ -379,7 +379,7 @@ def test_deferred_work_waits_until_its_request_is_computed(prematch: bool) -> No
 
 
 def test_a_loaded_request_counts_as_computed_after_a_step_that_scheduled_it() -> None:
-    from kvbench.methods.compute_tracker import ComputedRequests
+    from kvbench.methods.connector.compute_tracker import ComputedRequests
 
     tracker = ComputedRequests()
     # synchronous load: loaded in the step that computes it; computed from the next step on
@@ -775,7 +775,7 @@ def test_kvcomm_ref_prefills_references_after_bos_and_corrects_outputs_from_thei
             producer_rows = ctx.candidates[0].source.v[:, 71:87].reshape(LAYERS, 16, D)
             assert anchor.source == "A0" and torch.equal(anchor.base_v.rows(16), producer_rows.bfloat16().float())
             (q_anchor,) = method.pools["q"].anchors.values()  # the base: the reference's q rows, after BOS
-            reference = method.references[next(iter(method.references))]
+            reference = method.references.entries[next(iter(method.references.entries))]
             assert len(reference.token_ids) == 65
             assert torch.equal(q_anchor.base_v.rows(64), reference.v[:, 1:].reshape(LAYERS, 64, D).bfloat16().float())
 
@@ -820,8 +820,8 @@ def test_graphflow_starts_its_budget_afresh_when_a_measured_run_follows_warm_ups
 def test_coded_bases_are_compressed_and_still_match() -> None:
     """KVComm's `base_codec`: full-size bases kept by PolyKV's codec take >= 2.5x fewer bytes than
     bf16 and still single out the right anchor; corrections are kept as they are."""
-    from kvbench.methods.kv_codec import make_codec
-    from kvbench.methods.stored import BaseCodec, Coded
+    from kvbench.methods.connector.kv_codec import make_codec
+    from kvbench.methods.delta.stored import BaseCodec, Coded
 
     contents = [_low_rank_plus_noise(64, 8, 0.1, seed=s) for s in range(3)]
     plain, coded = AnchorPool(10), AnchorPool(10)

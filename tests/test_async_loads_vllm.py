@@ -14,7 +14,7 @@ import pytest
 from vllm_helpers import complete, dense_prefill, kv_error, max_dlogprob, new_key, request_stats
 
 from kvbench.contracts import CONTRACT_VERSION, Plan
-from kvbench.replay.client import stream_completion
+from kvbench.replay.backend import stream_completion
 from kvbench.replay.server import VLLMServer, method_server_config
 
 pytestmark = pytest.mark.engine

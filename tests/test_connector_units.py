@@ -14,7 +14,7 @@ from kvbench.methods.connector.loads import AsyncLoads, LoadJob, SyncLoads
 from kvbench.methods.connector.materialize import count_rows, find_candidates, served_entries
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
 from kvbench.methods.connector.specs import LoadSpec
-from kvbench.methods.store import SavedKV, SegmentStore
+from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 4
 
@@ -178,8 +178,9 @@ def test_a_request_that_reuses_nothing_is_left_to_vllm(method: str, params: dict
 
 @pytest.mark.parametrize("method", ["fullshared", "kvcomm"])
 def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
-    """A last agent's cache: no consumer waits for it, its blocks are freed at once (no save), and a
-    request vLLM prefilled still reports its figures; one the connector loaded reported them at its load."""
+    """A last agent's cache: no consumer waits for it and nothing is copied. A request the connector
+    loaded reported its figures at its load (its blocks are freed at once); one vLLM prefilled
+    reports them in the next step, which vLLM runs because its blocks are held until then."""
     from vllm.v1.request import RequestStatus
 
     from kvbench.methods.connector.scheduler import ConnectorScheduler
@@ -193,7 +194,7 @@ def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
     assert scheduler.get_num_new_matched_tokens(_request("x", reader), 0) == (9, False)  # nothing to wait for
     claimed = scheduler.get_num_new_matched_tokens(_request("a3", last), 2)[0] > 0
     finished = _request("a3", last, status=RequestStatus.FINISHED_STOPPED, computed=10)
-    assert scheduler.request_finished(finished, [1]) == (False, None)  # vLLM frees its blocks now
+    assert scheduler.request_finished(finished, [1]) == (not claimed, None)
     saves = scheduler.build_connector_meta(SimpleNamespace(
         num_scheduled_tokens={}, scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).saves
@@ -210,7 +211,11 @@ def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
         worker.wait_for_save(KVBenchMetadata(saves=[save]))
         stats = worker.stats(clear=False)
         assert stats.requests["run/t/A3.r0"]["local_tokens"] == 2 and "save_s" not in stats.requests["run/t/A3.r0"]
-        assert stats.store_entries == 0 and worker.get_finished(set())[0] == set()  # nothing held, nothing to free
+        assert stats.store_entries == 0 and worker.get_finished(set())[0] == {"a3"}  # its blocks: nothing copied
+        assert worker.take_reuse_counts() == {"requests": 1, "claimed_requests": 0, "reused_tokens": 0,
+                                              "recomputed_tokens": 7, "eligible_tokens": 0, "source_missing_tokens": 0,
+                                              "exact_prefix_tokens": 0, "fallbacks": 0}
+        assert worker.take_reuse_counts() is None  # taken once
 
 
 def test_an_unclaimed_request_reports_what_vllm_computed() -> None:

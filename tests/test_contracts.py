@@ -56,7 +56,7 @@ def test_stats_of_another_contract_version_or_missing_keys_are_refused() -> None
 
 
 def test_every_worker_rpc_is_a_method_of_the_worker_extension() -> None:
-    from kvbench.methods.worker_ext import KVBenchWorkerExtension
+    from kvbench.methods.connector.worker_ext import KVBenchWorkerExtension
 
     assert all(callable(getattr(KVBenchWorkerExtension, rpc.value, None)) for rpc in WorkerRpc)
 

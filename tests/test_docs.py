@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,9 +20,10 @@ def _python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-def test_adding_a_method_example_registers_and_passes_its_test(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    method_code, test_code = _python_blocks(ROOT / "docs" / "adding-a-method.md")
+@pytest.fixture
+def recompute_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> type:
+    """The page's method file, registered for this test only."""
+    method_code, _ = _python_blocks(ROOT / "docs" / "adding-a-method.md")
     monkeypatch.setattr(registry, "_METHODS", dict(registry.all_methods()))  # the example's registration stays here
     module_path = tmp_path / "recompute_head.py"
     module_path.write_text(method_code)
@@ -29,15 +32,48 @@ def test_adding_a_method_example_registers_and_passes_its_test(tmp_path: Path,
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "recompute_head", module)
     spec.loader.exec_module(module)
+    return module.RecomputeHead
 
+
+def test_adding_a_method_example_registers_and_passes_its_test(recompute_head: type) -> None:
+    _, test_code = _python_blocks(ROOT / "docs" / "adding-a-method.md")
     cls = registry.method_class("recompute-head")
-    assert cls is module.RecomputeHead and cls.approximate
+    assert cls is recompute_head and cls.approximate
     assert cls({}).params == {"head_tokens": 16, "store_codec": "none"}  # every method: store_codec
     with pytest.raises(ValueError, match="head_tokens: Input should be greater than or equal to 0"):
         cls({"head_tokens": -1})
     namespace: dict = {}
     exec(compile(test_code, "docs/adding-a-method.md", "exec"), namespace)
     namespace["test_the_head_of_each_shared_segment_is_computed"]()
+
+
+def test_adding_a_method_commands_run_as_written(recompute_head: type, tiny_tokenizer_dir: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 3's commands, each with a stand-in server (`--base-url`: no vLLM here) and one small
+    trajectory; they must name folders the earlier commands wrote."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.replay.stub import StubServer
+
+    (block,) = re.findall(r"## 3\..*?```bash\n(.*?)```", (ROOT / "docs" / "adding-a-method.md").read_text(), flags=re.S)
+    commands = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.strip()]
+    assert all(command[0] == ".venv/bin/kvbench" for command in commands)
+    monkeypatch.chdir(tmp_path)
+    with StubServer() as plain, StubServer(connector=True, connector_method="recompute-head") as connector:
+        for command in commands:
+            args = command[1:]
+            if args[0] == "replay":
+                server = connector if "recompute-head" in args else plain
+                args += ["--base-url", server.base_url, "--model", str(tiny_tokenizer_dir), "--num-trajectories", "1",
+                         "--shared-tokens", "64", "--output-len", "4"]
+            result = CliRunner().invoke(main, args, prog_name="kvbench")
+            assert result.exit_code == 0, (command, result.output)
+            if args[:2] == ["methods", "--markdown"]:
+                assert "recompute-head" in result.output
+    summary = json.loads((tmp_path / "results" / "recompute-head" / "summary.json").read_text())
+    assert summary["method"] == "recompute-head" and summary["exact_match_rate"] == 1.0  # the stand-in changes nothing
+    assert (tmp_path / "reports" / "recompute-head" / "report.md").is_file()
 
 
 def test_readme_method_table_is_the_registry() -> None:

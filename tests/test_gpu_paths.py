@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.anchors import Anchor, anchor_distances, gate_from_distances, interpolated_delta
 from kvbench.methods.base import LoadContext, SegmentReuse
-from kvbench.methods.paged import PlainLayout
+from kvbench.methods.connector.paged import PlainLayout
+from kvbench.methods.connector.rope import RopeAligner
+from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.delta.anchors import Anchor, anchor_distances, gate_from_distances, interpolated_delta
+from kvbench.methods.delta.stored import EXACT_EIGH_MAX_FEATURES, LowRank
 from kvbench.methods.registry import method_class
-from kvbench.methods.rope import RopeAligner
-from kvbench.methods.store import SavedKV
-from kvbench.methods.stored import EXACT_EIGH_MAX_FEATURES, LowRank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

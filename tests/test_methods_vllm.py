@@ -210,8 +210,23 @@ def test_injected_fault_falls_back_to_dense(server: VLLMServer, prompts: dict, b
     assert stats["fallback"] == "dense" and "injected fault" in stats["error"]
 
 
+def _kvbench_metrics(server: VLLMServer) -> dict[str, float]:
+    """The connector's `vllm:kvbench_*` series on the server's /metrics (summed over engines)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:kvbench_") and not sample.name.endswith("_created"):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
 def test_replay_stats_match_the_trace_spans(server: VLLMServer, tmp_path: Path) -> None:
     out = tmp_path / "run"
+    before = _kvbench_metrics(server)
     result = CliRunner().invoke(main, ["replay", "--method", "fullshared", "--base-url", server.base_url, "--qps", "0",
                                        "--num-trajectories", "2", "--shared-tokens", "700", "--output-len", "12",
                                        "--result-dir", str(out)], prog_name="kvbench")
@@ -235,3 +250,11 @@ def test_replay_stats_match_the_trace_spans(server: VLLMServer, tmp_path: Path) 
     assert (requests["eligible_tokens"] == requests["reused_tokens"]).all()
     assert math.isclose(summary["realized_rho"], 1.0)
     assert summary["method_store_peak_bytes"] > 0
+    # The same totals on vLLM's own stats path: /metrics, as a Prometheus user of the server sees them
+    after = _kvbench_metrics(server)
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert grew["vllm:kvbench_requests_total"] == len(requests)
+    assert grew["vllm:kvbench_reused_tokens_total"] == requests["reused_tokens"].sum() > 0
+    assert grew["vllm:kvbench_recomputed_tokens_total"] == requests["recomputed_tokens"].sum()
+    assert grew["vllm:kvbench_saves_total"] == len(requests) - 2  # each trajectory's last agent is not kept
+    assert after["vllm:kvbench_store_bytes"] > 0

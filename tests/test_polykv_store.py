@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvbench.methods.base import MethodConfigError
-from kvbench.methods.kv_codec import make_codec
+from kvbench.methods.connector.kv_codec import make_codec
+from kvbench.methods.connector.store import CompressedKV, SavedKV, SegmentStore
 from kvbench.methods.registry import method_class
-from kvbench.methods.store import CompressedKV, SavedKV, SegmentStore
 
 
 def _entry(n: int = 96) -> SavedKV:

@@ -16,9 +16,10 @@ from kvbench import run_files
 from kvbench.analysis.task_score import score_requests, task_figures
 from kvbench.cli import main
 from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.schema import Trace, read_trace
+from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tasks import ARROW, answer_of, recall_output_len
 from kvbench.tracegen.tokenizer import load_tokenizer
+from kvbench.tracegen.trace_files import read_trace
 
 GOLDEN = Path(__file__).parent / "data" / "golden-runs"
 

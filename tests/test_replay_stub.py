@@ -123,8 +123,8 @@ def test_arrivals_follow_the_schedule(tiny_tokenizer_dir: Path, stub: StubServer
 
 def test_fan_out_turns_run_concurrently(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import write_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import write_trace
 
     header, trajectories = generate_trace(TraceSpec(workflow="fan-out", shared_tokens=32, output_len=8,
                                                     num_trajectories=1), load_tokenizer(str(tiny_tokenizer_dir)))
@@ -224,8 +224,8 @@ def test_max_concurrency_caps_the_requests_in_flight(tiny_tokenizer_dir: Path, t
 
 def test_trace_timestamps_replace_the_qps_schedule(tiny_tokenizer_dir: Path, stub: StubServer, tmp_path: Path) -> None:
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import write_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import write_trace
 
     header, trajectories = generate_trace(TraceSpec(shared_tokens=64, output_len=2, num_trajectories=3),
                                           load_tokenizer(str(tiny_tokenizer_dir)))

@@ -12,7 +12,7 @@ from functools import cache
 import pytest
 import torch
 
-from kvbench.model import role_check
+from kvbench.experiment import role_check
 from kvbench.model.roles import FAMILIES, WEIGHTS_SHA256, build_family_model, build_role_model
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.generate import TraceSpec, generate_trace
@@ -132,7 +132,7 @@ def test_builds_are_the_recorded_weights(name: str, tmp_path) -> None:
 
 
 def test_unknown_family_is_refused_with_the_list() -> None:
-    from kvbench.model.store import resolve_model
+    from kvbench.model.resolve import resolve_model
 
     with pytest.raises(FileNotFoundError, match="kvbench:roles-transferable"):
         resolve_model("kvbench:roles-shallow")

@@ -14,8 +14,8 @@ from vllm_helpers import complete
 
 from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
+from kvbench.model.resolve import resolve_model
 from kvbench.model.roles import FAMILIES
-from kvbench.model.store import resolve_model
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.server import ServerConfig, VLLMServer
 from kvbench.tracegen.generate import TraceSpec, generate_trace

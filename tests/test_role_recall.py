@@ -111,7 +111,7 @@ def test_a_role_recall_trace_names_a_model_that_reads_roles(tmp_path) -> None:
     from click.testing import CliRunner
 
     from kvbench.cli import main
-    from kvbench.tracegen.schema import read_trace
+    from kvbench.tracegen.trace_files import read_trace
 
     out = tmp_path / "t.jsonl"
     made = CliRunner().invoke(main, ["gen-trace", "-o", str(out), "--task", "role-recall", "--shared-tokens", "300",

@@ -238,7 +238,7 @@ def test_a_5000_turn_chain_in_reverse_order_validates(tmp_path: Path) -> None:
     result = _validate(path)
     assert result.exit_code == 0, result.output
     assert "1 trajectories, 5000 turns" in result.output
-    from kvbench.tracegen.schema import read_trace
+    from kvbench.tracegen.trace_files import read_trace
 
     (trajectory,) = read_trace(path).trajectories
     assert trajectory.is_ancestor("T0", "T4999") and not trajectory.is_ancestor("T4999", "T0")
@@ -285,7 +285,8 @@ def test_a_text_past_the_limit_is_refused_before_tokenizing(tmp_path: Path, monk
 
 @pytest.mark.parametrize("special", ["/dev/zero", "fifo", "directory"])
 def test_a_file_that_is_not_regular_is_refused(tmp_path: Path, special: str) -> None:
-    from kvbench.tracegen.schema import TraceError, read_trace
+    from kvbench.tracegen.schema import TraceError
+    from kvbench.tracegen.trace_files import read_trace
 
     path = {"/dev/zero": Path("/dev/zero"), "fifo": tmp_path / "pipe", "directory": tmp_path}[special]
     if special == "fifo":

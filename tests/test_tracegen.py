@@ -13,9 +13,10 @@ from kvbench.cli import main
 from kvbench.tracegen.arrivals import arrival_times
 from kvbench.tracegen.export import MOONCAKE_BLOCK_TOKENS, mooncake_records
 from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.schema import OUT_PREFIX, Trace, read_trace, write_trace
+from kvbench.tracegen.schema import OUT_PREFIX, Trace
 from kvbench.tracegen.stats import trace_stats
 from kvbench.tracegen.tokenizer import load_tokenizer
+from kvbench.tracegen.trace_files import read_trace, write_trace
 from kvbench.tracegen.workflows import WORKFLOWS
 
 

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 CHECK = """
 import torch
-from kvbench.methods import anchors
-from kvbench.methods.anchors import anchor_distances
-from kvbench.methods.stored import LowRank
+from kvbench.methods.delta import anchors
+from kvbench.methods.delta.anchors import anchor_distances
+from kvbench.methods.delta.stored import LowRank
 
 anchors._triton_available = lambda device: True  # the interpreter runs the kernel on CPU tensors
 g = torch.Generator().manual_seed(7)

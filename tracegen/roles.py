@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbench.model.vocabulary import RECALL_ANSWER_PREFIX, ROUTE_ARROWS, ROUTE_WORDS
+
 
 @dataclass(frozen=True)
 class Role:
@@ -40,8 +42,6 @@ _CODE_GLUE = dict(
     answer_prefix="\n\nYour reply:\n",
 )
 
-# The question that ends every recall prompt; the recall model's circuit is built around its length.
-RECALL_ANSWER_PREFIX = "\n\nNext name:\n"
 _RECALL_GLUE = dict(
     task_intro="\n\nThe tool returned:\n\n",
     peer_intro="\n\nNotes the team wrote so far, in order:",
@@ -52,10 +52,8 @@ _RECALL_RULE = ("Take the name in the last note (or, if there are no notes yet, 
                 "starts from), find the line of the table that begins with that name, and write the name "
                 "after its arrow on a line of its own. Copy names exactly.")
 
-# `--task role-recall`: a role's system prompt names its reading once, with one of these words,
+# `--task role-recall`: a role's system prompt names its reading once, with one of ROUTE_WORDS,
 # and the arrow its lines carry (tracegen/role_recall.py defines the table).
-ROUTE_WORDS = ("main", "fallback")
-ROUTE_ARROWS = ("->", ">>")
 _ROLE_RECALL_RULE = ("Every queue in the table has two lines, one with -> and one with >>. You follow the {word} route: "
                      "take the name in the last note (or, if there are no notes yet, the name the tool output starts "
                      "from), find the line of the table that begins with that name and has {arrow}, and write the name "

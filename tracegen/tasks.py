@@ -18,22 +18,10 @@ import random
 from collections.abc import Callable
 from typing import Protocol
 
+from kvbench.model.vocabulary import ARROW, NAME_WORDS
 from kvbench.tracegen.schema import OUT_PREFIX, Task, Trajectory, TurnAnswer
 from kvbench.tracegen.text import document_words
 
-# Names are two of these words: single tokens for most BPE vocabularies.
-NAME_WORDS = (
-    "amber anchor apple arrow aspen autumn badge basin beacon birch blade bloom bramble breeze brick "
-    "brook cabin canal candle canyon carbon cedar chalk cherry cinder clover cobalt comet copper coral "
-    "crane crater crystal dawn delta desert dune eagle ember falcon fern fiber flint forest fossil "
-    "garnet glacier granite harbor hazel heron hollow iris island ivory jade jasper kettle lagoon lantern "
-    "laurel lemon linen lotus maple marble meadow mesa mist moss nectar oak ocean olive onyx orchid "
-    "otter pebble pepper pine planet plum polar poplar prairie quartz quill raven reef ridge river "
-    "robin ruby saddle sage salt sand shadow shell silver slate spruce stone storm summit sunset "
-    "thistle thunder tide timber topaz tulip tundra valley velvet violet walnut willow winter zephyr"
-).split()
-
-ARROW = " -> "
 MIN_PREAMBLE_TOKENS = 12
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from kvbench.model.store import EMBEDDED_PREFIX, embedded_name, resolve_model
+from kvbench.model.resolve import resolve_model
+from kvbench.model.store import EMBEDDED_PREFIX, embedded_name
 
 
 @dataclass

@@ -14,9 +14,11 @@ from kvbench.cli.analysis import (
     score_command,
     summarize_command,
 )
+from kvbench.cli.calibrate import calibrate_command
 from kvbench.cli.model import model_group
 from kvbench.cli.quickstart import quickstart_command
-from kvbench.cli.replay import calibrate_command, methods_command, replay_command, serve_command
+from kvbench.cli.replay import replay_command
+from kvbench.cli.serve import methods_command, serve_command
 from kvbench.cli.sweep import paper_command, sweep_command
 from kvbench.cli.trace import gen_trace_command, trace_group
 from kvbench.cli.vllm_cli import vllm_command

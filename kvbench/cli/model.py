@@ -36,8 +36,9 @@ def build_command(recipe: str, seed: int, train_steps: int | None, force: bool) 
         _build_recall(seed, force)
         return
     if recipe == "roles":
+        from kvbench.model.resolve import resolve_model
         from kvbench.model.roles import FAMILIES, build_role_model
-        from kvbench.model.store import cache_root, resolve_model
+        from kvbench.model.store import cache_root
 
         for name in FAMILIES:
             path = cache_root() / "models" / name
@@ -92,7 +93,7 @@ def _build_recall(seed: int, force: bool) -> None:
               help="Build kvbench:tiny first if it is not cached; with --no-build a missing model is an error.")
 def path_command(model: str | None, build: bool) -> None:
     """Print the directory of an embedded model (loadable by vLLM and transformers)."""
-    from kvbench.model.store import resolve_model
+    from kvbench.model.resolve import resolve_model
 
     try:
         click.echo(resolve_model(model, build_if_missing=build))

@@ -41,7 +41,8 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     from kvbench.cli.analysis import quality_command, report_command
     from kvbench.cli.replay import replay_command
     from kvbench.cli.trace import gen_trace_command
-    from kvbench.model.store import is_constructed, resolve_model
+    from kvbench.model.resolve import resolve_model
+    from kvbench.model.store import is_constructed
 
     model = model or TASK_MODELS.get(task) or "kvbench:recall-v1"
     constructed = " (a constructed test model, built on first use)" if is_constructed(model) else ""

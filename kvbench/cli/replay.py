@@ -1,11 +1,9 @@
-"""`kvbench replay` and `kvbench serve`: run traces against vLLM with a chosen sharing method."""
+"""`kvbench replay`: run a trace against vLLM with a chosen sharing method (and the option parsing
+the other server commands share)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
     return params
 
 
-def _check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
+def check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
     from kvbench.methods.registry import validate_params
 
     params = parse_method_params(method_params)
@@ -123,6 +121,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.experiment.run import replay_and_summarize
+    from kvbench.experiment.servers import replay_server
     from kvbench.replay.runner import ReplayConfig, ReplayError
     from kvbench.replay.server import ServerError
 
@@ -130,7 +129,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         percentiles = parse_percentiles(metric_percentiles)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--metric-percentiles") from None
-    params = _check_method(method, server.method_params)
+    params = check_method(method, server.method_params)
     if resume and result_dir is None:
         raise click.UsageError("--resume needs the --result-dir of the run to finish")
     if top_k == 0:
@@ -138,7 +137,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     from kvbench.replay.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-    trace, tokenizer, model = _load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
+    trace, tokenizer, model = load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
                                           output_len, seed)
     reference = None
     if reference_dir is not None:
@@ -175,7 +174,11 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         # the folder is this run's before a server starts: a second writer is refused at once
         with result_dir_lock(result_dir, on_note=lambda note: click.echo(f"note: {note}", err=True)):
             check_result_dir(result_dir, resume)
-            with _servers(config, method, params, model, port, server):
+            server_config = None if base_urls else server.server_config(
+                method, params, model, port=port, log_path=result_dir / "server.log")
+            result_dir.mkdir(parents=True, exist_ok=True)
+            with replay_server(config, server_config, announce=lambda c: click.echo(
+                    f"starting vLLM ({method}) for {model} ... log: {c.log_path}", err=True)):
                 summary = replay_and_summarize(config)
     except (ServerError, ReplayError, ResultDirError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -204,12 +207,13 @@ def _report_failures(result_dir: Path, summary: dict[str, Any]) -> None:
         raise click.ClickException("every request failed (see the errors above)")
 
 
-def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: int | None, num_warmups: int,
+def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int | None, num_warmups: int,
                 shared_tokens: int, output_len: int, seed: int) -> tuple[Any, Any, str]:
-    from kvbench.model.store import resolve_model
+    from kvbench.model.resolve import resolve_model
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import Trace, TraceError, read_trace
+    from kvbench.tracegen.schema import Trace, TraceError
     from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import read_trace
 
     try:
         if trace_path is None:
@@ -233,26 +237,6 @@ def _load_trace(trace_path: Path | None, model: str | None, num_trajectories: in
         raise click.ClickException(str(exc)) from None
     served = resolve_model(model if model is not None else trace.header.tokenizer)
     return trace, tokenizer, served
-
-
-@contextlib.contextmanager
-def _servers(config: Any, method: str, params: dict[str, Any], model: str, port: int | None,
-             options: ServerOptions) -> Iterator[None]:
-    """Start a server unless --base-url was given; it is stopped however the run ends."""
-    from kvbench.replay.server import VLLMServer
-
-    if config.base_urls:
-        yield
-        return
-    config.result_dir.mkdir(parents=True, exist_ok=True)
-    server_config = options.server_config(method, params, model, port=port, log_path=config.result_dir / "server.log")
-    click.echo(f"starting vLLM ({method}) for {model} ... log: {server_config.log_path}", err=True)
-    with VLLMServer(server_config) as server:
-        config.base_urls = [server.base_url]
-        config.server_pids = {server.base_url: server.process.pid}
-        config.server_failure = server.failure
-        config.extra_config["server_command"] = server.command()
-        yield
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -291,143 +275,3 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(table)
 
 
-@click.command("serve")
-@click.option("--method", default="nonshared", show_default=True, help="KV sharing method the server runs.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="vLLM's log [default: kvbench-serve-<method>-<port>.log in the current folder].")
-@server_options
-def serve_command(method: str, host: str, port: int, log_path: Path | None, server: ServerOptions) -> None:
-    """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
-    import time
-
-    from kvbench.model.store import resolve_model
-    from kvbench.replay.server import ServerError, VLLMServer
-
-    params = _check_method(method, server.method_params)
-    log_path = log_path or Path(f"kvbench-serve-{method}-{port}.log")
-    config = server.server_config(method, params, resolve_model(server.model), host=host, port=port,
-                                  log_path=log_path.resolve())
-    click.echo(f"starting vLLM ({method}) for {config.model} on {host}:{port} (a start takes a minute or two "
-               f"on a CPU) ... log: {config.log_path}", err=True)
-    try:
-        with VLLMServer(config) as running:
-            click.echo(json.dumps({"base_url": running.base_url, "method": method, "model": config.model,
-                                   "log": str(running.log_path)}))
-            while running.is_running():
-                time.sleep(1)
-            raise click.ClickException(f"the vLLM server exited with code {running.process.returncode}; "
-                                       f"log: {running.log_path}")
-    except ServerError as exc:
-        raise click.ClickException(str(exc)) from None
-    except Interrupted as exc:  # the normal way to stop a server: exit 0, like vLLM's own
-        click.echo(f"stopped ({signal.Signals(exc.signum).name}); the server is shut down", err=True)
-
-
-@click.command("methods")
-@click.option("--markdown", is_flag=True, help="One markdown table (the README's and docs' method table).")
-def methods_command(markdown: bool) -> None:
-    """List the KV sharing methods: what each does and its parameters (set with --method-param)."""
-    from kvbench.methods.registry import all_methods, methods_table
-
-    if markdown:
-        click.echo(methods_table())
-        return
-    for name, cls in all_methods().items():
-        click.echo(f"{name:20s} {'exact' if not cls.approximate else 'approximate'}: {cls.summary}")
-        for param, default, description in cls.Params.describe():
-            click.echo(f"{'':22s}{param}={default}  {description}")
-
-
-@click.command("calibrate")
-@click.option("--method", required=True,
-              help="A gated delta-correction method (kvcmas, kvcmas-nonchained, kvcomm): bisects its threshold; "
-                   "graphflow: its reuse budget rho; droidspeak: profiles layer-wise deviation and picks its layer "
-                   "group.")
-@click.option("--target-rho", type=FiniteFloatRange(0, 1), required=True,
-              help="Reuse ratio to reach: shared tokens served by accepted corrections / eligible shared tokens.")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Calibration trace [default: a four-agent trace generated in memory].")
-@click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--iterations", type=click.IntRange(1, 12), default=6, show_default=True, help="Bisection steps.")
-@click.option("--num-warmups", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Trajectories run before each measured replay to fill the method's state (anchor pools), as a "
-                   "measured run with --prime-method-state does: the threshold is found for the steady state.")
-@click.option("--tolerance", type=FiniteFloatRange(min=0), default=0.05, show_default=True,
-              help="Exit 1 when no step came within this of the target rho.")
-@click.option("--base-url", default=None, help="A running server with the method [default: start one].")
-@click.option("--seed", type=int, default=1, show_default=True)
-@server_options
-def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
-                      shared_tokens: int, output_len: int, iterations: int, num_warmups: int, tolerance: float,
-                      base_url: str | None, seed: int, server: ServerOptions) -> None:
-    """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho; CacheBlend's
-    recompute_ratio; RelayCaching's tau_dev) that reaches a target reuse ratio, or DroidSpeak's
-    recomputed layer group (offline layer-wise deviation profiling)."""
-    from kvbench.experiment.calibrate import calibrate_threshold, flat_rho, summary_dict, what_limits, within
-    from kvbench.methods.registry import method_class
-    from kvbench.replay.server import ServerError, VLLMServer
-
-    params = _check_method(method, server.method_params)
-    cls = method_class(method) if method != "nonshared" else None
-    if cls is not None and getattr(cls, "layer_profiled", False):
-        trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
-                                               output_len, seed)
-        _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, server)
-        return
-    threshold = getattr(cls, "threshold_name", None)
-    if cls is None or threshold not in cls.Params.model_fields:
-        raise click.BadParameter(f"{method!r} has no reliability gate, reuse budget or layer group to calibrate",
-                                 param_hint="--method")
-    trace, tokenizer, served = _load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
-                                           output_len, seed)
-
-    ranges = {"threshold_range": cls.threshold_range, "rho_rises": cls.rho_rises_with_threshold}
-
-    def show(step) -> None:
-        click.echo(f"  {cls.threshold_name}={step.threshold:.4f} -> realized rho {step.realized_rho:.3f}", err=True)
-
-    try:
-        if base_url is not None:
-            steps = calibrate_threshold(trace, tokenizer, method, base_url.rstrip("/"), target_rho, cls.threshold_name,
-                                        iterations, show, num_warmups, tolerance, **ranges)
-        else:
-            with VLLMServer(server.server_config(method, params, served)) as running:
-                steps = calibrate_threshold(trace, tokenizer, method, running.base_url, target_rho, cls.threshold_name,
-                                            iterations, show, num_warmups, tolerance, **ranges)
-    except ServerError as exc:
-        raise click.ClickException(str(exc)) from None
-    report = summary_dict(steps, target_rho, cls.threshold_name)
-    click.echo(json.dumps(report, indent=2))
-    if not within(report["realized_rho"], target_rho, tolerance) and flat_rho(steps):
-        tried = ", ".join(f"{s.threshold:.4f}" for s in steps)
-        raise click.ClickException(
-            f"target rho {target_rho:g} is out of reach: rho is {steps[-1].realized_rho:.3f} at every "
-            f"{cls.threshold_name} tried ({tried}), so the threshold is not what limits it: {what_limits(steps)}")
-    if not within(report["realized_rho"], target_rho, tolerance):
-        raise click.ClickException(
-            f"target rho {target_rho:g} is out of reach on this trace: the closest step realized "
-            f"{report['realized_rho']:.3f} ({cls.threshold_name}={report[cls.threshold_name]:.4f}); more --iterations, "
-            "another --trace or a larger --tolerance")
-
-
-def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tokenizer: Any, served: str,
-                            target_rho: float, base_url: str | None, server: ServerOptions) -> None:
-    """DroidSpeak's profiling: the layer group to recompute for a target reuse ratio."""
-    from kvbench.experiment.calibrate import profile_layers
-    from kvbench.replay.server import ServerError, VLLMServer
-
-    try:
-        if base_url is not None:
-            profile = profile_layers(trace, tokenizer, method, base_url.rstrip("/"), served, target_rho)
-        else:
-            with VLLMServer(server.server_config(method, params, served)) as running:
-                profile = profile_layers(trace, tokenizer, method, running.base_url, served, target_rho)
-    except (ServerError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(json.dumps({"target_rho": target_rho, "layers": list(profile.layers),
-                           "layer_deviation": [round(d, 6) for d in profile.deviation],
-                           "profiled_turns": profile.turns}, indent=2))

@@ -59,9 +59,9 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     from rich.progress import Progress
 
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import write_trace
     from kvbench.tracegen.tasks import default_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import write_trace
 
     params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
     model = model or TASK_MODELS.get(str(params["task"]))  # the header's tokenizer names the replay's model
@@ -102,7 +102,8 @@ def trace_group() -> None:
 def validate_command(file: Path, model: str | None, max_model_len: int | None) -> None:
     """Check a trace as replay will: structure, references, the tokenizer's identity and every
     declared token count; every problem is reported with its line and field (exit 1 if any)."""
-    from kvbench.tracegen.schema import TraceError, read_trace
+    from kvbench.tracegen.schema import TraceError
+    from kvbench.tracegen.trace_files import read_trace
     from kvbench.tracegen.validate import checked_tokenizer, length_problems
 
     try:
@@ -125,8 +126,9 @@ def stats_command(file: Path, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvbench.tracegen.schema import TraceError, read_trace
+    from kvbench.tracegen.schema import TraceError
     from kvbench.tracegen.stats import trace_stats
+    from kvbench.tracegen.trace_files import read_trace
 
     try:
         stats = trace_stats(read_trace(file))
@@ -161,7 +163,8 @@ def stats_command(file: Path, as_json: bool) -> None:
 def export_command(file: Path, fmt: str, output: Path | None) -> None:
     """Export a trace, one line per turn, for other replay tools."""
     from kvbench.tracegen.export import mooncake_records
-    from kvbench.tracegen.schema import TraceError, read_trace
+    from kvbench.tracegen.schema import TraceError
+    from kvbench.tracegen.trace_files import read_trace
 
     try:
         trace = read_trace(file)

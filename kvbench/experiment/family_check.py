@@ -1,7 +1,7 @@
 """`kvbench model check` on a role-family model (kvbench.model.roles): what reuse costs on it and
 why, per family.
 
-Offline (transformers, kvbench.model.role_check): accuracy on reuse turns under dense prefill and
+Offline (transformers, kvbench.experiment.role_check): accuracy on reuse turns under dense prefill and
 under naive reuse (FullShared's: the source turn's cache of the shared table), the answers' logit
 margins in fp32 and bf16 (a margin of several nats cannot be flipped by bf16 rounding or a batch's
 reordering), and the cross-role K/V delta of the first edge: its relative norm and effective rank
@@ -36,8 +36,8 @@ def offline_family_figures(settings: FamilyCheckSettings) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvbench.model import role_check
-    from kvbench.model.store import resolve_model
+    from kvbench.experiment import role_check
+    from kvbench.model.resolve import resolve_model
     from kvbench.replay.prompts import PromptBuilder
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.tokenizer import load_tokenizer

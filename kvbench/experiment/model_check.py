@@ -52,7 +52,8 @@ def offline_figures(settings: CheckSettings, on_step: Callable[[str], None] = la
         shared_rows_values,
         token_losses,
     )
-    from kvbench.model.store import first_context_layer, resolve_model
+    from kvbench.model.resolve import resolve_model
+    from kvbench.model.store import first_context_layer
     from kvbench.replay.prompts import PromptBuilder
     from kvbench.tracegen.generate import TraceSpec, generate_trace
     from kvbench.tracegen.tokenizer import load_tokenizer
@@ -160,8 +161,8 @@ def run_check(settings: CheckSettings, root: Path, serving: bool = True,
               on_step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """The realism figures of a model, or for a role-family model what reuse costs on it
     (kvbench.experiment.family_check); written to root/check.json."""
+    from kvbench.model.resolve import resolve_model
     from kvbench.model.roles import family_of
-    from kvbench.model.store import resolve_model
 
     path = resolve_model(settings.model)
     manifest_path = Path(path) / MANIFEST_NAME

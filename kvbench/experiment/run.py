@@ -47,8 +47,8 @@ def trace_of_run(config: dict[str, Any], trace_path: Path | None = None) -> tupl
     """The trace a run replayed: `trace_path`, else the file its config names, else the trace
     regenerated from the generator settings in its header (gen-trace is deterministic)."""
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import read_trace, trajectory_digest
     from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import read_trace, trajectory_digest
 
     recorded = Path(config["trace_path"]) if config.get("trace_path") else None
     # A recorded path may be relative to where the run was made, or the file gone: regenerate then.

@@ -179,12 +179,13 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
 def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
                after_cell: AfterCell | None) -> list[SweepCell]:
     from kvbench.experiment.run import replay_and_summarize
-    from kvbench.model.store import resolve_model
+    from kvbench.model.resolve import resolve_model
     from kvbench.replay.runner import ReplayConfig, ReplayError
     from kvbench.replay.server import VLLMServer, method_server_config
     from kvbench.tracegen.generate import generate_trace
-    from kvbench.tracegen.schema import Trace, read_trace, write_trace
+    from kvbench.tracegen.schema import Trace
     from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import read_trace, write_trace
 
     spec_path = root / SWEEP_FILE
     if spec_path.exists() and not spec.extends(SweepSpec.from_json(json.loads(spec_path.read_text()))):

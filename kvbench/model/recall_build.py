@@ -25,8 +25,7 @@ from kvbench.model.spec import spec_digest
 from kvbench.model.store import cache_root
 from kvbench.model.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, train_tokenizer
 from kvbench.model.train import evaluate, warmup_cosine
-from kvbench.tracegen.roles import RECALL_ANSWER_PREFIX
-from kvbench.tracegen.tasks import ARROW, NAME_WORDS
+from kvbench.model.vocabulary import ARROW, NAME_WORDS, RECALL_ANSWER_PREFIX
 
 RECALL_RECIPE_VERSION = 1
 

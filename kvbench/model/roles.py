@@ -47,8 +47,7 @@ from kvbench import __version__
 from kvbench.model.circuit import CODE_BITS, word_codes
 from kvbench.model.constructed import ONE, UNIT, CircuitWriter, Dim, Fields
 from kvbench.model.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-from kvbench.tracegen.roles import RECALL_ANSWER_PREFIX, ROUTE_ARROWS, ROUTE_WORDS
-from kvbench.tracegen.tasks import NAME_WORDS
+from kvbench.model.vocabulary import NAME_WORDS, RECALL_ANSWER_PREFIX, ROUTE_ARROWS, ROUTE_WORDS
 
 ROLES_RECIPE_VERSION = 1
 

@@ -31,7 +31,7 @@ class TinyModelSpec:
     # Long enough for 32K shared tokens plus 8 agents x 8 rounds of outputs and role prompts.
     max_position_embeddings: int = 65536
     rope_theta: float = 500000.0
-    # Training: enough AdamW steps that attention is far from uniform (see design.md section 7).
+    # Training: enough AdamW steps that attention is far from uniform (docs/models.md).
     train_steps: int = 240
     batch_size: int = 16
     seq_len: int = 256

@@ -9,6 +9,17 @@
 - `materialize.py`: one load: matching, placement, narrowing, accounting.
 - `saves.py`, `diagnostics.py`: into and out of the segment store.
 - `specs.py`, `metadata.py`: what the sides hand each other.
+- `worker_ext.py`: the vLLM worker extension that answers kvbench's worker RPCs.
+- `counters.py`, `metrics.py`: reuse totals on vLLM's own connector-stats path, and the
+  `vllm:kvbench_*` Prometheus metrics they become on `/metrics`.
 
-Only `adapter.py` and `metadata.py` import vLLM at module level, so the rest is testable without it.
+What the sides compute with (the core services every method sees):
+
+- `store.py`, `kv_codec.py`: the byte-capped segment store of saved caches and its codecs.
+- `paged.py`: reading and writing rows of vLLM's paged KV caches, per platform layout.
+- `forward.py`: the layer-by-layer partial forward over the model's own modules.
+- `rope.py`: re-rotating reused keys to new positions; `influence.py`: attention mass per row.
+- `compute_tracker.py`: which requests vLLM has computed (what deferred method work waits for).
+
+Only `adapter.py`, `metadata.py` and `metrics.py` import vLLM at module level, so the rest is testable without it.
 """

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbench.methods.connector.metadata import KVBenchMetadata
+from kvbench.methods.connector.metrics import KVBenchConnectorStats, KVBenchPromMetrics
 from kvbench.methods.connector.scheduler import ConnectorScheduler
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
 from kvbench.methods.connector.worker import ConnectorWorker
@@ -30,6 +31,12 @@ from kvbench.methods.connector.worker import ConnectorWorker
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -120,3 +127,20 @@ class KVBenchConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker.build_worker_meta()
+
+    # ---------------------------------------------------------------- vLLM's stats path (/metrics)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is None:  # the scheduler side counts nothing of its own
+            return None
+        data = self.worker_side.take_reuse_counts()
+        return None if data is None else KVBenchConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVBenchConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KVBenchPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

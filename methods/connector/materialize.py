@@ -13,18 +13,44 @@ import dataclasses
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
 from kvbench.contracts import LoadStats
-from kvbench.methods.base import LoadContext, SegmentReuse, SharingMethod
+from kvbench.methods.base import CoreServices, LoadContext, SegmentReuse, SharingMethod
+from kvbench.methods.connector.compute_tracker import ComputedRequests
+from kvbench.methods.connector.forward import LayerGroup, PartialForward
+from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import LoadSpec
-from kvbench.methods.forward import LayerGroup
-from kvbench.methods.store import SavedKV, SegmentStore
+from kvbench.methods.connector.store import SavedKV, SegmentStore
 
-if TYPE_CHECKING:
-    from kvbench.methods.connector.worker import ConnectorWorker
+
+class LoadServices(CoreServices, Protocol):
+    """What one load needs of the worker side (kvbench.methods.connector.worker.ConnectorWorker)."""
+
+    settings: ConnectorSettings
+    method: SharingMethod
+    block_size: int
+    store: SegmentStore
+    forward: PartialForward
+    kv_caches: dict[str, torch.Tensor]
+    layouts: dict[str, Any]  # layer name -> its kvbench.methods.connector.paged layout
+    computed_requests: ComputedRequests
+
+    def tensor_parallel_rank(self) -> int: ...
+
+    def hidden_layer(self) -> int | None:
+        """The layer whose entering residual stream the method recomputes from (None: none kept)."""
+
+    def note_exact_rows(self, key: str, rows: int) -> None:
+        """The request saved as `key` holds dense-prefill K/V in its first `rows` rows."""
+
+    def rows_reader(self, block_ids: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """Reads K, V [layers, rows, Hkv, hd] of a request's rows from the paged cache."""
+
+    def influence(self, layer: int, q: torch.Tensor, q_rows: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Attention mass each row receives at `layer` from the query rows (summed over heads)."""
 
 
 @dataclass
@@ -87,7 +113,7 @@ def exact_prefix(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor, bloc
     return best
 
 
-def copy_exact_rows(worker: ConnectorWorker, source: SavedKV, start: int, stop: int, slots: torch.Tensor) -> None:
+def copy_exact_rows(worker: LoadServices, source: SavedKV, start: int, stop: int, slots: torch.Tensor) -> None:
     """Rows [start, stop) of `source` into the request's blocks, every layer, as they are."""
     for index, name in enumerate(worker.forward.layer_names):
         worker.layouts[name].write(worker.kv_caches[name], slots[start:stop], source.k[index, start:stop],
@@ -98,7 +124,7 @@ class Placement:
     """The reused rows' K/V per layer: the source's rows re-rotated and corrected by the method.
     At each check layer they are kept for the comparison with the fresh rows computed there."""
 
-    def __init__(self, worker: ConnectorWorker, method: SharingMethod, chosen: list[SegmentReuse],
+    def __init__(self, worker: LoadServices, method: SharingMethod, chosen: list[SegmentReuse],
                  check_layers: list[int], group_layers: tuple[int, int] | None, poison: bool) -> None:
         self.worker, self.method, self.chosen = worker, method, chosen
         self.check_layers, self.group_layers, self.poison = check_layers, group_layers, poison
@@ -148,7 +174,7 @@ class Narrowing:
     """At each check layer: keep computing the rows no source held and the reused rows the method
     picks from their fresh vs reused K/V (and the attention they get), among those still computed."""
 
-    def __init__(self, worker: ConnectorWorker, ctx: LoadContext, placement: Placement, reused: torch.Tensor,
+    def __init__(self, worker: LoadServices, ctx: LoadContext, placement: Placement, reused: torch.Tensor,
                  block_ids: torch.Tensor) -> None:
         self.worker, self.ctx, self.placement = worker, ctx, placement
         self.reused, self.block_ids = reused, block_ids
@@ -210,7 +236,7 @@ def served_entries(reused_count: int, stages: Sequence[tuple[int, int]], check: 
 
 
 @torch.inference_mode()
-def materialize_steps(worker: ConnectorWorker, spec: LoadSpec,
+def materialize_steps(worker: LoadServices, spec: LoadSpec,
                       keep_hidden: Callable[[str, tuple[torch.Tensor, torch.Tensor, int]], None]
                       ) -> Generator[int, None, LoadStats]:
     """A request's load, one partial-forward layer at a time (yields the rows each computed)."""

@@ -128,9 +128,12 @@ class ConnectorScheduler:
         tokens = list(request.all_token_ids[: request.num_computed_tokens])
         # A request vLLM prefilled itself is reported at its save (no load saw it).
         unclaimed = None if prefix_cached is None else (request.num_prompt_tokens, prefix_cached)
-        if not plan.keep_cache:  # nothing reads it: its blocks are freed now, its figures still reported
-            if unclaimed is not None:
-                self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, [], [], unclaimed, keep=False))
-            return False, None
+        if not plan.keep_cache:  # nothing reads it: nothing is copied, its figures are still reported
+            if unclaimed is None:
+                return False, None  # its load reported them: vLLM frees its blocks now
+            # vLLM prefilled it: the worker reports its figures in the next step, which vLLM runs
+            # (the blocks stay held until then) even when no other request is left
+            self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, [], [], unclaimed, keep=False))
+            return True, None
         self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids), unclaimed))
         return True, {PLAN_KEY: {"save_as": plan.save_as, "num_tokens": len(tokens)}}

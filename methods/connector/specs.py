@@ -32,4 +32,4 @@ class SaveSpec:
     # (prompt tokens, rows vLLM's prefix cache held) of a request the connector did not claim
     # (vLLM prefilled it): its stats are recorded at the save. None: a load reported it.
     unclaimed: tuple[int, int] | None = None
-    keep: bool = True  # False: only its stats are recorded (no later turn reads its cache; blocks already freed)
+    keep: bool = True  # False: only its stats are recorded (no later turn reads its cache), nothing copied

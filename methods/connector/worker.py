@@ -15,14 +15,15 @@ import torch
 from kvbench import __version__
 from kvbench.contracts import LoadStats, ServerInfo, WorkerStats, vllm_prefill_stats
 from kvbench.methods.base import MethodConfigError, SharingMethod
-from kvbench.methods.compute_tracker import ComputedRequests
+from kvbench.methods.connector.compute_tracker import ComputedRequests
+from kvbench.methods.connector.counters import ReuseCounters
+from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
 from kvbench.methods.connector.materialize import materialize_steps
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
-from kvbench.methods.kv_codec import KVCodec, make_codec
-from kvbench.methods.store import SavedKV, SegmentStore
+from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 logger = logging.getLogger("kvbench.connector")
 
@@ -62,10 +63,11 @@ class ConnectorWorker:
         # save key -> the rows before its first reused row (exact, as a dense prefill), from its load
         self._exact_rows_for_save: dict[str, int] = {}
         self.deferred_s = 0.0  # the method's deferred work (anchor building, prematching) since the reset
+        self.reuse_counters = ReuseCounters()  # totals for vLLM's connector-stats path (/metrics)
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvbench.methods.paged import layout_for
+        from kvbench.methods.connector.paged import layout_for
 
         self.kv_caches = kv_caches
         by_kind: dict[tuple, Any] = {}
@@ -78,8 +80,8 @@ class ConnectorWorker:
 
     def attach_model(self, model: torch.nn.Module) -> None:
         """Called once per worker (kvbench's worker extension, over collective_rpc)."""
-        from kvbench.methods.forward import PartialForward
-        from kvbench.methods.rope import RopeAligner
+        from kvbench.methods.connector.forward import PartialForward
+        from kvbench.methods.connector.rope import RopeAligner
 
         inner = model.model
         layers = list(inner.layers)[inner.start_layer:inner.end_layer]
@@ -165,7 +167,7 @@ class ConnectorWorker:
     def influence(self, layer: int, q: torch.Tensor, q_rows: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Attention mass each row of the request receives at `layer` from the query rows `q_rows`
         (summed over them and the heads), over the K/V now in the paged cache."""
-        from kvbench.methods.influence import attention_mass
+        from kvbench.methods.connector.influence import attention_mass
 
         name = self.forward.layer_names[layer]
         keys, _ = self.layouts[name].read(self.kv_caches[name], block_ids, int(q_rows.max()) + 1)
@@ -193,6 +195,7 @@ class ConnectorWorker:
 
     def _record_stats(self, key: str, stats: LoadStats) -> None:
         self.request_stats[key] = stats
+        self.reuse_counters.add_request(dict(stats))
         while len(self.request_stats) > MAX_KEPT_REQUEST_STATS:
             self.request_stats.pop(next(iter(self.request_stats)))
 
@@ -220,7 +223,10 @@ class ConnectorWorker:
         for save in meta.saves:
             if not save.keep:  # stats only: vLLM prefilled it and nothing reads its cache
                 assert save.unclaimed is not None, "the scheduler sends stats-only saves for unclaimed requests"
-                self.request_stats.setdefault(save.key, {}).update(vllm_prefill_stats(self.method.name, *save.unclaimed))
+                prefill = vllm_prefill_stats(self.method.name, *save.unclaimed)
+                self.request_stats.setdefault(save.key, {}).update(prefill)
+                self.reuse_counters.add_request(dict(prefill))
+                self._finished_sending.add(save.req_id)  # its blocks: nothing to copy
                 continue
             started = time.perf_counter()
             try:
@@ -231,6 +237,8 @@ class ConnectorWorker:
                 stats = self.request_stats.setdefault(save.key, {})
                 if save.unclaimed is not None:
                     stats.update(vllm_prefill_stats(self.method.name, *save.unclaimed))
+                    self.reuse_counters.add_request(dict(stats))
+                self.reuse_counters.add_save(self.store.bytes)
                 stats["save_s"] = time.perf_counter() - started
                 stored = self.store.stored_nbytes(save.key)
                 if stored is not None:  # what the store holds for it (compressed or not), measured
@@ -259,6 +267,10 @@ class ConnectorWorker:
             return None
         meta, self._saved_this_step = KVBenchWorkerMetadata(self._saved_this_step), set()
         return meta
+
+    def take_reuse_counts(self) -> dict[str, Any] | None:
+        """What vLLM's connector-stats path carries from this step (kvbench.methods.connector.metrics)."""
+        return self.reuse_counters.take(self.tensor_parallel_rank() if self.forward is not None else 0)
 
     # ---------------------------------------------------------------- worker RPCs
     def info(self) -> ServerInfo:

@@ -9,102 +9,40 @@ anchor matching with the entropy gate) or one fixed calibration per relation (Gr
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Generator, Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
 from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.anchors import (
+from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
+from kvbench.methods.connector.kv_codec import make_codec
+from kvbench.methods.delta.anchors import (
     Anchor,
     AnchorPool,
     Correction,
-    anchor_distances,
     edge_source,
     gate_from_distances,
     token_weighted_corrections,
 )
-from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
-from kvbench.methods.forward import run_to_end
-from kvbench.methods.kv_codec import make_codec
-from kvbench.methods.match_memo import MatchMemo, SegmentDistances
-from kvbench.methods.store import SavedKV
-from kvbench.methods.stored import BaseCodec
+from kvbench.methods.delta.jobs import (
+    AcceptedCorrection,
+    Fallback,
+    LazyRows,
+    PendingAnchor,
+    Prematch,
+    Rows,
+)
+from kvbench.methods.delta.match_memo import MatchMemo, SegmentDistances, memoized_distances
+from kvbench.methods.delta.references import ContextFreeReferences, content_key
+from kvbench.methods.delta.stored import BaseCodec
 
 OUTPUT_SEGMENT_PREFIX = "out:"  # an agent's output segment (kvbench.tracegen.schema.OUT_PREFIX)
 
-MAX_REFERENCES = 256
-logger = logging.getLogger("kvbench.methods.delta")
-Rows = tuple[torch.Tensor, torch.Tensor]  # keys (canonical positions), values: [layers, n, D]
-
-
-def content_key(tokens: torch.Tensor) -> str:
-    """Identity of a segment's content: trajectory ids repeat across runs and traces on a
-    long-lived server, so a context-free reference is keyed by its tokens alone."""
-    return hashlib.sha1(tokens.to(torch.int64).numpy().tobytes()).hexdigest()[:20]
-
-
-@dataclass
-class PendingAnchor:
-    """A dense fallback's observation, turned into an anchor after the request's first token."""
-
-    req_id: str  # the request whose load observed it: built once that request is computed
-    slot: str
-    anchor_id: str
-    edge: str
-    source: SegmentReuse  # the rows the correction would have been applied to
-    target_k: torch.Tensor  # the dense rows as computed [layers, n, H, hd], keys at the target positions
-    target_v: torch.Tensor
-
-
-@dataclass
-class AcceptedCorrection:
-    """What an accepted segment's reused rows get, layer by layer, in `correct`."""
-
-    k: Correction
-    v: Correction
-    segment_start: int  # corrections live in canonical positions: keys are turned to this start
-    segment_id: str
-    apply_s: float = 0.0  # time spent applying them, over the layers
-
-
-@dataclass
-class Fallback:
-    segment: PlanSegment
-    reuse: SegmentReuse
-    edge: str
-
-
-@dataclass
-class Prematch:
-    """A segment of a request that will be saved: matched against its slot's anchors after the
-    request's first token, when its rows are final, for the edges that will read it."""
-
-    req_id: str  # the saved request: matched once it is computed
-    key: Hashable  # (save key, start in that cache, slot): what a consumer's segment names
-    slot: str
-    start: int
-    read: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # its rows [layers, n, H, hd] from the paged cache
-
-
-class LazyRows:
-    """A decision's source rows, computed on first use only (memoized distances may spare them)."""
-
-    def __init__(self, compute: Callable[[], Rows]) -> None:
-        self._compute, self._rows, self.seconds = compute, None, 0.0
-
-    def __call__(self) -> Rows:
-        if self._rows is None:
-            started = time.perf_counter()
-            self._rows = self._compute()
-            self.seconds = time.perf_counter() - started
-        return self._rows
+logger = logging.getLogger("kvbench.methods.delta.correction")
 
 
 class DeltaParams(MethodParams):
@@ -145,7 +83,7 @@ class DeltaCorrection(SharingMethod):
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)
         self.pools: dict[str, AnchorPool] = {}
-        self.references: OrderedDict[tuple[str, str], SavedKV] = OrderedDict()
+        self.references = ContextFreeReferences(self.reference_prefix)  # non-chained methods' sources
         self.memo = MatchMemo()  # distances of sources to anchor bases, by source segment
         self.prematches: list[Prematch] = []
         self.pending: list[PendingAnchor] = []  # each waits until its request is computed
@@ -186,47 +124,6 @@ class DeltaCorrection(SharingMethod):
         a context-free reference: always when chained; an agent's output under kvcomm-ref."""
         return self.chained or (self.outputs_from_producer and segment.id.startswith(OUTPUT_SEGMENT_PREFIX))
 
-    def _reference_tokens(self, ctx: LoadContext, start: int, stop: int) -> torch.Tensor:
-        """What a context-free reference of rows [start, stop) prefills: the rows alone, or (kvcomm-ref)
-        after the prompt's own prefix, the tokens before its first segment (BOS)."""
-        rows = ctx.tokens[start:stop]
-        if not self.reference_prefix or not ctx.plan.segments:
-            return rows
-        return torch.cat((ctx.tokens[:ctx.plan.segments[0].start], rows))
-
-    def _reference_span(self, ctx: LoadContext, segment: PlanSegment) -> tuple[int, int, tuple[str, str]] | None:
-        """Rows [start, stop) of a PH segment a context-free reference stands for, and the
-        reference's key; None where the segment is left to dense computation (partly in vLLM's
-        prefix cache, or cut by the prompt end) or read from its producer."""
-        start, stop = max(segment.start, ctx.num_local), min(segment.start + segment.length, len(ctx.tokens))
-        if segment.kind != "ph" or stop <= start or start != segment.start or self._reads_producer(segment):
-            return None
-        return start, stop, (segment.id, content_key(self._reference_tokens(ctx, start, stop)))
-
-    def _keep_reference(self, ctx: LoadContext, key: tuple[str, str], reference: SavedKV, seconds: float) -> None:
-        ctx.stats["reference_prefill_s"] = ctx.stats.get("reference_prefill_s", 0.0) + seconds
-        ctx.stats["reference_tokens"] = ctx.stats.get("reference_tokens", 0) + len(reference.token_ids)
-        self.references[key] = reference
-        while len(self.references) > MAX_REFERENCES:
-            self.references.popitem(last=False)
-
-    def _prefill_reference(self, ctx: LoadContext, start: int, stop: int,
-                           key: tuple[str, str]) -> Generator[int, None, SavedKV]:
-        """Prefill and keep the context-free reference of rows [start, stop), one layer at a time
-        (yields the rows each layer computed)."""
-        assert self.core is not None
-        steps, seconds = self.core.context_free_prefill_steps(self._reference_tokens(ctx, start, stop)), 0.0
-        while True:  # timed layer by layer: the waits between engine steps are not prefill
-            started = time.perf_counter()
-            try:
-                rows = next(steps)
-            except StopIteration as done:
-                reference = done.value
-                self._keep_reference(ctx, key, reference, seconds + time.perf_counter() - started)
-                return reference
-            seconds += time.perf_counter() - started
-            yield rows
-
     def loads_request(self, plan: Plan) -> bool:
         # Non-chained: every shared segment is served from its context-free reference, a first
         # agent's too; chained: only segments a source holds.
@@ -237,26 +134,11 @@ class DeltaCorrection(SharingMethod):
         loads spread an 8K reference prefill over engine steps (a load in one step runs it whole)."""
         if self.chained:
             return
+        assert self.core is not None
         for segment in ctx.plan.segments:  # (segments read from their producer have no reference)
-            span = self._reference_span(ctx, segment)
-            if span is not None and span[2] not in self.references:
-                yield from self._prefill_reference(ctx, *span)
-
-    def _reference(self, ctx: LoadContext, segment: PlanSegment) -> tuple[SegmentReuse | None, Hashable]:
-        """Non-chained: the segment's context-free reference (prefilled by `prepare`, or here on
-        first sight), and the key of its memoized distances."""
-        span = self._reference_span(ctx, segment)
-        if span is None:
-            return None, None
-        start, stop, key = span
-        reference = self.references.get(key)
-        if reference is None:  # a caller that did not run `prepare`
-            reference = run_to_end(self._prefill_reference(ctx, start, stop, key))
-        else:
-            self.references.move_to_end(key)
-        dst = torch.arange(start, stop)
-        prefix = len(reference.token_ids) - (stop - start)  # rows before the segment's in the reference
-        return SegmentReuse(segment, reference, dst, dst - segment.start + prefix), ("ref", *key)
+            span = self.references.span(ctx, segment, self._reads_producer(segment))
+            if span is not None and span[2] not in self.references.entries:
+                yield from self.references.prefill(self.core, ctx, *span)
 
     def _source_memo(self, reuse: SegmentReuse) -> SegmentDistances | None:
         """The memoized distances of a chained source's segment (prematched after its producer's
@@ -292,7 +174,8 @@ class DeltaCorrection(SharingMethod):
                 if reuse is not None:
                     memo = self._source_memo(reuse)
             else:
-                reuse, memo_key = self._reference(ctx, segment)
+                assert self.core is not None
+                reuse, memo_key = self.references.reuse(self.core, ctx, segment, self._reads_producer(segment))
                 if reuse is not None and self.matching:
                     memo = self.memo.get(memo_key)
                     if memo is None:
@@ -371,7 +254,7 @@ class DeltaCorrection(SharingMethod):
         # One pass over the value states serves the gate (Eq. 9, first k rows) and, on accept,
         # the token-wise value weights (all covered rows).
         started = time.perf_counter()
-        value_distances, value_rows, kept = self._distances(eligible, covered, rows, memo, keys=False)
+        value_distances, value_rows, kept = memoized_distances(eligible, covered, rows, memo, keys=False)
         value_squares = value_rows[:, :k].sum(dim=-1)
         assert self.core is not None
         ranks = self.core.tensor_parallel_size
@@ -384,7 +267,7 @@ class DeltaCorrection(SharingMethod):
         if not gate.accept:
             return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
                     "anchors": len(eligible), "gate_s": gate_s, "memo_anchors": kept}
-        key_distances, _, kept_keys = self._distances(eligible, covered, rows, memo, keys=True)
+        key_distances, _, kept_keys = memoized_distances(eligible, covered, rows, memo, keys=True)
         if ranks > 1:
             key_distances = self.core.sum_over_ranks(key_distances)
         features = eligible[0].base_v.shape[-1] * ranks  # each rank holds some heads: the mean is over all
@@ -400,41 +283,6 @@ class DeltaCorrection(SharingMethod):
         return {"accept": True, "decision": "accepted", "entropy": gate.normalized_entropy, "anchors": len(eligible),
                 "covered": covered, "correction": correction, "gate_s": gate_s,
                 "interpolate_s": interpolate_s, "memo_anchors": min(kept, kept_keys)}
-
-    def _distances(self, anchors: list[Anchor], n: int, rows: Callable[[], Rows], memo: SegmentDistances | None,
-                   keys: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's distances of the source's first n rows to each anchor's base, values
-        ([anchors, n] L1 per token, [anchors, n] squares per row) or keys (L1; no squares): kept
-        ones from `memo`, the others computed (from `rows`) and kept there. Also how many were kept."""
-        table = None if memo is None else (memo.keys if keys else memo.values)
-        kept = {i: table[a.serial] for i, a in enumerate(anchors)
-                if table is not None and a.serial in table and table[a.serial].shape[-1] >= n}
-        missing = [i for i in range(len(anchors)) if i not in kept]
-        computed_l1 = computed_sq = None
-        if missing:
-            current_k, current_v = rows()
-            bases = [anchors[i].base_k if keys else anchors[i].base_v for i in missing]
-            computed_l1, computed_sq = anchor_distances(current_k if keys else current_v, bases, n,
-                                                        gate_rows=0 if keys else n, squares_per_row=not keys)
-            if table is not None:
-                for j, i in enumerate(missing):
-                    table[anchors[i].serial] = (computed_l1[j].clone() if keys
-                                                else torch.stack((computed_l1[j], computed_sq[j])))
-        if not kept:
-            return computed_l1, computed_sq, 0  # type: ignore[return-value]
-        device = next(iter(kept.values())).device
-        l1 = torch.empty(len(anchors), n, device=device)
-        squares = None if keys else torch.empty(len(anchors), n, device=device)
-        for i, stored in kept.items():
-            if keys:
-                l1[i] = stored[:n]
-            else:
-                l1[i], squares[i] = stored[0, :n], stored[1, :n]  # type: ignore[index]
-        for j, i in enumerate(missing):
-            l1[i] = computed_l1[j]  # type: ignore[index]
-            if not keys:
-                squares[i] = computed_sq[j]  # type: ignore[index]
-        return l1, squares, len(kept)  # type: ignore[return-value]
 
     def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -549,8 +397,8 @@ class DeltaCorrection(SharingMethod):
         for anchor in pool.anchors.values():
             by_length.setdefault(min(n, anchor.length), []).append(anchor)
         for length, anchors in by_length.items():
-            self._distances(anchors, length, lambda: current, entry, keys=False)
-            self._distances(anchors, length, lambda: current, entry, keys=True)
+            memoized_distances(anchors, length, lambda: current, entry, keys=False)
+            memoized_distances(anchors, length, lambda: current, entry, keys=True)
         self.memo.put(job.key, entry)
 
     # -------------------------------------------------------------- accounting
@@ -561,7 +409,7 @@ class DeltaCorrection(SharingMethod):
 
     def _current_bytes(self) -> dict[str, int]:
         return {"anchor_pool": sum(p.nbytes for p in self.pools.values()),
-                "references": sum(r.nbytes for r in self.references.values()),
+                "references": self.references.nbytes,
                 "match_memo": self.memo.nbytes}
 
     def _track_peak(self, current: dict[str, int] | None = None) -> None:
@@ -573,7 +421,7 @@ class DeltaCorrection(SharingMethod):
 
     def reset(self) -> None:
         self.pools.clear()
-        self.references.clear()
+        self.references.entries.clear()
         self.pending.clear()
         self.memo.clear()
         self.prematches.clear()

@@ -13,10 +13,13 @@ KV heads); decisions still sum them over ranks where they are taken.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
+
+from kvbench.methods.delta.anchors import Anchor, anchor_distances
+from kvbench.methods.delta.jobs import Rows
 
 # Distances of this many source segments are kept (least recently used dropped first). An 8K
 # segment against 10 anchors takes 3 x 10 x 8192 fp32 values (1 MiB).
@@ -84,3 +87,39 @@ class MatchMemo:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+
+def memoized_distances(anchors: list[Anchor], n: int, rows: Callable[[], Rows], memo: SegmentDistances | None,
+                       keys: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This rank's distances of the source's first n rows to each anchor's base, values
+    ([anchors, n] L1 per token, [anchors, n] squares per row) or keys (L1; no squares): kept
+    ones from `memo`, the others computed (from `rows`) and kept there. Also how many were kept."""
+    table = None if memo is None else (memo.keys if keys else memo.values)
+    kept = {i: table[a.serial] for i, a in enumerate(anchors)
+            if table is not None and a.serial in table and table[a.serial].shape[-1] >= n}
+    missing = [i for i in range(len(anchors)) if i not in kept]
+    computed_l1 = computed_sq = None
+    if missing:
+        current_k, current_v = rows()
+        bases = [anchors[i].base_k if keys else anchors[i].base_v for i in missing]
+        computed_l1, computed_sq = anchor_distances(current_k if keys else current_v, bases, n,
+                                                    gate_rows=0 if keys else n, squares_per_row=not keys)
+        if table is not None:
+            for j, i in enumerate(missing):
+                table[anchors[i].serial] = (computed_l1[j].clone() if keys
+                                            else torch.stack((computed_l1[j], computed_sq[j])))
+    if not kept:
+        return computed_l1, computed_sq, 0  # type: ignore[return-value]
+    device = next(iter(kept.values())).device
+    l1 = torch.empty(len(anchors), n, device=device)
+    squares = None if keys else torch.empty(len(anchors), n, device=device)
+    for i, stored in kept.items():
+        if keys:
+            l1[i] = stored[:n]
+        else:
+            l1[i], squares[i] = stored[0, :n], stored[1, :n]  # type: ignore[index]
+    for j, i in enumerate(missing):
+        l1[i] = computed_l1[j]  # type: ignore[index]
+        if not keys:
+            squares[i] = computed_sq[j]  # type: ignore[index]
+    return l1, squares, len(kept)  # type: ignore[return-value]

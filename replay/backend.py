@@ -1,13 +1,19 @@
-"""One streaming `/v1/completions` request, timed the way `vllm bench serve` times it."""
+"""The replayer's protocol layer: vLLM's OpenAI-compatible `/v1/completions`, streamed. How a turn
+becomes a request body (sampling, logprobs, the kvbench plan, `cache_salt`) and how one request is
+sent and timed, the way `vllm bench serve` times it. Scheduling (replay/runner.py) and recording
+(replay/records.py) stay protocol-free."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from kvbench.replay.sampling import SamplingParams
 
 
 @dataclass
@@ -97,3 +103,33 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], 
             result.error_type, result.error_message = "truncated_stream", "stream ended before [DONE]"
         elif result.first_token_ns is None:
             result.error_type, result.error_message = "no_tokens", "never received a token chunk"
+
+
+@dataclass(frozen=True)
+class CompletionsBackend:
+    """Requests to vLLM's `/v1/completions` for one replay."""
+
+    served_models: dict[str, str]  # server url -> the model name it serves
+    sampling: SamplingParams
+    logprobs: int = 0  # top-K logprobs of each first generated token (0: none)
+    timeout_s: float = 600.0
+
+    def body(self, url: str, token_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any],
+             salt: str | None) -> dict[str, Any]:
+        """The request of one turn: its prompt as token ids, exactly `max_tokens` generated, the
+        plan in `kv_transfer_params`, and a `cache_salt` derived from `salt` when given."""
+        body: dict[str, Any] = {
+            "model": self.served_models[url], "prompt": token_ids, "max_tokens": max_tokens,
+            "ignore_eos": True, **self.sampling.request_fields(), "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True, "kv_transfer_params": kv_transfer_params,
+        }
+        if self.logprobs:  # keyed by token id, not by its (ambiguous) text
+            body.update(logprobs=self.logprobs, return_tokens_as_token_ids=True)
+        if salt is not None:  # approximate K/V must never serve a later exact request from vLLM's prefix cache
+            body["cache_salt"] = hashlib.sha256(salt.encode()).hexdigest()[:32]
+        return body
+
+    async def send(self, session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                   request_id: str) -> CompletionResult:
+        return await stream_completion(session, f"{url}/v1/completions", body, self.timeout_s, request_id)

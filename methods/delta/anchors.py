@@ -1,5 +1,5 @@
 """Anchor pools for delta correction (KVComm, KVCMAS): the pool, the reliability gate and
-token-wise interpolation (how bases and deltas are stored: `kvbench.methods.stored`). Pure tensor
+token-wise interpolation (how bases and deltas are stored: `kvbench.methods.delta.stored`). Pure tensor
 code, independent of vLLM.
 
 Shapes: a cache of one segment is [layers, tokens, features] with features = KV heads x head dim;
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.methods.stored import BaseCodec, Coded, FullRank, LowRank, Stored, store, stored_dtype_device
+from kvbench.methods.delta.stored import BaseCodec, Coded, FullRank, LowRank, Stored, store, stored_dtype_device
 
 EVICTION_WINDOW = 5  # LFU among the 5 oldest anchors (KVComm's policy, kept by KVCMAS)
 _ANCHOR_SERIALS = itertools.count()  # identity of an anchor's base, for memoized distances
@@ -151,7 +151,7 @@ def anchor_distances(current: torch.Tensor, stored: list[Stored], n: int, gate_r
     if path not in paths:
         raise ValueError(f"distance path {path!r} cannot run here (possible: {', '.join(paths)})")
     if path == "fused":
-        from kvbench.methods.triton_distances import low_rank_distances
+        from kvbench.methods.delta.triton_distances import low_rank_distances
 
         rows = n if per_token else gate_rows
         l1, l2 = low_rank_distances(current, *_low_rank_stack(stored, rows), rows)

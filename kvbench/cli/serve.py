@@ -1,0 +1,62 @@
+"""`kvbench serve` (a server running a method, for other clients) and `kvbench methods`."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import click
+
+from kvbench.cli.replay import check_method
+from kvbench.cli.server_options import ServerOptions, server_options
+from kvbench.replay.interrupts import Interrupted
+
+
+@click.command("serve")
+@click.option("--method", default="nonshared", show_default=True, help="KV sharing method the server runs.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="vLLM's log [default: kvbench-serve-<method>-<port>.log in the current folder].")
+@server_options
+def serve_command(method: str, host: str, port: int, log_path: Path | None, server: ServerOptions) -> None:
+    """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
+    import time
+
+    from kvbench.model.resolve import resolve_model
+    from kvbench.replay.server import ServerError, VLLMServer
+
+    params = check_method(method, server.method_params)
+    log_path = log_path or Path(f"kvbench-serve-{method}-{port}.log")
+    config = server.server_config(method, params, resolve_model(server.model), host=host, port=port,
+                                  log_path=log_path.resolve())
+    click.echo(f"starting vLLM ({method}) for {config.model} on {host}:{port} (a start takes a minute or two "
+               f"on a CPU) ... log: {config.log_path}", err=True)
+    try:
+        with VLLMServer(config) as running:
+            click.echo(json.dumps({"base_url": running.base_url, "method": method, "model": config.model,
+                                   "log": str(running.log_path)}))
+            while running.is_running():
+                time.sleep(1)
+            raise click.ClickException(f"the vLLM server exited with code {running.process.returncode}; "
+                                       f"log: {running.log_path}")
+    except ServerError as exc:
+        raise click.ClickException(str(exc)) from None
+    except Interrupted as exc:  # the normal way to stop a server: exit 0, like vLLM's own
+        click.echo(f"stopped ({signal.Signals(exc.signum).name}); the server is shut down", err=True)
+
+
+@click.command("methods")
+@click.option("--markdown", is_flag=True, help="One markdown table (the README's and docs' method table).")
+def methods_command(markdown: bool) -> None:
+    """List the KV sharing methods: what each does and its parameters (set with --method-param)."""
+    from kvbench.methods.registry import all_methods, methods_table
+
+    if markdown:
+        click.echo(methods_table())
+        return
+    for name, cls in all_methods().items():
+        click.echo(f"{name:20s} {'exact' if not cls.approximate else 'approximate'}: {cls.summary}")
+        for param, default, description in cls.Params.describe():
+            click.echo(f"{'':22s}{param}={default}  {description}")

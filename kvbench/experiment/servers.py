@@ -1,0 +1,39 @@
+"""The vLLM server an experiment runs against: one the user runs (`--base-url`), or one started for
+it and stopped however the experiment ends (kvbench.replay.server.VLLMServer)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvbench.replay import server as vllm_server  # (VLLMServer looked up at start: tests stand one in)
+from kvbench.replay.run_config import ReplayConfig
+from kvbench.replay.server import ServerConfig
+
+
+@contextlib.contextmanager
+def server_url(base_url: str | None, make_config: Callable[[], ServerConfig]) -> Iterator[str]:
+    """`base_url` as given, else the URL of a server started from `make_config()`."""
+    if base_url is not None:
+        yield base_url.rstrip("/")
+        return
+    with vllm_server.VLLMServer(make_config()) as server:
+        yield server.base_url
+
+
+@contextlib.contextmanager
+def replay_server(config: ReplayConfig, server_config: ServerConfig | None,
+                  announce: Callable[[ServerConfig], Any] = lambda _: None) -> Iterator[ReplayConfig]:
+    """A replay's server: none started when `config` names running ones (`base_urls`), else one
+    from `server_config`, whose URL, pid, failure check and command the replay then records."""
+    if config.base_urls or server_config is None:
+        yield config
+        return
+    announce(server_config)
+    with vllm_server.VLLMServer(server_config) as server:
+        config.base_urls = [server.base_url]
+        config.server_pids = {server.base_url: server.process.pid}
+        config.server_failure = server.failure
+        config.extra_config["server_command"] = server.command()
+        yield config

@@ -1,0 +1,131 @@
+"""What a replay is asked to do (ReplayConfig), and the record of what it did: a run's config.json
+(its provenance: method, sampling, trace, tokenizer, versions, host) and the checks that a
+resumed run replays what the interrupted one did."""
+
+from __future__ import annotations
+
+import platform
+import secrets
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvbench import __version__
+from kvbench.model.store import model_identity
+from kvbench.replay.reference import ReferenceRun, trajectory_digests
+from kvbench.replay.sampling import SamplingParams
+from kvbench.tracegen.schema import Trace
+from kvbench.tracegen.tokenizer import TraceTokenizer
+
+
+class ReplayError(RuntimeError):
+    """A replay could not run or finish; finished requests are on disk regardless."""
+
+
+@dataclass
+class ReplayConfig:
+    trace: Trace
+    tokenizer: TraceTokenizer
+    method: str
+    base_urls: list[str]
+    result_dir: Path
+    qps: float = 1.0
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    use_trace_timestamps: bool = False
+    seed: int = 0
+    max_concurrency: int | None = None
+    num_warmups: int = 0
+    # Warm-ups also prime the method's online state (anchor pools...): measures the steady state
+    # rather than a cold start. vLLM's prefix cache and saved source caches are reset either way.
+    prime_method_state: bool = False
+    metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    label: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy by default
+    # Reference-anchored replay: later turns read the reference run's outputs, not this run's.
+    reference: ReferenceRun | None = None
+    drop_shared: bool = False  # every shared segment left out of every prompt (PGR's floor)
+    logprobs: int = 0  # top-K logprobs of each first generated token, recorded (0: none)
+    request_timeout_s: float = 600.0
+    # Also keeps every turn's cache on the server, those no later turn reads too: KV-error and
+    # fidelity measurements need both (they rebuild each prompt and compare its cache afterwards).
+    save_prompt_ids: bool = False
+    resume: bool = False
+    server_pids: dict[str, int] = field(default_factory=dict)
+    # Returns a reason when a server kvbench manages has died (then no new work is started).
+    server_failure: Callable[[], str | None] = lambda: None
+    method_params: dict[str, Any] = field(default_factory=dict)
+    extra_config: dict[str, Any] = field(default_factory=dict)  # model, method parameters, server args
+    show_progress: bool = True
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def prompt_mode(cfg: ReplayConfig) -> str:
+    """free (each turn reads this run's own upstream outputs), reference or drop_shared."""
+    if cfg.reference is not None:
+        return "reference"
+    return "drop_shared" if cfg.drop_shared else "free"
+
+
+def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
+    """A new run's config.json: what it replays and how, and where it ran (provenance)."""
+    stamp = datetime.now(UTC)
+    return {
+        "run_id": f"{cfg.label or cfg.method}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
+        "date": f"{stamp:%Y%m%d-%H%M%S}",
+        "method": cfg.method,
+        "label": cfg.label,
+        "metadata": cfg.metadata,
+        "base_urls": cfg.base_urls,
+        "request_rate": cfg.qps,
+        "arrival": cfg.arrival,
+        "burstiness": cfg.burstiness,
+        "use_trace_timestamps": cfg.use_trace_timestamps,
+        "max_concurrency": cfg.max_concurrency,
+        "num_warmups": cfg.num_warmups,
+        "prime_method_state": cfg.prime_method_state,
+        "num_trajectories": len(cfg.trace.trajectories) - cfg.num_warmups,
+        "seed": cfg.seed,
+        "metric_percentiles": cfg.metric_percentiles,
+        "sampling": cfg.sampling.to_dict(),
+        "logprobs": cfg.logprobs,
+        "prompt_mode": prompt_mode(cfg),
+        "reference_run": cfg.reference.describe() if cfg.reference is not None else None,
+        "trajectory_digests": trajectory_digests(cfg.trace.trajectories),
+        "request_timeout_s": cfg.request_timeout_s,
+        "trace_header": cfg.trace.header.model_dump(mode="json"),
+        "tokenizer": cfg.tokenizer.name,
+        "kvbench_version": __version__,
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "segments": [],
+        **cfg.extra_config,
+        # the model as `kvbench quality` compares it, readable after the path has gone
+        "model_identity": model_identity(cfg.extra_config.get("model")),
+    }
+
+
+def check_resumable(run_config: dict[str, Any], cfg: ReplayConfig) -> None:
+    """A resumed run must replay what the interrupted one did: same method, sampling and prompts."""
+    result_dir = cfg.result_dir
+    if run_config["method"] != cfg.method:
+        raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method!r}")
+    recorded = SamplingParams.from_dict(run_config.get("sampling"))
+    if recorded != cfg.sampling:
+        raise ReplayError(f"--resume: {result_dir} was sampled with {recorded.to_dict()}, not {cfg.sampling.to_dict()}")
+    if run_config.get("prompt_mode", "free") != prompt_mode(cfg):
+        raise ReplayError(f"--resume: {result_dir} was replayed in {run_config.get('prompt_mode', 'free')!r} "
+                          f"mode, not {prompt_mode(cfg)!r}")
