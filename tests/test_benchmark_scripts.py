@@ -173,3 +173,22 @@ def test_recall_probe_supervises_each_hops_answer(tiny_tokenizer_dir: Path) -> N
     assert checked == 10
     starts = text.count("Start from ")
     assert 1 < starts <= 10  # restarts happen
+
+
+def test_same_outputs_counts_identical_turns_per_cell(tmp_path: Path) -> None:
+    import pandas as pd
+
+    def sweep(name: str, outputs: dict[str, list[int]]) -> Path:
+        run = tmp_path / name / "runs" / "kvcmas" / "ctx2048-qps0"
+        run.mkdir(parents=True)
+        pd.DataFrame({"trajectory_id": ["t0"] * len(outputs), "turn_id": list(outputs), "success": True,
+                      "output_token_ids": list(outputs.values())}).to_parquet(run / "requests.parquet")
+        return tmp_path / name
+
+    before = sweep("before", {"A0.r0": [1, 2], "A1.r0": [3, 4], "A2.r0": [5], "A3.r0": [6]})
+    after = sweep("after", {"A0.r0": [1, 2], "A1.r0": [3, 9], "A2.r0": [5], "A3.r0": [6]})
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "same_outputs.py"), str(before), str(after)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (row,) = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("kvcmas")]
+    assert row == ["kvcmas", "ctx2048-qps0", "4", "75%"]
