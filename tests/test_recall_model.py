@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from recall_helpers import greedy, turn_prompt
 
+from kvbench.model.resolve import resolve_model
 from kvbench.model.store import (
     EMBEDDED_PREFIX,
     MANIFEST_NAME,
     SHIPPED_DIR,
     embedded_name,
     first_context_layer,
-    resolve_model,
 )
 from kvbench.tracegen.tasks import recall_output_len
 
