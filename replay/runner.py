@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # how often the serving time and the method's stats reach the disk
 FINAL_POLL_TIMEOUT_S = 60.0
+UNREACHABLE_GRACE_S = 2.0  # for a managed server's process to be gone once it refuses connections
 
 # Trajectory tasks start this early and then wait precisely: asyncio timers are only ms-accurate.
 EARLY_START_S = 0.005
@@ -367,10 +368,21 @@ class Replayer:
             self._consecutive_unreachable = 0
         elif result.error_type == "connection_refused":
             self._consecutive_unreachable += 1
-            if self._consecutive_unreachable >= 3:
-                self.abort_reason = f"server {url} is unreachable ({result.error_message})"
+            if self._consecutive_unreachable >= 3 and self.abort_reason is None:
+                self.abort_reason = await self._unreachable_reason(url, result.error_message)
         self._record(record, writer)
         return result.success
+
+    async def _unreachable_reason(self, url: str, message: str | None) -> str:
+        """Why the run stops on a server that refuses connections. A server kvbench started that was
+        killed refuses them before its process is gone: wait a moment for it, so the reason says what
+        happened to it (killed by a signal, out of memory) rather than only that it is unreachable."""
+        deadline = time.monotonic() + UNREACHABLE_GRACE_S
+        while time.monotonic() < deadline:
+            if (failure := self.config.server_failure()) is not None:
+                return failure
+            await asyncio.sleep(0.05)
+        return f"server {url} is unreachable ({message})"
 
     # -- output --------------------------------------------------------------------------------
     def _record(self, record: RequestRecord, writer: ResultsWriter | None) -> None:

@@ -411,3 +411,23 @@ def test_the_server_keeps_only_caches_a_later_turn_reads(tiny_tokenizer_dir: Pat
             read = {s.source for s in prompt.plan.segments if s.source} | set(prompt.plan.prefix_sources)
             assert {k.rsplit("/", 1)[1] for k in read} <= kept  # whatever a turn reads was kept
         assert kept == (turns if keep_all else turns - unread)
+
+
+def test_a_managed_server_that_dies_is_named_not_only_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed server refuses connections a moment before its process is gone: the abort reason
+    waits for the process, so it says what happened to it; a server nobody manages is unreachable."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvbench.replay import runner
+
+    answers = iter([None, None, None, "the vLLM server was killed by SIGKILL (log: server.log)"])
+    replayer = runner.Replayer.__new__(runner.Replayer)
+    replayer.config = SimpleNamespace(server_failure=lambda: next(answers))
+    reason = asyncio.run(replayer._unreachable_reason("http://h:1", "connection refused"))
+    assert reason == "the vLLM server was killed by SIGKILL (log: server.log)"
+
+    monkeypatch.setattr(runner, "UNREACHABLE_GRACE_S", 0.2)
+    replayer.config = SimpleNamespace(server_failure=lambda: None)
+    reason = asyncio.run(replayer._unreachable_reason("http://h:1", "connection refused"))
+    assert reason == "server http://h:1 is unreachable (connection refused)"
