@@ -57,6 +57,11 @@ STEPS: list[tuple[str, str, Callable[[Stats], float]]] = [
 ]
 
 
+def _label(run: Run) -> str:
+    """The run's name in the tables; a sweep cell's adds its point (its folder)."""
+    return run.name if run.path.name == run.name else f"{run.name} {run.path.name}"
+
+
 def profile_rows(run: Run) -> list[dict[str, Any]]:
     """One row per turn kind of `run`: how many turns, their p50 TTFT (client) and the median of
     each connector step (ms) over those of them the connector reported."""
@@ -65,7 +70,7 @@ def profile_rows(run: Run) -> list[dict[str, Any]]:
         return []
     stats = requests["method_stats"].map(lambda s: json.loads(s) if isinstance(s, str) and s else {})
     claimed = stats.map(lambda s: bool(s) and s.get("claimed", True) and "reused_tokens" in s)
-    name = run.name if run.path.name == run.name else f"{run.name} {run.path.name}"  # a sweep cell: its point
+    name = _label(run)
     rows = []
     for kind, mask in (("reuse turns", requests["reusable_tokens"] > 0),
                        ("turns reusing nothing", requests["reusable_tokens"] == 0)):
@@ -104,7 +109,7 @@ def outside_turns_row(run: Run) -> dict[str, Any] | None:
     deferred_s = sum(float(e.get("deferred_s", 0.0)) for e in latest.values())
     polls = [float(e["poll_s"]) for e in states if e.get("poll_s")]
     turns = int(run.requests["success"].sum())
-    name = run.name if run.path.name == run.name else f"{run.name} {run.path.name}"
+    name = _label(run)
     return {"run": name, "method": run.method, "turns": turns, "deferred_ms": deferred_s * 1e3,
             "deferred_ms_per_turn": deferred_s * 1e3 / turns if turns else float("nan"),
             "stats_polls": len(polls), "p50_poll_ms": float(np.median(polls) * 1e3) if polls else float("nan")}

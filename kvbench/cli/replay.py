@@ -176,7 +176,6 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
             check_result_dir(result_dir, resume)
             server_config = None if base_urls else server.server_config(
                 method, params, model, port=port, log_path=result_dir / "server.log")
-            result_dir.mkdir(parents=True, exist_ok=True)
             with replay_server(config, server_config, announce=lambda c: click.echo(
                     f"starting vLLM ({method}) for {model} ... log: {c.log_path}", err=True)):
                 summary = replay_and_summarize(config)

@@ -25,9 +25,9 @@ def server_url(base_url: str | None, make_config: Callable[[], ServerConfig]) ->
 @contextlib.contextmanager
 def replay_server(config: ReplayConfig, server_config: ServerConfig | None,
                   announce: Callable[[ServerConfig], Any] = lambda _: None) -> Iterator[ReplayConfig]:
-    """A replay's server: none started when `config` names running ones (`base_urls`), else one
-    from `server_config`, whose URL, pid, failure check and command the replay then records."""
-    if config.base_urls or server_config is None:
+    """A replay's server: one started from `server_config`, whose URL, pid, failure check and command
+    the replay then records; None: the replay uses the running ones `config` names (`base_urls`)."""
+    if server_config is None:
         yield config
         return
     announce(server_config)

@@ -221,12 +221,12 @@ class ConnectorWorker:
         self._saves_done_for = meta
         names = self.forward.layer_names if self.forward is not None else list(self.kv_caches)
         for save in meta.saves:
-            if not save.keep:  # stats only: vLLM prefilled it and nothing reads its cache
-                assert save.unclaimed is not None, "the scheduler sends stats-only saves for unclaimed requests"
-                prefill = vllm_prefill_stats(self.method.name, *save.unclaimed)
-                self.request_stats.setdefault(save.key, {}).update(prefill)
-                self.reuse_counters.add_request(dict(prefill))
-                self._finished_sending.add(save.req_id)  # its blocks: nothing to copy
+            if save.unclaimed is not None:  # vLLM prefilled it: no load reported its figures
+                stats = self.request_stats.setdefault(save.key, {})
+                stats.update(vllm_prefill_stats(self.method.name, *save.unclaimed))
+                self.reuse_counters.add_request(dict(stats))
+            if not save.keep:  # nothing reads its cache: nothing to copy before vLLM frees its blocks
+                self._finished_sending.add(save.req_id)
                 continue
             started = time.perf_counter()
             try:
@@ -235,9 +235,6 @@ class ConnectorWorker:
                 entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None), exact)
                 encode_s = self.store.put(save.key, entry)
                 stats = self.request_stats.setdefault(save.key, {})
-                if save.unclaimed is not None:
-                    stats.update(vllm_prefill_stats(self.method.name, *save.unclaimed))
-                    self.reuse_counters.add_request(dict(stats))
                 self.reuse_counters.add_save(self.store.bytes)
                 stats["save_s"] = time.perf_counter() - started
                 stored = self.store.stored_nbytes(save.key)
