@@ -47,6 +47,8 @@ class ServerConfig:
     # Worker-extension methods called over /collective_rpc once the server is healthy.
     post_start_rpcs: list[WorkerRpc] = field(default_factory=list)
     startup_timeout_s: float = 600.0
+    # vLLM's drain on SIGTERM before it kills its engine; VLLMServer.stop waits 10 s more.
+    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
     log_path: Path | None = None
     # vLLM's --enforce-eager: no torch.compile warm-up or CUDA graphs. Starts in about a quarter of
     # the time on the embedded models and decodes slower, so it suits tests and smoke runs, where
@@ -179,7 +181,7 @@ class VLLMServer:
             "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens per request
             # On SIGTERM, let the engine finish and exit in order (vLLM's default, 0, kills it at
             # once, and the API server then logs an EngineDeadError traceback on every stop).
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+            "--shutdown-timeout", str(int(cfg.shutdown_timeout_s)),
         ]
         if cfg.enforce_eager and "--enforce-eager" not in cfg.extra_args:
             cmd.append("--enforce-eager")
@@ -265,16 +267,19 @@ class VLLMServer:
         code = self.process.returncode if self.process is not None else None
         return f"{exit_description(code, tail(self.log_path, 200))} (log: {self.log_path})"  # type: ignore[arg-type]
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM to the API server, which shuts its engine down in order; then SIGKILL to the
-        process group after `grace_s`, or at once when this is interrupted again while waiting (a
-        second Ctrl-C): no process of it outlives the call. (SIGTERM to the whole group killed the
-        engine under the API server, which then logged an EngineDeadError traceback on every
-        normal stop, so a traceback in server.log did not mean a failure.)"""
+        process group after `grace_s` (default: vLLM's drain timeout plus 10 s), or at once when
+        this is interrupted again while waiting (a second Ctrl-C): no process of it outlives the
+        call. (SIGTERM to the whole group killed the engine under the API server, which then
+        logged an EngineDeadError traceback on every normal stop, so a traceback in server.log
+        did not mean a failure.)"""
         try:
             if self.process is not None and self.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     self.process.send_signal(signal.SIGTERM)
+                if grace_s is None:
+                    grace_s = self.config.shutdown_timeout_s + 10.0
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(timeout=grace_s)
         finally:

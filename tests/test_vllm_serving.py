@@ -73,7 +73,10 @@ def test_a_normal_stop_leaves_no_traceback_in_the_log(default_model: str, tmp_pa
     from kvbench.replay.server import method_server_config
 
     log = tmp_path / "server.log"
-    server = VLLMServer(method_server_config("fullshared", default_model, max_model_len=1024, log_path=log))
+    # A drain of a minute: an engine starved of CPU on a loaded runner missed vLLM's default 10 s
+    # and was force-killed; only an engine that hangs outlasts this one.
+    server = VLLMServer(method_server_config("fullshared", default_model, max_model_len=1024, log_path=log,
+                                             shutdown_timeout_s=60))
     with server:
         assert _complete(server, {"prompt": _prompt_ids(default_model), "max_tokens": 2})["choices"]
         group = server.process.pid
