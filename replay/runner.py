@@ -345,7 +345,7 @@ class Replayer:
                     record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
         salted = self.method_info.approximate and record.reusable_tokens
         body = self.backend.body(url, prompt.token_ids, turn.max_tokens, prompt.plan.to_params(),
-                                 record.request_id if salted else None)
+                                 record.request_id if salted else None, ignore_eos=not turn.stop_at_eos)
         queued_ns = time.perf_counter_ns()
         try:
             async with self.semaphore if self.semaphore is not None else contextlib.nullcontext():

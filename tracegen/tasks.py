@@ -49,8 +49,11 @@ def recall_output_len(encode: Callable[[str], list[int]]) -> int:
 
 
 def default_output_len(task: str, encode: Callable[[str], list[int]]) -> int:
-    """`--output-len` when not given: a recall answer line, else 128 tokens of free text."""
-    return recall_output_len(encode) if task in ("recall", "role-recall") else 128
+    """`--output-len` when not given: a recall answer line; for benchmark tasks a cap of 512 (their
+    turns stop at the model's end of sequence); else 128 tokens of free text."""
+    if task in ("recall", "role-recall"):
+        return recall_output_len(encode)
+    return 512 if task in ("mmlu", "gsm8k", "humaneval") else 128
 
 
 def _question(start: str) -> str:

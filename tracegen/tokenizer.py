@@ -20,6 +20,9 @@ class TraceTokenizer:
     name: str  # portable name recorded in trace headers
     backend: Any  # tokenizers.Tokenizer
     prompt_prefix_ids: list[int]  # what the tokenizer puts before any text (e.g. BOS)
+    # The transformers tokenizer when the model has a chat template (its apply_chat_template),
+    # else None: benchmark workloads frame their prompts with it.
+    chat: Any = None
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -27,8 +30,8 @@ class TraceTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def sha256(self) -> str:
@@ -54,4 +57,5 @@ def load_tokenizer(model: str | None) -> TraceTokenizer:
     plain = backend.encode("x", add_special_tokens=False).ids
     prefix = with_specials[: len(with_specials) - len(plain)] if with_specials[-len(plain):] == plain else []
     name = model if model is not None and not model.startswith(EMBEDDED_PREFIX) else embedded_name(path)
-    return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=list(prefix))
+    chat = hf if getattr(hf, "chat_template", None) else None
+    return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=list(prefix), chat=chat)

@@ -101,9 +101,10 @@ def summarize_command(result_dirs: tuple[Path, ...]) -> None:
               help="The task trace the runs replayed [default: the one their config names, or regenerated "
                    "from its gen-trace settings].")
 def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> None:
-    """Score runs of a task trace (gen-trace --task recall): each turn's output against its gold
-    answer; writes task_scores.parquet and task_accuracy into summary.json. Replays of a task trace
-    are scored as they finish; this scores them again (or with another trace file)."""
+    """Score runs of a task trace (gen-trace --task recall, role-recall, mmlu, gsm8k, humaneval):
+    each scored turn's output against its gold answer (HumanEval: its tests run, pass@1); writes
+    task_scores.parquet (one row per scored turn) and task_accuracy into summary.json. Replays of a
+    task trace are scored as they finish; this scores them again (or with another trace file)."""
     from kvbench.experiment.run import rescore
     from kvbench.tracegen.schema import TraceError
 
@@ -119,7 +120,8 @@ def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> Non
                           if f"task_accuracy_{part}" in summary)
         click.echo(f"{run}: task_accuracy {summary['task_accuracy']:.1%} over {summary['task_scored_trajectories']} "
                    f"trajectories (all turns {summary['task_accuracy_turns']:.1%}"
-                   f"{'; ' + split if split else ''}; {agents})")
+                   f"{'; ' + split if split else ''}; {agents})"
+                   + (f"; {summary['task_unparseable']} final answers unparseable" if "task_unparseable" in summary else ""))
 
 
 @click.command("quality")

