@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -10,7 +12,7 @@ from scipy import stats
 
 from kvbench.analysis.runs import Run, summary_number
 
-DIMENSIONS = ["method_config", "method", "model", "task", "shared_tokens", "agents", "rounds", "qps"]
+DIMENSIONS = ["method_config", "method", "method_params", "model", "task", "shared_tokens", "agents", "rounds", "qps"]
 # What a method saves, and what it costs (the quality keys: NaN for runs never compared with a
 # reference or scored on a task).
 QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "output_pgr", "pgr", "task_accuracy"]
@@ -29,6 +31,8 @@ def run_row(run: Run) -> dict:
     return {
         "method_config": run.config.get("method_config") or run.name,
         "method": run.method,
+        # the configuration's parameters as sorted JSON (a grouping key; `method_params` reads it back)
+        "method_params": json.dumps(run.config.get("method_params") or {}, sort_keys=True),
         "model": run.model_name,
         # "none" for controlled workloads (a grouping key: never missing)
         "task": generator.get("task") or "none",
@@ -69,4 +73,10 @@ def average_repeats(frame: pd.DataFrame, confidence: float = 0.95) -> pd.DataFra
         t = counts.map(lambda n: stats.t.ppf(0.5 + confidence / 2, n - 1) if n > 1 else np.nan)
         out[f"{metric}_ci"] = sem * t
     out["repeats"] = counts
+    out["task_accuracy_std"] = grouped["task_accuracy"].std()  # run-to-run spread (the paper's Table 5)
     return out.reset_index()
+
+
+def method_params(row: pd.Series) -> dict[str, Any]:
+    """A frame row's method parameters (tau, V, ...)."""
+    return dict(json.loads(row["method_params"]))

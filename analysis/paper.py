@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +15,16 @@ import pandas as pd
 
 from kvbench.analysis import fidelity
 from kvbench.analysis.aggregate import average_repeats, runs_frame
-from kvbench.analysis.paper_accuracy import render_table1
-from kvbench.analysis.paper_values import table7_values
+from kvbench.analysis.paper_accuracy import (
+    accuracy_cell,
+    benchmark_rows,
+    provenance,
+    render_table1,
+    render_table5,
+    render_table6,
+    render_table8,
+)
+from kvbench.analysis.paper_values import TABLE13_MMLU, table7_values
 from kvbench.analysis.runs import find_runs
 
 DEFAULT_METHODS = ["nonshared", "fullshared"]
@@ -176,23 +185,48 @@ def _render_scaling(dimension: str, label: str) -> Callable[[pd.DataFrame, Path,
 
 
 def render_table13(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
-    single = frame[frame["qps"] == 0].set_index("method_config")
+    single = frame[(frame["qps"] == 0) & (frame["task"] == "none")].set_index("method_config")
+    accuracy = benchmark_rows(frame)
+    accuracy = accuracy[accuracy["task"] == "mmlu"].set_index("method_config")
     table = pd.DataFrame({
         "TTFT (s)": [_fmt(v, c, 3) for v, c in zip(single["mean_ttft_s"], single["mean_ttft_s_ci"])],
         "throughput (tok/s)": [_fmt(v, c, 0) for v, c in zip(single["throughput_tok_s"], single["throughput_tok_s_ci"])],
         "method state (MiB)": [_fmt(v, c, 1) for v, c in zip(single["method_state_mib"], single["method_state_mib_ci"])],
         "realized rho": [_fmt(v, None, 3) for v in single["realized_rho"]],
     }, index=single.index)
-    return "Single stream by anchor-pool capacity V.\n\n" + table.reset_index().to_markdown(index=False)
+    notes = ""
+    if len(accuracy):  # the accuracy sweep (`--data mmlu=PATH`): its own rho, on MMLU's workload
+        table["MMLU accuracy (%) [95%]"] = [accuracy_cell(accuracy.loc[c]) if c in accuracy.index else "–"
+                                            for c in table.index]
+        table["MMLU rho"] = [_fmt(accuracy.loc[c, "realized_rho"], None, 3) if c in accuracy.index else "–"
+                             for c in table.index]
+        notes = "\n\n" + "\n".join(provenance(accuracy.reset_index()))
+    if with_paper:
+        table["paper MMLU accuracy"] = [_fmt(TABLE13_MMLU.get(int(v), float("nan")), None, 2) if v else "–"
+                                        for v in (json.loads(p).get("V") for p in single["method_params"])]
+    return "Single stream by anchor-pool capacity V.\n\n" + table.reset_index().to_markdown(index=False) + notes
 
 
 # Table 1: the paper's workflow on benchmark items, three methods; `--limit` items per task.
-TABLE1_GRID = {"benchmarks": ["mmlu", "gsm8k", "humaneval"], "qps": [0.0],
+# The paper measured at 1 QPS (its accuracy does not depend on it); `--qps 0` runs single stream.
+TABLE1_GRID = {"benchmarks": ["mmlu", "gsm8k", "humaneval"], "qps": [1.0],
                "methods": ["nonshared", "fullshared", "kvcmas"], "num_trajectories": 20}
+
+# Table 13's accuracy column: the same V grid on MMLU's workload (run when --data mmlu=PATH is given).
+TABLE13_ACCURACY_GRID = {"benchmarks": ["mmlu"], "qps": [1.0], "methods": ["kvcmas"], "num_trajectories": 20,
+                         "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}
 
 TABLES: dict[str, PaperTable] = {t.name: t for t in [
     PaperTable("table1", "Table 1: task accuracy, latency, memory and rho on MMLU, GSM8K and HumanEval",
                TABLE1_GRID, render_table1),
+    PaperTable("table5", "Table 5: run-to-run spread of accuracy", {**TABLE1_GRID, "repeats": 3}, render_table5),
+    PaperTable("table6", "Table 6: KVCMAS's threshold tau against accuracy and rho (MMLU)",
+               {"benchmarks": ["mmlu"], "qps": [1.0], "methods": ["kvcmas"], "num_trajectories": 20,
+                "method_params": {"kvcmas": {"tau": [0.1, 0.2, 0.25, 0.27, 0.29, 0.3, 0.31, 0.33, 0.35, 0.4]}}},
+               render_table6),
+    PaperTable("table8", "Table 8: chained against non-chained KVCMAS accuracy (MMLU)",
+               {"benchmarks": ["mmlu"], "qps": [1.0], "methods": ["kvcmas", "kvcmas-nonchained"],
+                "num_trajectories": 20}, render_table8),
     PaperTable("table7", "Table 7: p50/p90 TTFT under concurrent serving",
                {"shared_tokens": [2048, 8192], "qps": [0.0, 0.25, 0.5, 1.0], "agents": [4]}, render_table7),
     PaperTable("table11", "Table 11: peak memory, single stream",
@@ -201,7 +235,7 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
                {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [3]}, render_single_stream),
     PaperTable("table13", "Table 13: anchor-pool capacity V",
                {"shared_tokens": [8192], "qps": [0.0], "agents": [3], "methods": ["kvcmas"],
-                "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13),
+                "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13),  # + TABLE13_ACCURACY_GRID
     PaperTable("table14", "Table 14: scaling with the number of agents",
                {"shared_tokens": [2048], "qps": [0.0], "agents": [2, 4, 8]}, _render_scaling("agents", "N")),
     PaperTable("table15", "Table 15: scaling with the number of rounds",

@@ -113,6 +113,9 @@ def _sweep_options(func):
         click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Runs per cell (other arrival seeds); tables show 95% confidence intervals."),
         click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="Sampling temperature of every request (0: greedy; quality comparisons need it); above "
+                          "0, each --repeats run samples its own outputs."),
         click.option("--model", default=None,
                      help="Model [default: the embedded one; with --task role-recall, kvbench:roles-transferable]."),
         click.option("--quality", is_flag=True,
@@ -158,7 +161,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
         **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",
-                                         "quality")},
+                                         "quality", "temperature")},
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
         save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks)
@@ -186,8 +189,8 @@ def sweep_command(out: Path, **options: Any) -> None:
 
 
 @click.command("paper")
-@click.argument("table", type=click.Choice(["table1", "table7", "table11", "table12", "table13", "table14", "table15",
-                                            "fig2", "fig3", "table2", "fig7"]))
+@click.argument("table", type=click.Choice(["table1", "table5", "table6", "table8", "table7", "table11", "table12",
+                                            "table13", "table14", "table15", "fig2", "fig3", "table2", "fig7"]))
 @click.option("--results", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Render from an existing sweep directory.")
 @click.option("--run", "run_sweep", is_flag=True, help="Run the table's sweep first (at --shared-tokens/--qps...).")
@@ -198,10 +201,10 @@ def sweep_command(out: Path, **options: Any) -> None:
 @_sweep_options
 def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path | None, paper_values: bool,
                   **options: Any) -> None:
-    """Render a table of the KVCMAS paper (Table 1 from benchmark workloads: --data TASK=PATH,
-    --limit N; Tables 7, 11-15; Figs 5, 6, 8 and 12 are drawn with the
-    tables they plot) from sweep results, or one of its cache-fidelity analyses (Figs 2, 3, 7 and
-    Table 2: one sweep measures all four)."""
+    """Render a table of the KVCMAS paper from sweep results: its accuracy tables from benchmark
+    workloads (Tables 1, 5, 6, 8 and Table 13's accuracy column: --data TASK=PATH, --limit N), its
+    serving tables (7, 11-15; Figs 5, 6, 8 and 12 are drawn with the tables they plot), or one of
+    its cache-fidelity analyses (Figs 2, 3, 7 and Table 2: one sweep measures all four)."""
     from kvbench.analysis import paper
     from kvbench.analysis.runs import RunLoadError
 
@@ -215,7 +218,11 @@ def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path |
             from kvbench.experiment.fidelity import record_fidelity
 
             after_cell = record_fidelity()
+        accuracy_options = dict(options)
         results = _run_sweep(out / "sweep", paper.TABLES[table].grid, after_cell=after_cell, **options)
+        if table == "table13" and "mmlu" in accuracy_options["data_files"]:  # its accuracy column
+            _run_sweep(out / "sweep-accuracy", paper.TABLE13_ACCURACY_GRID, **accuracy_options)
+            results = out
     assert results is not None
     try:
         path = paper.render(table, results, out, paper_values)

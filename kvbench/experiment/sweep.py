@@ -81,6 +81,7 @@ class SweepSpec:
     model: str | None = None
     cpu_kv_cache_gib: float = 2.0
     request_timeout_s: float = 1800.0
+    temperature: float = 0.0  # 0: greedy; above it each repeat samples (the paper's Table 5 spread)
     save_prompt_ids: bool = False
     # Quality beside speed: per trace, a NonShared reference and a no-shared-context floor run
     # (QPS 0, under quality/), every cell recording first-token logprobs, and every cell compared
@@ -198,6 +199,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.model.resolve import resolve_model
     from kvbench.replay.runner import ReplayConfig, ReplayError
+    from kvbench.replay.sampling import SamplingParams
     from kvbench.replay.server import VLLMServer, method_server_config
     from kvbench.tracegen.generate import generate_trace
     from kvbench.tracegen.schema import Trace
@@ -245,6 +247,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
                     prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
                     label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
                     request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
+                    sampling=SamplingParams(temperature=spec.temperature),
                     server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]
                     server_failure=server.failure,
                     metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
