@@ -138,3 +138,22 @@ def test_models_without_a_chat_template_get_plain_text() -> None:
     assert chat_frame(load_tokenizer(None)) is None
     first = _trace("mmlu", limit=1)[0].turns[0]
     assert first.segments[0].pf == "system" and first.segments[-1].text == "\n\nYour turn.\n\n"
+
+
+def test_benchmark_turns_are_sent_to_stop_at_eos_and_controlled_ones_not(tmp_path: Path) -> None:
+    from kvbench.replay.stub import StubServer
+
+    bodies = {}
+    for task, extra in (("gsm8k", ["--data", str(FIXTURES["gsm8k"]), "--limit", "1"]),
+                        ("none", ["--shared-tokens", "64", "--num-trajectories", "1"])):
+        trace = tmp_path / f"{task}.jsonl"
+        assert CliRunner().invoke(main, ["gen-trace", "-o", str(trace), "--task", task, "--output-len", "4",
+                                         "--qps", "0", *extra]).exit_code == 0
+        with StubServer() as stub:
+            result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", stub.base_url,
+                                               "--qps", "0", "--num-warmups", "0",
+                                               "--result-dir", str(tmp_path / f"run-{task}")])
+            assert result.exit_code == 0, result.output
+            bodies[task] = list(stub.bodies.values())
+    assert len(bodies["gsm8k"]) == 4 and not any(b["ignore_eos"] for b in bodies["gsm8k"])
+    assert bodies["none"] and all(b["ignore_eos"] for b in bodies["none"])

@@ -74,6 +74,28 @@ def test_replay_end_to_end(vllm_server: VLLMServer, tmp_path: Path, qps: str) ->
         assert (spans["start"].to_numpy()[1:] >= spans["end"].to_numpy()[:-1]).all()
 
 
+def test_a_benchmark_workload_replays_and_its_final_answers_are_scored(vllm_server: VLLMServer, tmp_path: Path) -> None:
+    """HumanEval's workflow on real vLLM: each agent's output (stopped at EOS or the cap) feeds the
+    next, and the run is scored as it finishes, the harness having run every final answer."""
+    trace = tmp_path / "humaneval.jsonl"
+    data = Path(__file__).parent / "data" / "humaneval-sample.jsonl"
+    made = CliRunner().invoke(main, ["gen-trace", "-o", str(trace), "--task", "humaneval", "--data", str(data),
+                                     "--output-len", "12", "--qps", "0"])
+    assert made.exit_code == 0, made.output
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", vllm_server.base_url,
+                                       "--qps", "0", "--num-warmups", "0", "--result-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert len(requests) == 8 and requests["success"].all() and (requests["output_tokens"] <= 12).all()
+    scores = pd.read_parquet(out / "task_scores.parquet")
+    assert scores["item_id"].tolist() == ["KVBench/0", "KVBench/1"] and scores["final"].all()
+    # the constructed model writes no working code: every check ran and failed (none "no output")
+    assert scores["detail"].str.match(r"failed|timed out").all() and not scores["correct"].any()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task_accuracy"] == 0.0 and summary["task_scored_trajectories"] == 2
+
+
 def test_killed_server_keeps_results_and_resume_completes(vllm_server: VLLMServer, default_model: str,
                                                           tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -21,7 +21,9 @@ from kvbench.cli.server_options import ServerOptions, server_options
 @click.option("--target-rho", type=FiniteFloatRange(0, 1), required=True,
               help="Reuse ratio to reach: shared tokens served by accepted corrections / eligible shared tokens.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Calibration trace [default: a four-agent trace generated in memory].")
+              help="Calibration trace [default: a four-agent trace generated in memory]. A benchmark workload "
+                   "(gen-trace --task mmlu|gsm8k|humaneval) calibrates the threshold for that task, as the paper "
+                   "picked tau per task.")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
@@ -71,6 +73,13 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
     report = summary_dict(steps, target_rho, cls.threshold_name)
+    task = next((t.task.name for t in trace.trajectories if t.task is not None), None)
+    if task is not None:  # a benchmark workload (gen-trace --task mmlu ...): the threshold is per task
+        from kvbench.analysis.paper_values import PAPER_TAU
+
+        report["task"] = task
+        if task in PAPER_TAU and method == "kvcmas":
+            report["paper_tau"] = PAPER_TAU[task]  # its choice for rho about 0.8 on its models
     click.echo(json.dumps(report, indent=2))
     if not within(report["realized_rho"], target_rho, tolerance) and flat_rho(steps):
         tried = ", ".join(f"{s.threshold:.4f}" for s in steps)
