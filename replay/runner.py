@@ -364,7 +364,10 @@ class Replayer:
         if not self.method_info.uses_connector:  # plain vLLM: all of what it calls cached is its prefix cache
             record.prefix_cached_tokens = record.cached_tokens
         if result.success:
-            outputs[turn.turn_id] = list(output_ids)
+            passed_on = list(output_ids)
+            if turn.stop_at_eos and passed_on and self.config.tokenizer.is_special(passed_on[-1]):
+                passed_on.pop()  # the end-of-sequence token ends this agent's message: later agents read its text
+            outputs[turn.turn_id] = passed_on
             self._consecutive_unreachable = 0
         elif result.error_type == "connection_refused":
             self._consecutive_unreachable += 1

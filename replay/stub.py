@@ -31,6 +31,9 @@ class StubServer:
     connector: bool = False
     connector_method: str = "fullshared"  # the method its RPCs say it runs
     output_shift: int = 0  # added to every generated token: a stand-in for a method that changes outputs
+    # A request sent without ignore_eos ends after this many tokens with token 2 (the embedded
+    # models' end of sequence), as vLLM's stream carries it; None: every request runs to max_tokens.
+    eos_after: int | None = None
     metrics_text: str = "vllm:num_requests_running 0\n"
     rpc_calls: list[str] = field(default_factory=list)
     _stats: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -73,8 +76,13 @@ class StubServer:
         await response.prepare(request)
         max_tokens = int(body.get("max_tokens", 1))
         prompt = body.get("prompt", [])
+        stops = self.eos_after is not None and not body.get("ignore_eos", False) and self.eos_after < max_tokens
+        if stops:
+            max_tokens = self.eos_after + 1  # type: ignore[operator]
         for index in range(max_tokens):
             token = (len(prompt) + index) % 1000 + 3 + self.output_shift
+            if stops and index == max_tokens - 1:
+                token = 2
             choice: dict[str, Any] = {"index": 0, "text": f" t{token}", "token_ids": [token]}
             if body.get("logprobs"):  # a made-up distribution whose top token is the one sent
                 top = {f"token_id:{token + k}": -0.2 - 2.0 * k for k in range(int(body["logprobs"]))}

@@ -157,3 +157,25 @@ def test_benchmark_turns_are_sent_to_stop_at_eos_and_controlled_ones_not(tmp_pat
             bodies[task] = list(stub.bodies.values())
     assert len(bodies["gsm8k"]) == 4 and not any(b["ignore_eos"] for b in bodies["gsm8k"])
     assert bodies["none"] and all(b["ignore_eos"] for b in bodies["none"])
+
+
+def test_an_agent_stopped_by_eos_passes_on_its_text_without_the_eos_token(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from kvbench.replay.stub import StubServer
+
+    trace = tmp_path / "gsm8k.jsonl"
+    assert CliRunner().invoke(main, ["gen-trace", "-o", str(trace), "--task", "gsm8k", "--data",
+                                     str(FIXTURES["gsm8k"]), "--limit", "1", "--output-len", "8",
+                                     "--qps", "0"]).exit_code == 0
+    with StubServer(eos_after=3) as stub:
+        result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", stub.base_url, "--qps", "0",
+                                           "--num-warmups", "0", "--save-prompt-ids",
+                                           "--result-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(tmp_path / "run" / "requests.parquet").set_index("turn_id")
+    first = list(requests.loc["A0.r0", "output_token_ids"])
+    assert len(first) == 4 and first[-1] == 2  # what the server generated, EOS included
+    later = list(requests.loc["A1.r0", "prompt_token_ids"])
+    text = first[:-1]
+    assert any(later[i:i + 3] == text for i in range(len(later))) and 2 not in later  # its text, no EOS

@@ -33,6 +33,11 @@ class TraceTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def is_special(self, token_id: int) -> bool:
+        """A control token (end of sequence, end of turn) rather than text."""
+        return self.backend.decode([token_id], skip_special_tokens=True) == "" and \
+            self.backend.decode([token_id], skip_special_tokens=False) != ""
+
     @property
     def sha256(self) -> str:
         vocab = self.backend.get_vocab(with_added_tokens=True)
