@@ -179,3 +179,23 @@ def test_an_agent_stopped_by_eos_passes_on_its_text_without_the_eos_token(tmp_pa
     later = list(requests.loc["A1.r0", "prompt_token_ids"])
     text = first[:-1]
     assert any(later[i:i + 3] == text for i in range(len(later))) and 2 not in later  # its text, no EOS
+
+
+def test_a_benchmark_sweep_has_one_trace_per_task_and_one_cell_per_method_and_task(tmp_path: Path) -> None:
+    from kvbench.experiment.sweep import MethodConfig, SweepSpec
+
+    spec = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("kvcmas", {"tau": 0.29})], qps=[1.0],
+                     benchmarks={"gsm8k": str(FIXTURES["gsm8k"]), "humaneval": None}, num_trajectories=5,
+                     num_warmups=1, output_len=64)
+    traces = spec.trace_specs()
+    assert set(traces) == {"gsm8k-a4-r1", "humaneval-a4-r1"}
+    assert traces["gsm8k-a4-r1"].limit == 6 and traces["humaneval-a4-r1"].data is None  # the package's problems
+    assert all(t.is_benchmark and t.shared_tokens == 0 for t in traces.values())
+    cells = spec.cells(tmp_path)
+    assert [(c.method.name, c.trace_id, c.num_trajectories) for c in cells] == [
+        ("nonshared", "gsm8k-a4-r1", 5), ("nonshared", "humaneval-a4-r1", 5),
+        ("kvcmas-tau0.29", "gsm8k-a4-r1", 5), ("kvcmas-tau0.29", "humaneval-a4-r1", 5)]
+    # a stored sweep's JSON (benchmarks included) reads back as the same grid: it resumes
+    assert SweepSpec.from_json(spec.to_json()) == spec
+    for trace in traces.values():
+        trace.validate()
