@@ -79,6 +79,8 @@ def test_limit_samples_items_with_the_seed_and_the_trace_round_trips(tmp_path: P
     (["--task", "gsm8k", "--data", str(FIXTURES["gsm8k"]), "--shared-tokens", "512"], "shared_tokens=512"),
     (["--task", "mmlu", "--data", str(FIXTURES["gsm8k"])], "row 1: choices: missing"),
     (["--task", "recall", "--limit", "3"], "--data and --limit are for benchmark tasks"),
+    (["--task", "gsm8k", "--data", str(FIXTURES["gsm8k"]), "--roles", "code"], "--roles does not apply"),
+    (["--task", "gsm8k", "--data", str(FIXTURES["gsm8k"]), "--num-trajectories", "3"], "--limit picks items"),
 ])
 def test_bad_benchmark_requests_are_clear_errors(args: list[str], message: str, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["gen-trace", "-o", str(tmp_path / "t.jsonl"), *args])

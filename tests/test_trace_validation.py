@@ -39,11 +39,22 @@ def _turns_with(change) -> list:
     return turns
 
 
+HEADER_V2 = {**HEADER, "version": 2, "adapters": {"critic": "/adapters/critic"}}
+WITH_ADAPTER = _trajectory(agents={"A0": {"role": "R0", "system": "s0", "system_tokens": 2, "adapter": "critic"},
+                                   "A1": {"role": "R1", "system": "s1", "system_tokens": 2}})
+
 CASES = {
     "valid": ([HEADER, _trajectory()], None),
+    "valid v2 with an adapter": ([HEADER_V2, WITH_ADAPTER], None),
+    "unknown adapter": ([{**HEADER_V2, "adapters": {"other": "/a"}}, WITH_ADAPTER],
+                        "line 2: agents.A0.adapter: unknown adapter 'critic' (the header lists other)"),
+    "adapter without adapters": ([{**HEADER, "version": 2}, WITH_ADAPTER],
+                                 "line 2: agents.A0.adapter: unknown adapter 'critic' (the header lists none)"),
+    "adapters in a v1 trace": ([{**HEADER_V2, "version": 1}, _trajectory()],
+                               "line 1: adapters: a version 1 trace has no adapters"),
     "not json": ([HEADER, "{not json"], "line 2: not JSON"),
     "empty file": ([], "line 1: the file is empty"),
-    "bad version": ([{**HEADER, "version": 2}], "line 1: version: unsupported version 2"),
+    "bad version": ([{**HEADER, "version": 3}], "line 1: version: unsupported version 3"),
     "not a kvbench trace": ([{"timestamp": 1}], "line 1: format"),
     "no trajectories": ([HEADER], "no trajectories"),
     "unknown ph": ([HEADER, _trajectory(turns=_turns_with(lambda t: t[1]["segments"].append({"ph": "doc"})))],
@@ -115,6 +126,9 @@ def _counted(obj: object) -> object:
 
 
 def _write(path: Path, lines: list, counted: bool = True) -> None:
+    # headers copied from HEADER before the fixture set its tokenizer get it too
+    lines = [{**line, "tokenizer": HEADER["tokenizer"]} if isinstance(line, dict) and line.get("tokenizer") == "x"
+             else line for line in lines]
     path.write_text("".join((line if isinstance(line, str) else json.dumps(_counted(line) if counted else line))
                             + "\n" for line in lines))
 
@@ -126,7 +140,7 @@ def test_validate_reports_line_and_field(tmp_path: Path, case: str) -> None:
     _write(path, lines)
     result = CliRunner().invoke(main, ["trace", "validate", str(path)], prog_name="kvbench")
     if message is None:
-        assert result.exit_code == 0 and "valid kvbench-trace v1, 1 trajectories, 2 turns" in result.output
+        assert result.exit_code == 0 and "1 trajectories, 2 turns" in result.output
         return
     assert result.exit_code == 1, result.output
     assert message in result.output

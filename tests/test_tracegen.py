@@ -178,7 +178,7 @@ def test_cli_stats_and_export(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
                         "--shared-tokens", "600")
     assert generated.exit_code == 0, generated.output
     validated = _invoke("trace", "validate", str(path))
-    assert validated.exit_code == 0 and "valid kvbench-trace v1, 2 trajectories, 8 turns" in validated.output
+    assert validated.exit_code == 0 and "valid kvbench-trace v2, 2 trajectories, 8 turns" in validated.output
     stats = _invoke("trace", "stats", str(path), "--json")
     assert stats.exit_code == 0 and json.loads(stats.output)["turns"] == 8
     assert "A0->A1" in _invoke("trace", "stats", str(path)).output

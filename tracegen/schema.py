@@ -1,4 +1,4 @@
-"""The `kvbench-trace` v1 format: the one schema every stage reads and writes.
+"""The `kvbench-trace` format (version 2; version 1 is read too): the one schema every stage reads and writes.
 
 A trace is JSON Lines. Line 1 is a `TraceHeader`; every further line is one `Trajectory`.
 Structure is checked by pydantic; cross-references (agents, turns, `ph` sources, cycles) by
@@ -17,7 +17,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from kvbench.tracegen.graph import ancestor_masks, bits_descending, find_cycle, topological_order
 
 TRACE_FORMAT = "kvbench-trace"
-TRACE_VERSION = 1
+# 2: agents may name a LoRA adapter (`Agent.adapter`, listed in `TraceHeader.adapters`). Version 1
+# traces (no adapters) are read as they are.
+TRACE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 OUT_PREFIX = "out:"
 # Bounds far past any real workload, so that a typo (or a fuzzer) cannot ask the replayer for
 # 10^12 tokens or an arrival a million years away.
@@ -113,18 +116,22 @@ def _check_depth(value: dict[str, Any]) -> dict[str, Any]:
 
 class TraceHeader(_Strict):
     format: Literal["kvbench-trace"]
-    version: Literal[1]
+    version: Literal[1, 2]
     generator: Annotated[dict[str, Any], AfterValidator(_check_depth)]
     tokenizer: str
     tokenizer_sha256: str | None = None
     # Token ids the tokenizer puts before any text (e.g. Llama-3's BOS); prompts start with them.
     prompt_prefix_ids: list[int] = Field(default_factory=list)
+    # The LoRA adapters agents use (version 2): name -> its PEFT folder, which the server loads
+    # (`--lora-modules name=path`) and requests name in `model`. None: every agent is the base model.
+    adapters: dict[Identifier, str] | None = None
 
 
 class Agent(_Strict):
     role: str
     system: Text
     system_tokens: int = Field(ge=0, le=MAX_SEGMENT_TOKENS)
+    adapter: Identifier | None = None  # a LoRA adapter of the header's `adapters`; None: the base model
 
 
 class SharedText(_Strict):

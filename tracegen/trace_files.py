@@ -15,8 +15,8 @@ from pydantic import BaseModel, ValidationError
 
 from kvbench.tracegen.schema import (
     MAX_LINE_BYTES_ENV,
+    READABLE_VERSIONS,
     TRACE_FORMAT,
-    TRACE_VERSION,
     Trace,
     TraceError,
     TraceHeader,
@@ -67,9 +67,11 @@ def parse_header(line: str, path: str | Path = "<trace>") -> TraceHeader:
         raise TraceError(path, [f"line 1: {error}"])
     if not isinstance(obj, dict) or obj.get("format") != TRACE_FORMAT:
         raise TraceError(path, [f"line 1: format: expected a header with \"format\": \"{TRACE_FORMAT}\""])
-    if obj.get("version") != TRACE_VERSION:
+    if obj.get("version") not in READABLE_VERSIONS:
         raise TraceError(path, [f"line 1: version: unsupported version {obj.get('version')!r} "
-                                f"(this kvbench reads version {TRACE_VERSION})"])
+                                f"(this kvbench reads versions {', '.join(map(str, READABLE_VERSIONS))})"])
+    if obj.get("version") == 1 and obj.get("adapters"):
+        raise TraceError(path, ["line 1: adapters: a version 1 trace has no adapters (write version 2)"])
     try:
         return TraceHeader.model_validate(obj)
     except ValidationError as exc:
@@ -117,6 +119,7 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int,
     problem found (up to `max_problems`)."""
     problems: list[str] = []
     header_seen = False
+    adapters: set[str] = set()
     ids: dict[str, int] = {}
     for number, line in _lines(path):
         if isinstance(line, _LineTooLong):
@@ -134,13 +137,15 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int,
             continue
         if not header_seen:
             header_seen = True
-            yield number, parse_header(line, path)
+            header = parse_header(line, path)
+            adapters = set(header.adapters or {})
+            yield number, header
             continue
         obj, error = _load_json(line)
         if error is not None:
             problems.append(f"line {number}: {error}")
             continue
-        line_problems = [f"line {number}: {p}" for p in reference_problems(obj)]
+        line_problems = [f"line {number}: {p}" for p in reference_problems(obj) + _adapter_problems(obj, adapters)]
         trajectory = None
         try:
             trajectory = Trajectory.model_validate(obj)
@@ -164,6 +169,15 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int,
         problems.append("the trace has a header but no trajectories")
     if problems:
         raise TraceError(path, problems)
+
+
+def _adapter_problems(obj: Any, adapters: set[str]) -> list[str]:
+    """Agents naming an adapter the header does not list."""
+    agents = obj.get("agents") if isinstance(obj, dict) and isinstance(obj.get("agents"), dict) else {}
+    return [f"agents.{name}.adapter: unknown adapter {agent['adapter']!r} (the header lists "
+            f"{', '.join(sorted(adapters)) or 'none'})"
+            for name, agent in agents.items()
+            if isinstance(agent, dict) and isinstance(agent.get("adapter"), str) and agent["adapter"] not in adapters]
 
 
 def read_trace(path: str | Path) -> Trace:

@@ -21,7 +21,7 @@ def _trace_error(exc: Exception) -> click.ClickException:
 
 @click.command("gen-trace")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Where to write the trace (kvbench-trace v1, JSON Lines).")
+              help="Where to write the trace (kvbench-trace v2, JSON Lines).")
 @click.option("--agents", "num_agents", type=click.IntRange(2, MAX_AGENTS), default=4, show_default=True,
               help="Number of prompt-specialized agents.")
 @click.option("--rounds", type=click.IntRange(1, 8), default=1, show_default=True,
@@ -35,8 +35,9 @@ def _trace_error(exc: Exception) -> click.ClickException:
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
               help="Tokens each agent generates (replayed with ignore_eos) and passes on [default: 128; with "
                    "--task recall, the longest name's tokens plus a newline: 3 on the recall model].")
-@click.option("--num-trajectories", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Workflow instances, each with its own shared context.")
+@click.option("--num-trajectories", type=click.IntRange(min=1), default=None,
+              help="Workflow instances, each with its own shared context [default: 10; benchmark tasks: one per "
+                   "item, see --limit].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
 @click.option("--roles", type=click.Choice(sorted(ROLE_PRESETS)), default=None,
               help="Role preset: system prompts and glue text of the agents [default: math; the task's own "
@@ -72,13 +73,18 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     from kvbench.tracegen.tokenizer import load_tokenizer
     from kvbench.tracegen.trace_files import write_trace
 
-    params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
     model = model or TASK_MODELS.get(str(params["task"]))  # the header's tokenizer names the replay's model
     if params["task"] in BENCHMARK_TASKS:
-        # the paper's shape; TraceSpec.validate names whatever else was asked for
+        # the paper's shape and roles; TraceSpec.validate names whatever else was asked for
+        for option, key in (("--roles", "roles"), ("--num-trajectories", "num_trajectories")):
+            if params[key] is not None:
+                raise click.UsageError(f"{option} does not apply to --task {params['task']}: its agents are the "
+                                       "paper's roles and each item is one trajectory (--limit picks items)")
         params["shared_tokens"] = params["shared_tokens"] or 0
     else:
         params["shared_tokens"] = params["shared_tokens"] or 2048
+    params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
+    params["num_trajectories"] = params["num_trajectories"] or 10
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)
