@@ -115,12 +115,13 @@ class CompletionsBackend:
     timeout_s: float = 600.0
 
     def body(self, url: str, token_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any],
-             salt: str | None, ignore_eos: bool = True) -> dict[str, Any]:
+             salt: str | None, ignore_eos: bool = True, adapter: str | None = None) -> dict[str, Any]:
         """The request of one turn: its prompt as token ids, exactly `max_tokens` generated (or up
         to them, stopping at the model's end of sequence, when not `ignore_eos`), the plan in
-        `kv_transfer_params`, and a `cache_salt` derived from `salt` when given."""
+        `kv_transfer_params`, and a `cache_salt` derived from `salt` when given. `adapter`: the
+        LoRA adapter the turn's agent uses (vLLM takes its name as the model), else the base model."""
         body: dict[str, Any] = {
-            "model": self.served_models[url], "prompt": token_ids, "max_tokens": max_tokens,
+            "model": adapter or self.served_models[url], "prompt": token_ids, "max_tokens": max_tokens,
             "ignore_eos": ignore_eos, **self.sampling.request_fields(), "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True, "kv_transfer_params": kv_transfer_params,

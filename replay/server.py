@@ -49,12 +49,33 @@ class ServerConfig:
     startup_timeout_s: float = 600.0
     # vLLM's drain on SIGTERM before it kills its engine; VLLMServer.stop waits 10 s more.
     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S
+    # LoRA adapters to serve (a trace's `adapters`: name -> PEFT folder): --enable-lora and the rest.
+    lora_modules: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     # vLLM's --enforce-eager: no torch.compile warm-up or CUDA graphs. Starts in about a quarter of
     # the time on the embedded models and decodes slower, so it suits tests and smoke runs, where
     # starts dominate, and not measurements. Default: the KVBENCH_ENFORCE_EAGER environment
     # variable ("1": on), which the engine test tier sets.
     enforce_eager: bool = field(default_factory=lambda: os.environ.get(ENFORCE_EAGER_ENV, "") == "1")
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
+
+
+def lora_args(modules: dict[str, str]) -> list[str]:
+    """vLLM's arguments to serve LoRA adapters (PEFT folders): every adapter loaded at once, the
+    rank cap the largest one needs (from its adapter_config.json)."""
+    ranks = []
+    for name, path in modules.items():
+        config = Path(path) / "adapter_config.json"
+        try:
+            ranks.append(int(json.loads(config.read_text())["r"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ServerError(f"adapter {name!r}: {config} is not a PEFT adapter config with a rank 'r' "
+                              f"({type(exc).__name__}: {exc})") from None
+    rank = next((r for r in VLLM_LORA_RANKS if r >= max(ranks)), max(ranks))
+    return ["--enable-lora", "--max-loras", str(len(modules)), "--max-lora-rank", str(rank),
+            "--lora-modules", *(f"{name}={path}" for name, path in modules.items())]
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -183,6 +204,8 @@ class VLLMServer:
             # once, and the API server then logs an EngineDeadError traceback on every stop).
             "--shutdown-timeout", str(int(cfg.shutdown_timeout_s)),
         ]
+        if cfg.lora_modules:
+            cmd += lora_args(cfg.lora_modules)
         if cfg.enforce_eager and "--enforce-eager" not in cfg.extra_args:
             cmd.append("--enforce-eager")
         if cfg.max_model_len is not None:

@@ -21,6 +21,8 @@ class ReplayServers:
     method: str
     uses_connector: bool
     served_models: dict[str, str] = field(default_factory=dict)
+    # every model id each server lists: its base model, then the LoRA adapters it serves
+    served_ids: dict[str, set[str]] = field(default_factory=dict)
     max_model_lens: dict[str, int | None] = field(default_factory=dict)
 
     async def check(self, session: aiohttp.ClientSession) -> dict[str, Any]:
@@ -31,8 +33,10 @@ class ReplayServers:
             try:
                 async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
                     response.raise_for_status()
-                    served = (await response.json())["data"][0]
+                    listed = (await response.json())["data"]
+                    served = listed[0]
                     self.served_models[url] = served["id"]
+                    self.served_ids[url] = {str(entry["id"]) for entry in listed}
                     limit = served.get("max_model_len")
                     self.max_model_lens[url] = limit if isinstance(limit, int) and limit > 0 else None
                 async with session.get(f"{url}/version", timeout=aiohttp.ClientTimeout(total=10)) as response:
@@ -47,6 +51,14 @@ class ReplayServers:
         return {**entries, "served_models": dict(self.served_models),
                 "served_max_model_len": dict(self.max_model_lens),
                 "vllm_version": next(iter(versions.values()), None)}
+
+    def adapter_problems(self, trace: Trace) -> list[str]:
+        """The adapters agents of `trace` name that a server does not serve."""
+        wanted = sorted({agent.adapter for t in trace.trajectories for agent in t.agents.values() if agent.adapter})
+        paths = trace.header.adapters or {}
+        return [f"{url} does not serve adapter {name!r} (start it with --enable-lora --lora-modules "
+                f"{name}={paths.get(name, 'PATH')})"
+                for url in self.base_urls for name in wanted if name not in self.served_ids.get(url, set())]
 
     def length_problems(self, trace: Trace) -> tuple[int | None, list[str]]:
         """The smallest served context and the turns of `trace` that do not fit it."""

@@ -25,6 +25,7 @@ class StubServer:
     host: str = "127.0.0.1"
     port: int = 0
     max_model_len: int | None = None  # reported by /v1/models, as vLLM does
+    adapters: tuple[str, ...] = ()  # LoRA adapter names /v1/models lists after the base model, as vLLM does
     # Answer kvbench's worker RPCs as a connector server would, with FullShared-like stats per
     # request (every PH row with a source counts as reused): the replayer's stats plumbing
     # without vLLM. A stand-in for tests, never a method.
@@ -160,7 +161,8 @@ class StubServer:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", fixed(lambda: web.json_response(
-            {"data": [{"id": "stub-model", "max_model_len": self.max_model_len}]})))
+            {"data": [{"id": "stub-model", "max_model_len": self.max_model_len},
+                      *({"id": name, "parent": "stub-model"} for name in self.adapters)]})))
         app.router.add_get("/version", fixed(lambda: web.json_response({"version": "stub"})))
         app.router.add_get("/health", fixed(lambda: web.Response(text="")))
         app.router.add_get("/metrics", fixed(lambda: web.Response(text=self.metrics_text)))

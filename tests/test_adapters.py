@@ -1,0 +1,77 @@
+"""Agents as LoRA adapters: the trace names each agent's adapter, replay serves and addresses them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvbench.cli import main
+from kvbench.replay.server import ServerError, lora_args
+from kvbench.tracegen.trace_files import read_trace
+
+
+def _peft(folder: Path, rank: int = 8) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 16, "peft_type": "LORA",
+                                                            "target_modules": ["v_proj"]}))
+    return folder
+
+
+def _trace(tmp_path: Path, *adapters: str) -> Path:
+    out = tmp_path / "t.jsonl"
+    result = CliRunner().invoke(main, ["gen-trace", "-o", str(out), "--shared-tokens", "64", "--num-trajectories",
+                                       "2", "--output-len", "4", "--qps", "0",
+                                       *[a for spec in adapters for a in ("--adapter", spec)]])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_agents_of_a_role_name_its_adapter_and_the_header_lists_it(tmp_path: Path) -> None:
+    solver, critic = _peft(tmp_path / "solver-lora"), _peft(tmp_path / "critic lora", rank=16)
+    trace = read_trace(_trace(tmp_path, f"Math Solver={solver}", f"Inspector={critic}"))
+    assert trace.header.version == 2
+    assert trace.header.adapters == {"solver-lora": str(solver), "critic-lora": str(critic)}
+    agents = trace.trajectories[0].agents
+    assert [agents[a].adapter for a in ("A0", "A1", "A2", "A3")] == ["solver-lora", None, None, "critic-lora"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("Nobody={folder}", "no agent has role 'Nobody'"),
+    ("Math Solver={tmp}/missing", "not a PEFT adapter folder"),
+    ("Math Solver", "expected ROLE=PATH"),
+])
+def test_bad_adapter_requests_are_clear_errors(spec: str, message: str, tmp_path: Path) -> None:
+    folder = _peft(tmp_path / "a")
+    result = CliRunner().invoke(main, ["gen-trace", "-o", str(tmp_path / "t.jsonl"), "--shared-tokens", "64",
+                                       "--adapter", spec.format(folder=folder, tmp=tmp_path)])
+    assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_lora_args_serve_every_adapter_at_a_rank_vllm_accepts(tmp_path: Path) -> None:
+    modules = {"a": str(_peft(tmp_path / "a", rank=4)), "b": str(_peft(tmp_path / "b", rank=12))}
+    assert lora_args(modules) == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+                                  "--lora-modules", f"a={modules['a']}", f"b={modules['b']}"]
+    with pytest.raises(ServerError, match="adapter 'c'.*not a PEFT adapter config"):
+        lora_args({"c": str(tmp_path)})
+
+
+def test_replay_sends_each_agent_to_its_adapter_and_refuses_a_server_without_it(tmp_path: Path) -> None:
+    from kvbench.replay.stub import StubServer
+
+    trace = _trace(tmp_path, f"Math Solver={_peft(tmp_path / 'solver')}")
+    with StubServer() as stub:  # serves no adapter
+        refused = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", stub.base_url, "--qps", "0",
+                                            "--num-warmups", "0", "--result-dir", str(tmp_path / "refused")])
+        assert not stub.bodies
+    assert refused.exit_code != 0 and "does not serve adapter 'solver'" in refused.output
+    assert "--lora-modules solver=" in refused.output and not (tmp_path / "refused" / "requests.parquet").exists()
+    with StubServer(adapters=("solver",)) as stub:
+        result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", stub.base_url, "--qps", "0",
+                                           "--num-warmups", "0", "--result-dir", str(tmp_path / "run")])
+        bodies = dict(stub.bodies)
+    assert result.exit_code == 0, result.output
+    models = {request_id.split("/")[-1]: body["model"] for request_id, body in bodies.items()}
+    assert models == {"A0.r0": "solver", "A1.r0": "stub-model", "A2.r0": "stub-model", "A3.r0": "stub-model"}
