@@ -75,3 +75,38 @@ def test_replay_sends_each_agent_to_its_adapter_and_refuses_a_server_without_it(
     assert result.exit_code == 0, result.output
     models = {request_id.split("/")[-1]: body["model"] for request_id, body in bodies.items()}
     assert models == {"A0.r0": "solver", "A1.r0": "stub-model", "A2.r0": "stub-model", "A3.r0": "stub-model"}
+
+
+def test_built_adapters_are_v_only_deterministic_and_the_zero_one_is_zero(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from kvbench.model.adapters import build_random_adapter, v_only_problems, weights_sha256
+    from kvbench.model.resolve import resolve_model
+
+    base = resolve_model(None)
+    first = build_random_adapter(base, tmp_path / "a", rank=4, seed=3)
+    again = build_random_adapter(base, tmp_path / "b", rank=4, seed=3)
+    other = build_random_adapter(base, tmp_path / "c", rank=4, seed=4)
+    assert weights_sha256(first) == weights_sha256(again) != weights_sha256(other)
+    assert v_only_problems(first) == []
+    tensors = load_file(str(first / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 8 and tensors["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"].shape == (128, 4)
+    zero = load_file(str(build_random_adapter(base, tmp_path / "z", zero=True) / "adapter_model.safetensors"))
+    assert all(not t.any() for name, t in zero.items() if "lora_B" in name)
+
+
+def test_adapters_that_touch_more_than_the_values_are_named(tmp_path: Path) -> None:
+    from kvbench.model.adapters import v_only_problems
+
+    folder = _peft(tmp_path / "qv")
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": ["q_proj", "v_proj"]}))
+    assert v_only_problems(folder) == [f"{folder}: target_modules ['q_proj', 'v_proj'] (PReCache needs exactly "
+                                       "['v_proj'])"]
+
+
+def test_model_adapters_prints_the_gen_trace_arguments(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["model", "adapters", "-o", str(tmp_path), "--agents", "2", "--rank", "4"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("--adapter"))
+    assert line == (f'--adapter "Table Reader={tmp_path / "table-reader"}" '
+                    f'--adapter "Link Follower={tmp_path / "link-follower"}"')

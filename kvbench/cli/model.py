@@ -9,6 +9,7 @@ import click
 
 from kvbench.model.spec import TinyModelSpec
 from kvbench.model.store import DEFAULT_SEED, is_built, model_dir_for
+from kvbench.tracegen.roles import ROLE_PRESETS
 
 
 @click.group("model")
@@ -99,6 +100,41 @@ def path_command(model: str | None, build: bool) -> None:
         click.echo(resolve_model(model, build_if_missing=build))
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@model_group.command("adapters")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder for the adapters: one PEFT folder per role.")
+@click.option("--model", default=None, help="The base model [default: the embedded one].")
+@click.option("--roles", "preset", type=click.Choice(sorted(ROLE_PRESETS)), default="recall", show_default=True,
+              help="Role preset: one adapter per role of its first --agents roles.")
+@click.option("--agents", type=click.IntRange(1, 8), default=4, show_default=True)
+@click.option("--kind", type=click.Choice(["random", "zero"]), default="random", show_default=True,
+              help="random: seeded V-only adapters that change each role's values (and answers); zero: B = 0, "
+                   "the identity adapter (outputs equal the base model's).")
+@click.option("--rank", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--strength", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="random: how far each adapter moves the values (per coordinate; 0.5 changes the recall model's "
+                   "answers, 0.2 does not).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Role k's adapter uses seed + k.")
+def adapters_command(out: Path, model: str | None, preset: str, agents: int, kind: str, rank: int, strength: float,
+                     seed: int) -> None:
+    """Build one V-only LoRA adapter per role (PEFT folders vLLM serves), and print the
+    gen-trace --adapter arguments that give each role's agents its adapter. These are stand-ins
+    that change each role's cache and answers, not adapters trained for the roles."""
+    from kvbench.model.adapters import build_random_adapter
+    from kvbench.model.resolve import resolve_model
+    from kvbench.tracegen.adapters import adapter_name
+    from kvbench.tracegen.roles import roles_for
+
+    base = resolve_model(model)
+    arguments = []
+    for index, role in enumerate(roles_for(preset, agents)):
+        folder = build_random_adapter(base, out / adapter_name(role.name.lower()), rank=rank, seed=seed + index,
+                                      strength=strength, zero=kind == "zero")
+        arguments.append(f"--adapter {json.dumps(f'{role.name}={folder}')}")
+        click.echo(f"{role.name}: {folder}", err=True)
+    click.echo(" ".join(arguments))
 
 
 @model_group.command("check")

@@ -1,0 +1,91 @@
+"""LoRA adapters as PEFT folders vLLM loads (`--lora-modules name=path`), and PReCache's rule that
+an adapter touch only the value projection.
+
+`build_random_adapter` writes a seeded V-only adapter for a Llama-architecture model: A and B
+drawn from a fixed generator, B scaled so the adapter moves each layer's values by a set share
+of their size (`strength`), or B zero (the identity adapter: outputs equal the base model's). It
+is a stand-in for a fine-tuned role adapter: it changes what an agent writes into its cache and
+what it answers, deterministically, but encodes no role; what a trained or constructed adapter
+adds is which answers change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+MANIFEST = "kvbench-adapter.json"
+V_PROJ = "v_proj"
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    return dict(json.loads((model_dir / "config.json").read_text()))
+
+
+def build_random_adapter(model_dir: str | Path, out_dir: str | Path, *, rank: int = 8, seed: int = 0,
+                         strength: float = 0.5, zero: bool = False) -> Path:
+    """A V-only LoRA adapter of `rank` on every layer of the model in `model_dir`, written to
+    `out_dir` (PEFT format, with a manifest recording how it was made and its weights' sha256)."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = _config(model_dir)
+    hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    kv_dim = int(config.get("num_key_value_heads") or config["num_attention_heads"]) * head_dim
+    layers = int(config["num_hidden_layers"])
+    alpha = 2 * rank
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.{V_PROJ}"
+        # x @ A^T has about unit entries per coordinate for unit-variance inputs: B's scale then sets
+        # the update's size against the values' (strength, per output coordinate)
+        lora_a = torch.randn(rank, hidden, generator=generator) / hidden ** 0.5
+        lora_b = torch.randn(kv_dim, rank, generator=generator) * (strength / rank ** 0.5) * (rank / alpha)
+        tensors[f"{prefix}.lora_A.weight"] = lora_a.to(torch.bfloat16).contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = (torch.zeros_like(lora_b) if zero else lora_b).to(torch.bfloat16).contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / PEFT_WEIGHTS))
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+                   "target_modules": [V_PROJ], "bias": "none", "fan_in_fan_out": False,
+                   "base_model_name_or_path": str(model_dir)}
+    (out_dir / PEFT_CONFIG).write_text(json.dumps(peft_config, indent=2) + "\n")
+    (out_dir / MANIFEST).write_text(json.dumps({
+        "kind": "zero" if zero else "random", "rank": rank, "seed": seed, "strength": strength, "layers": layers,
+        "weights_sha256": weights_sha256(out_dir)}, indent=2) + "\n")
+    return out_dir
+
+
+def weights_sha256(folder: str | Path) -> str:
+    """Over tensor names, dtypes, shapes and bytes (not the file: safetensors' header order may vary)."""
+    tensors = load_file(str(Path(folder) / PEFT_WEIGHTS))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def v_only_problems(folder: str | Path) -> list[str]:
+    """Why an adapter is not V-only (PReCache keeps one base cache of keys and base values, so an
+    adapter may change only the values): its config's targets and its tensors' modules."""
+    folder = Path(folder)
+    problems = []
+    config = json.loads((folder / PEFT_CONFIG).read_text())
+    targets = config.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    if set(targets) != {V_PROJ}:
+        problems.append(f"{folder}: target_modules {targets} (PReCache needs exactly ['{V_PROJ}'])")
+    weights = folder / PEFT_WEIGHTS
+    if weights.exists():
+        others = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in load_file(str(weights))} - {V_PROJ})
+        if others:
+            problems.append(f"{folder}: weights for {', '.join(others)} (only {V_PROJ} is allowed)")
+    return problems
