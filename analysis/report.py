@@ -29,6 +29,8 @@ COLUMN_NOTES = {
     "peak_server_rss_mib": "peak RSS of the server process tree (CPU); vLLM pre-allocates its KV pool",
     "peak_kv_cache_usage_perc": "peak of vllm:kv_cache_usage_perc during the run",
     "task_accuracy": "a task trace's final answers right (`kvbench score`)",
+    "task_unparseable": "a benchmark workload's final answers that could not be read (no MMLU answer line, no "
+                        "GSM8K number)",
     "task_accuracy_reuse": "a task trace's answers right on reuse turns (turns a method can serve from another "
                            "agent's cache)",
 }
@@ -66,7 +68,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     quality = table[["run", "realized_rho", "exact_match_rate", "exact_match_rate_reuse", "mean_token_f1",
                      "mean_first_token_kl", "top1_agreement", "output_pgr", "output_pgr_low", "output_pgr_high",
                      "pgr", "pgr_low", "pgr_high", "task_accuracy",
-                     "task_accuracy_reuse"]]
+                     "task_accuracy_reuse", "task_unparseable"]]
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",

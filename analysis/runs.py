@@ -81,8 +81,11 @@ class Run:
     def workload(self) -> str:
         """What the run replayed at which load: shared tokens, agents, rounds, workflow, QPS."""
         generator = self._generator()
-        parts = [f"{short}={generator[key]}" for key, short in (("shared_tokens", "ctx"), ("num_agents", "a"),
-                                                                 ("rounds", "r")) if generator.get(key) is not None]
+        if generator.get("task") in ("mmlu", "gsm8k", "humaneval"):  # the question is the context
+            parts = [str(generator["task"])]
+        else:
+            parts = [f"{short}={generator[key]}" for key, short in (("shared_tokens", "ctx"), ("num_agents", "a"),
+                                                                     ("rounds", "r")) if generator.get(key) is not None]
         if generator.get("workflow") not in (None, "sequential"):
             parts.append(str(generator["workflow"]))
         if self.summary.get("request_rate") is not None:

@@ -11,7 +11,7 @@ from kvbench.analysis.runs import Run, referenced_runs, summary_number
 PERCENTILES = (50, 90, 99)
 QUALITY_KEYS = ("exact_match_rate", "exact_match_rate_reuse", "mean_token_f1", "mean_first_token_kl", "top1_agreement",
                 "output_pgr", "output_pgr_low", "output_pgr_high", "pgr", "pgr_low", "pgr_high", "task_accuracy",
-                "task_accuracy_reuse")
+                "task_accuracy_reuse", "task_unparseable")
 
 
 def _pct(values: pd.Series, p: float) -> float:
