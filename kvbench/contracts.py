@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
-CONTRACT_VERSION = 3  # 3: Plan.keep_cache; 2: Plan.claim became a ClaimPolicy (was a bool meaning "all" / "none")
+# 4: Plan.adapter and PlanSegment.source_adapter (agents as LoRA adapters); 3: Plan.keep_cache;
+# 2: Plan.claim became a ClaimPolicy (was a bool meaning "all" / "none")
+CONTRACT_VERSION = 4
 PLAN_KEY = "kvbench"  # the plan's key in a request's kv_transfer_params
 
 
@@ -47,6 +49,7 @@ class PlanSegment:
     source_start: int | None = None  # where the segment starts in that cache
     source_turn: str | None = None  # that turn's id in the trace
     source_agent: str | None = None  # its agent (the edge source_agent -> plan.agent)
+    source_adapter: str | None = None  # the LoRA adapter that wrote that cache (None: the base model)
 
     @classmethod
     def from_dict(cls, raw: Any) -> PlanSegment:
@@ -58,7 +61,8 @@ class PlanSegment:
             return cls(kind=raw["kind"], id=str(raw["id"]), start=int(raw["start"]), length=int(raw["length"]),
                        source=raw.get("source"),
                        source_start=None if raw.get("source_start") is None else int(raw["source_start"]),
-                       source_turn=raw.get("source_turn"), source_agent=raw.get("source_agent"))
+                       source_turn=raw.get("source_turn"), source_agent=raw.get("source_agent"),
+                       source_adapter=raw.get("source_adapter"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ContractError(f"bad plan segment {raw!r}: {type(exc).__name__}: {exc}") from None
 
@@ -83,6 +87,9 @@ class Plan:
     # turn reads it (a trajectory's last agent): the copy into the store would only delay the next
     # engine step, which is often the next trajectory's first agent. Its stats are reported anyway.
     keep_cache: bool = True
+    # The LoRA adapter this request runs with (its agent's; None: the base model). A cache written
+    # under another adapter (PlanSegment.source_adapter) holds other values for the same tokens.
+    adapter: str | None = None
     version: int = CONTRACT_VERSION
 
     @property
@@ -131,7 +138,8 @@ class Plan:
                    agent=str(raw.get("agent", "")), save_as=raw.get("save_as"),
                    segments=tuple(PlanSegment.from_dict(s) for s in segments),
                    claim=claim, prefix_sources=tuple(str(k) for k in raw.get("prefix_sources") or ()),
-                   inject_fault=bool(raw.get("inject_fault", False)), keep_cache=bool(raw.get("keep_cache", True)))
+                   inject_fault=bool(raw.get("inject_fault", False)), keep_cache=bool(raw.get("keep_cache", True)),
+                   adapter=raw.get("adapter"))
 
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> Plan | None:

@@ -132,13 +132,15 @@ class PromptBuilder:
                 span.kind, span.id, span.start, span.length,
                 source=cache_key(self.run_id, trajectory.trajectory_id, source),
                 source_start=_start_in_cache(span.id, source, prompts[source]), source_turn=source,
-                source_agent=trajectory.turn_by_id[source].agent))
+                source_agent=trajectory.turn_by_id[source].agent,
+                source_adapter=trajectory.agents[trajectory.turn_by_id[source].agent].adapter))
         # The agent's own finished turns: its prompt may start with one of theirs, copied exactly.
         own = [t for t in trajectory.turns if t.agent == turn.agent and t.turn_id in prompts and t.turn_id != turn.turn_id]
         return Plan(trajectory=trajectory.trajectory_id, turn=turn.turn_id, agent=turn.agent,
                     save_as=cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id), segments=tuple(segments),
                     prefix_sources=tuple(cache_key(self.run_id, trajectory.trajectory_id, t.turn_id) for t in own),
-                    keep_cache=self.keep_unread_caches or turn.turn_id in self._read_caches(trajectory))
+                    keep_cache=self.keep_unread_caches or turn.turn_id in self._read_caches(trajectory),
+                    adapter=trajectory.agents[turn.agent].adapter)
 
     def _read_caches(self, trajectory: Trajectory) -> set[str]:
         if trajectory.trajectory_id not in self._read:

@@ -75,6 +75,11 @@ def test_replay_sends_each_agent_to_its_adapter_and_refuses_a_server_without_it(
     assert result.exit_code == 0, result.output
     models = {request_id.split("/")[-1]: body["model"] for request_id, body in bodies.items()}
     assert models == {"A0.r0": "solver", "A1.r0": "stub-model", "A2.r0": "stub-model", "A3.r0": "stub-model"}
+    # the plan tells the connector which adapter reads and which one wrote each shared segment
+    plans = {rid.split("/")[-1]: body["kv_transfer_params"]["kvbench"] for rid, body in bodies.items()}
+    assert plans["A0.r0"]["adapter"] == "solver" and plans["A1.r0"]["adapter"] is None
+    written = {s["source_turn"]: s["source_adapter"] for s in plans["A2.r0"]["segments"] if s["source_turn"]}
+    assert written and written.get("A0.r0", "solver") == "solver" and written.get("A1.r0") is None
 
 
 def test_built_adapters_are_v_only_deterministic_and_the_zero_one_is_zero(tmp_path: Path) -> None:

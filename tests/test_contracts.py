@@ -19,7 +19,8 @@ from kvbench.replay.worker_rpc import WorkerClient
 def test_a_plan_survives_the_trip_through_kv_transfer_params() -> None:
     plan = Plan("t", "A1.r0", "A1", "run/t/A1.r0", (
         PlanSegment("pf", "system", 0, 10),
-        PlanSegment("ph", "q", 10, 64, source="run/t/A0.r0", source_start=7, source_turn="A0.r0", source_agent="A0")))
+        PlanSegment("ph", "q", 10, 64, source="run/t/A0.r0", source_start=7, source_turn="A0.r0", source_agent="A0",
+                    source_adapter="writer-lora")), adapter="reader-lora")
     params = plan.to_params()
     assert params["kvbench"]["version"] == CONTRACT_VERSION
     assert Plan.from_params(params) == plan
