@@ -34,7 +34,8 @@ def _trace_error(exc: Exception) -> click.ClickException:
                    "[default: 2048; benchmark tasks: the item's question, as long as it is].")
 @click.option("--output-len", type=click.IntRange(min=1), default=None,
               help="Tokens each agent generates (replayed with ignore_eos) and passes on [default: 128; with "
-                   "--task recall, the longest name's tokens plus a newline: 3 on the recall model].")
+                   "--task recall, the longest name's tokens plus a newline: 3 on the recall model; benchmark "
+                   "tasks: a cap of 512, their turns ending at the model's end of sequence].")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=None,
               help="Workflow instances, each with its own shared context [default: 10; benchmark tasks: one per "
                    "item, see --limit].")
