@@ -41,20 +41,17 @@ def test_adapters_load_change_outputs_and_run_beside_the_connector(default_model
     plain = _trace(tmp_path, "plain")
     with_random = _trace(tmp_path, "random", f"Table Reader={random}")
     with_zero = _trace(tmp_path, "zero", f"Table Reader={zero}")
-    with VLLMServer(method_server_config("nonshared", default_model, lora_modules=modules, max_model_len=2048,
-                                         log_path=tmp_path / "nonshared.log")) as server:
-        base = _replay(plain, server.base_url, tmp_path / "base")
-        changed = _replay(with_random, server.base_url, tmp_path / "random")
-        same = _replay(with_zero, server.base_url, tmp_path / "zero")
+    # One FullShared server (the connector beside LoRA): first agents reuse nothing, so they are
+    # computed as under NonShared (issue 36), and later agents reuse the adapter agent's cache as
+    # it is (the naive writer-change baseline)
+    with VLLMServer(method_server_config("fullshared", default_model, lora_modules=modules, max_model_len=2048,
+                                         log_path=tmp_path / "fullshared.log")) as server:
+        base = _replay(plain, server.base_url, tmp_path / "base", "fullshared")
+        changed = _replay(with_random, server.base_url, tmp_path / "random", "fullshared")
+        same = _replay(with_zero, server.base_url, tmp_path / "zero", "fullshared")
     first = [(t, "A0.r0") for t in base.index.get_level_values(0).unique()]
     outputs = {name: [list(frame.loc[key, "output_token_ids"]) for key in first]
                for name, frame in (("base", base), ("random", changed), ("zero", same))}
     assert outputs["zero"] == outputs["base"]  # the identity adapter is the base model
     assert outputs["random"] != outputs["base"]  # a real adapter changes what its agent writes
-    # FullShared in the connector, reusing the adapter agent's cache for the base-model agents:
-    # the naive writer-change baseline runs (and reuses) with adapters served
-    with VLLMServer(method_server_config("fullshared", default_model, lora_modules=modules, max_model_len=2048,
-                                         log_path=tmp_path / "fullshared.log")) as server:
-        reused = _replay(with_random, server.base_url, tmp_path / "fullshared", "fullshared")
-    assert (reused["reused_tokens"] > 0).any()
-    assert [list(reused.loc[key, "output_token_ids"]) for key in first] == outputs["random"]
+    assert (changed["reused_tokens"] > 0).any()  # later agents reused the adapter agent's cache
