@@ -2,8 +2,8 @@
 
 The structure the KVCMAS paper takes from KVComm: three task agents read the question in turn,
 each also reading its predecessors' outputs, then a reflection agent (FinalRefer) reads all three
-and gives the final answer, in the format its role prompt names (tracegen/answer formats below,
-parsed by analysis/benchmark_scoring.py). The question is the shared segment every agent reads.
+and gives the final answer, in the format its role prompt names (the markers below, which
+analysis/benchmark_scoring.py parses). The question is the shared segment every agent reads.
 Role texts are kvbench's own.
 
 A model with a chat template gets its prompts in that template (system message: the role; user
@@ -14,6 +14,7 @@ embedded models) get plain text.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +134,7 @@ def chat_frame(tokenizer: TraceTokenizer) -> ChatFrame | None:
 
 
 def _segments(role: Role, peers: list[tuple[str, Role]], frame: ChatFrame | None,
-              count: Any) -> list[Segment]:
+              count: Callable[[str], int]) -> list[Segment]:
     def text(value: str) -> Segment:
         return Segment(pf="text", text=value, num_tokens=count(value))
 
@@ -149,7 +150,7 @@ def _segments(role: Role, peers: list[tuple[str, Role]], frame: ChatFrame | None
 
 
 def benchmark_trajectory(task: BenchmarkTask, item: TaskItem, index: int, arrival_s: float, output_len: int,
-                         frame: ChatFrame | None, count: Any) -> Trajectory:
+                         frame: ChatFrame | None, count: Callable[[str], int]) -> Trajectory:
     """One item's workflow: A0-A2 the task agents, A3 FinalRefer; only A3's answer is scored."""
     roles = BENCHMARK_ROLES[task]
     agents = {f"A{i}": Agent(role=r.name, system=r.system, system_tokens=count(r.system)) for i, r in enumerate(roles)}
