@@ -22,6 +22,7 @@ from typing import Any
 from kvbench.contracts import WorkerRpc
 from kvbench.replay.errors import ServerError  # raised here; callers import it from here or errors
 from kvbench.replay.worker_rpc import WorkerClient
+from kvbench.tracegen.adapters import peft_rank
 
 SHUTDOWN_TIMEOUT_S = 10  # vLLM's own drain on SIGTERM; VLLMServer.stop waits longer before SIGKILL
 
@@ -67,12 +68,10 @@ def lora_args(modules: dict[str, str]) -> list[str]:
     rank cap the largest one needs (from its adapter_config.json)."""
     ranks = []
     for name, path in modules.items():
-        config = Path(path) / "adapter_config.json"
         try:
-            ranks.append(int(json.loads(config.read_text())["r"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ServerError(f"adapter {name!r}: {config} is not a PEFT adapter config with a rank 'r' "
-                              f"({type(exc).__name__}: {exc})") from None
+            ranks.append(peft_rank(path))
+        except ValueError as exc:
+            raise ServerError(f"adapter {name!r}: {path} is not a PEFT adapter config with a rank 'r' ({exc})") from None
     rank = next((r for r in VLLM_LORA_RANKS if r >= max(ranks)), max(ranks))
     return ["--enable-lora", "--max-loras", str(len(modules)), "--max-lora-rank", str(rank),
             "--lora-modules", *(f"{name}={path}" for name, path in modules.items())]

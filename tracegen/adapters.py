@@ -20,17 +20,22 @@ def adapter_name(path: str | Path) -> str:
     return _NAME.sub("-", Path(path).resolve().name).strip("-") or "adapter"
 
 
-def check_peft_folder(path: str | Path) -> Path:
-    """The folder, resolved, if it holds a PEFT LoRA adapter (adapter_config.json with a rank)."""
-    folder = Path(path).resolve()
-    config = folder / "adapter_config.json"
+def peft_rank(path: str | Path) -> int:
+    """The LoRA rank of the PEFT adapter folder `path` (its adapter_config.json's `r`)."""
+    config = Path(path) / "adapter_config.json"
     try:
         data = json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: not a PEFT adapter folder (no readable adapter_config.json: {exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("r"), int):
         raise ValueError(f"{config}: no LoRA rank 'r'")
-    return folder
+    return int(data["r"])
+
+
+def check_peft_folder(path: str | Path) -> Path:
+    """The folder, resolved, if it holds a PEFT LoRA adapter (adapter_config.json with a rank)."""
+    peft_rank(path)
+    return Path(path).resolve()
 
 
 def with_adapters(trajectories: list[Trajectory], role_paths: dict[str, str]) -> tuple[dict[str, str],
