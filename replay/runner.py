@@ -170,14 +170,7 @@ class Replayer:
                         sampler: MetricsSampler) -> None:
         cfg = self.config
         run_config.update(await self.servers.check(session), server_pids=cfg.server_pids)
-        missing = self.servers.adapter_problems(cfg.trace)
-        if missing:  # refused before anything is sent
-            raise ReplayError("the trace's agents use LoRA adapters the server does not serve:\n  " + "\n  ".join(missing))
-        limit, problems = self.servers.length_problems(cfg.trace)
-        if problems:  # refused before anything is sent
-            shown = "\n  ".join(problems[:5]) + (f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else "")
-            raise ReplayError(f"{len(problems)} turns need more tokens than the server's max_model_len {limit}; "
-                              f"serve a longer context (--max-model-len) or use a shorter trace:\n  {shown}")
+        self.servers.refuse_unservable(cfg.trace)  # before anything is sent
         # Only now does the run exist on disk: one that never reached a server leaves nothing
         # that would make the same command refuse to run again.
         self.writer = ResultsWriter(cfg.result_dir, kept)
@@ -336,8 +329,7 @@ class Replayer:
                 record.reusable_tokens = prompt.reusable_tokens
                 if not turn.after:
                     await _sleep_until(arrival_ns)
-                ok = await self._send(session, url, turn, prompt, record, writer, outputs,
-                                      trajectory.agents[turn.agent].adapter)
+                ok = await self._send(session, url, turn, prompt, record, writer, outputs)
                 prompts[turn.turn_id] = prompt
             finally:
                 if not finished[turn.turn_id].done():
@@ -346,12 +338,11 @@ class Replayer:
         await asyncio.gather(*(run_turn(t) for t in trajectory.turns))
 
     async def _send(self, session: aiohttp.ClientSession, url: str, turn: Turn, prompt: TurnPrompt,
-                    record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]],
-                    adapter: str | None = None) -> bool:
+                    record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
         salted = self.method_info.approximate and record.reusable_tokens
         body = self.backend.body(url, prompt.token_ids, turn.max_tokens, prompt.plan.to_params(),
                                  record.request_id if salted else None, ignore_eos=not turn.stop_at_eos,
-                                 adapter=adapter)
+                                 adapter=prompt.plan.adapter)
         queued_ns = time.perf_counter_ns()
         try:
             async with self.semaphore if self.semaphore is not None else contextlib.nullcontext():

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 
 from kvbench.contracts import WorkerStats
+from kvbench.replay.run_config import ReplayError
 from kvbench.replay.server import ServerError
 from kvbench.replay.worker_rpc import WorkerClient
 from kvbench.tracegen.schema import Trace
@@ -52,20 +53,24 @@ class ReplayServers:
                 "served_max_model_len": dict(self.max_model_lens),
                 "vllm_version": next(iter(versions.values()), None)}
 
-    def adapter_problems(self, trace: Trace) -> list[str]:
-        """The adapters agents of `trace` name that a server does not serve."""
-        wanted = sorted({agent.adapter for t in trace.trajectories for agent in t.agents.values() if agent.adapter})
-        paths = trace.header.adapters or {}
-        return [f"{url} does not serve adapter {name!r} (start it with --enable-lora --lora-modules "
-                f"{name}={paths.get(name, 'PATH')})"
-                for url in self.base_urls for name in wanted if name not in self.served_ids.get(url, set())]
-
-    def length_problems(self, trace: Trace) -> tuple[int | None, list[str]]:
-        """The smallest served context and the turns of `trace` that do not fit it."""
+    def refuse_unservable(self, trace: Trace) -> None:
+        """Raise ReplayError, before anything is sent, for a trace the servers cannot serve: LoRA
+        adapters its agents use that a server does not serve, or turns longer than its context."""
         from kvbench.tracegen.validate import length_problems
 
+        wanted = sorted({agent.adapter for t in trace.trajectories for agent in t.agents.values() if agent.adapter})
+        paths = trace.header.adapters or {}
+        missing = [f"{url} does not serve adapter {name!r} (start it with --enable-lora --lora-modules "
+                   f"{name}={paths.get(name, 'PATH')})"
+                   for url in self.base_urls for name in wanted if name not in self.served_ids.get(url, set())]
+        if missing:
+            raise ReplayError("the trace's agents use LoRA adapters the server does not serve:\n  " + "\n  ".join(missing))
         limits = [n for n in self.max_model_lens.values() if n]
-        return (min(limits), length_problems(trace, min(limits))) if limits else (None, [])
+        problems = length_problems(trace, min(limits)) if limits else []
+        if problems:
+            shown = "\n  ".join(problems[:5]) + (f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise ReplayError(f"{len(problems)} turns need more tokens than the server's max_model_len {min(limits)}; "
+                              f"serve a longer context (--max-model-len) or use a shorter trace:\n  {shown}")
 
     async def reset(self, session: aiohttp.ClientSession, keep_method_state: bool = False) -> None:
         """Cold caches (vLLM's prefix cache needs VLLM_SERVER_DEV_MODE=1 on the server)."""
