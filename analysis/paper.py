@@ -46,6 +46,9 @@ class PaperTable:
     # Cache-fidelity entries render from the measurements their sweep's cells kept
     # (kvbench.experiment.fidelity), not from the runs' summaries.
     render_measured: Callable[[Path, Path], str] | None = None
+    # A second sweep on benchmark workloads for the table's accuracy column, run by `--run` when
+    # every benchmark it names has its --data (sweep-accuracy/ beside sweep/).
+    accuracy_grid: dict | None = None
 
 
 def _fmt(value: float, ci: float | None = None, digits: int = 2) -> str:
@@ -212,21 +215,19 @@ def render_table13(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
 TABLE1_GRID = {"benchmarks": ["mmlu", "gsm8k", "humaneval"], "qps": [1.0],
                "methods": ["nonshared", "fullshared", "kvcmas"], "num_trajectories": 20}
 
-# Table 13's accuracy column: the same V grid on MMLU's workload (run when --data mmlu=PATH is given).
-TABLE13_ACCURACY_GRID = {"benchmarks": ["mmlu"], "qps": [1.0], "methods": ["kvcmas"], "num_trajectories": 20,
-                         "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}
+# The accuracy ablations (Tables 6, 8 and 13's column) run on MMLU, as the paper's LLM columns do.
+MMLU_GRID = {"benchmarks": ["mmlu"], "qps": [1.0], "num_trajectories": 20}
 
 TABLES: dict[str, PaperTable] = {t.name: t for t in [
     PaperTable("table1", "Table 1: task accuracy, latency, memory and rho on MMLU, GSM8K and HumanEval",
                TABLE1_GRID, render_table1),
     PaperTable("table5", "Table 5: run-to-run spread of accuracy", {**TABLE1_GRID, "repeats": 3}, render_table5),
     PaperTable("table6", "Table 6: KVCMAS's threshold tau against accuracy and rho (MMLU)",
-               {"benchmarks": ["mmlu"], "qps": [1.0], "methods": ["kvcmas"], "num_trajectories": 20,
+               {**MMLU_GRID, "methods": ["kvcmas"],
                 "method_params": {"kvcmas": {"tau": [0.1, 0.2, 0.25, 0.27, 0.29, 0.3, 0.31, 0.33, 0.35, 0.4]}}},
                render_table6),
     PaperTable("table8", "Table 8: chained against non-chained KVCMAS accuracy (MMLU)",
-               {"benchmarks": ["mmlu"], "qps": [1.0], "methods": ["kvcmas", "kvcmas-nonchained"],
-                "num_trajectories": 20}, render_table8),
+               {**MMLU_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table8),
     PaperTable("table7", "Table 7: p50/p90 TTFT under concurrent serving",
                {"shared_tokens": [2048, 8192], "qps": [0.0, 0.25, 0.5, 1.0], "agents": [4]}, render_table7),
     PaperTable("table11", "Table 11: peak memory, single stream",
@@ -235,7 +236,8 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
                {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [3]}, render_single_stream),
     PaperTable("table13", "Table 13: anchor-pool capacity V",
                {"shared_tokens": [8192], "qps": [0.0], "agents": [3], "methods": ["kvcmas"],
-                "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13),  # + TABLE13_ACCURACY_GRID
+                "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13,
+               accuracy_grid={**MMLU_GRID, "methods": ["kvcmas"], "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}),
     PaperTable("table14", "Table 14: scaling with the number of agents",
                {"shared_tokens": [2048], "qps": [0.0], "agents": [2, 4, 8]}, _render_scaling("agents", "N")),
     PaperTable("table15", "Table 15: scaling with the number of rounds",

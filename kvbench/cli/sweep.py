@@ -28,8 +28,6 @@ def _csv(kind: Callable[[str], Any], what: str):
 
 
 def _data_files(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
-    from kvbench.tracegen.datasets import BENCHMARK_TASKS
-
     files = {}
     for spec in value:
         task, sep, path = spec.partition("=")
@@ -218,11 +216,12 @@ def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path |
             from kvbench.experiment.fidelity import record_fidelity
 
             after_cell = record_fidelity()
-        accuracy_options = dict(options)
-        results = _run_sweep(out / "sweep", paper.TABLES[table].grid, after_cell=after_cell, **options)
-        if table == "table13" and "mmlu" in accuracy_options["data_files"]:  # its accuracy column
-            _run_sweep(out / "sweep-accuracy", paper.TABLE13_ACCURACY_GRID, **accuracy_options)
-            results = out
+        entry, accuracy_options = paper.TABLES[table], dict(options)
+        results = _run_sweep(out / "sweep", entry.grid, after_cell=after_cell, **options)
+        accuracy = entry.accuracy_grid
+        if accuracy and all(t in accuracy_options["data_files"] or t == "humaneval" for t in accuracy["benchmarks"]):
+            _run_sweep(out / "sweep-accuracy", accuracy, **accuracy_options)
+            results = out  # both sweeps
     assert results is not None
     try:
         path = paper.render(table, results, out, paper_values)
