@@ -34,8 +34,8 @@ NO_RUNS = "No benchmark-workload runs here (`kvbench paper {name} --run --data m
 def benchmark_rows(frame: pd.DataFrame) -> pd.DataFrame:
     """The rows of benchmark workloads, in the paper's method order."""
     rows = frame[frame["task"].isin(TABLE1_TASKS)]
-    return rows.iloc[sorted(range(len(rows)), key=lambda i: (method_order(rows.iloc[i]["method"]),
-                                                             str(rows.iloc[i]["method_config"])))]
+    order = rows["method"].map(method_order).rename("order")
+    return rows.join(order).sort_values(["order", "method_config"], kind="stable").drop(columns="order")
 
 
 def accuracy_cell(row: pd.Series) -> str:
