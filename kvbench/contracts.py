@@ -108,6 +108,13 @@ class Plan:
         return self.save_as if self.keep_cache else None
 
     @property
+    def exact_sources(self) -> set[str]:
+        """Caches whose first rows may be copied as a dense prefill's: the agent's own earlier
+        turns, and sources written under this request's adapter (another's values differ)."""
+        return set(self.prefix_sources) | {s.source for s in self.segments
+                                           if s.source and s.source_adapter == self.adapter}
+
+    @property
     def waits_for(self) -> set[str]:
         """Every cache the request reads, each saved before its load starts."""
         return self.sources | set(self.prefix_sources)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
+from kvbench.methods.connector.lora import VLora
 from kvbench.methods.connector.store import SavedKV
 from kvbench.methods.params import MethodConfigError, MethodParams
 
@@ -62,9 +63,20 @@ class CoreServices(Protocol):
         which rows are reused or computed must come from such sums: the ranks run the partial
         forward's collectives together, so they must all decide alike."""
 
-    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
+    def context_free_prefill_steps(self, tokens: torch.Tensor, adapter: str | None = None,
+                                   value_inputs: Callable[[int, torch.Tensor], None] | None = None
+                                   ) -> Generator[int, None, SavedKV]:
         """K/V of `tokens` prefilled alone at positions 0..n-1 (a context-free reference), one layer
-        at a time: yields the rows each layer computed, returns the cache."""
+        at a time: yields the rows each layer computed, returns the cache. `adapter`: the V-only
+        LoRA adapter to run it with; `value_inputs` receives each layer's value-projection input."""
+
+    def adapter(self, name: str | None) -> VLora | None:
+        """The served V-only adapter `name` (None for None); MethodConfigError for one the
+        connector was not given (kv_connector_extra_config["adapters"])."""
+
+    @property
+    def adapters(self) -> dict[str, VLora]:
+        """Every adapter the connector was given, by name."""
 
     def computed(self, req_id: str) -> bool:
         """Whether an engine step has computed the request (its first token) since its load
@@ -176,6 +188,10 @@ class SharingMethod:
 
     def after_load(self, ctx: LoadContext) -> None:
         """Called once the request's cache is materialized (e.g. to update method state)."""
+
+    def after_save(self, key: str, entry: SavedKV, adapter: str | None) -> None:
+        """Called when a finished request's cache is saved as `key` (written under LoRA `adapter`),
+        before `run_deferred` of the same engine step: work on it goes there."""
 
     def run_deferred(self) -> None:
         """Work queued by after_load, run at the start of a later engine step, after the request's

@@ -212,7 +212,11 @@ class VLLMServer:
         if cfg.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
         if cfg.kv_transfer_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(cfg.kv_transfer_config)]
+            transfer = cfg.kv_transfer_config
+            if cfg.lora_modules:  # the connector applies the adapters to the rows it computes itself
+                extra = {**transfer.get("kv_connector_extra_config", {}), "adapters": dict(cfg.lora_modules)}
+                transfer = {**transfer, "kv_connector_extra_config": extra}
+            cmd += ["--kv-transfer-config", json.dumps(transfer)]
         if cfg.worker_extension_cls is not None:
             cmd += ["--worker-extension-cls", cfg.worker_extension_cls]
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not _has_cuda():

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvbench.experiment import role_check
-from kvbench.model.roles import FAMILIES, WEIGHTS_SHA256, build_family_model, build_role_model
+from kvbench.model.role_build import WEIGHTS_SHA256, build_family_model, build_role_model
+from kvbench.model.roles import FAMILIES, PROMPT_FAMILIES
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -57,7 +58,7 @@ def _delta(name: str, trajectory) -> torch.Tensor:
     return torch.cat([k1 - k0, v1 - v0], dim=-1)
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", PROMPT_FAMILIES)
 def test_dense_answers_are_right_and_naive_reuse_answers_the_other_route(name: str) -> None:
     tokenizer, trajectories = _trace()
     model = _model(name)
@@ -126,7 +127,7 @@ def test_content_bound_delta_does_not_carry_over() -> None:
 def test_builds_are_the_recorded_weights(name: str, tmp_path) -> None:
     manifest = build_role_model(name, tmp_path / name)
     assert manifest["weights_sha256"] == WEIGHTS_SHA256[name]
-    first = {"roles-deep": 7, "roles-sparse": 2}.get(name, 1)  # the layer after the route is written
+    first = {"roles-deep": 7, "roles-sparse": 2, "roles-adapter": 7}.get(name, 1)  # the layer after the route is written
     assert manifest["constructed"] is True and manifest["first_context_layer"] == first
     assert json.loads((tmp_path / name / "kvbench-model.json").read_text())["name"] == name
 

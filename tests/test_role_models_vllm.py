@@ -15,7 +15,7 @@ from vllm_helpers import complete
 from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 from kvbench.model.resolve import resolve_model
-from kvbench.model.roles import FAMILIES
+from kvbench.model.roles import PROMPT_FAMILIES
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.server import ServerConfig, VLLMServer
 from kvbench.tracegen.generate import TraceSpec, generate_trace
@@ -24,7 +24,7 @@ from kvbench.tracegen.tokenizer import load_tokenizer
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(PROMPT_FAMILIES))
 def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[str, VLLMServer]]:
     name = request.param

@@ -22,8 +22,9 @@ def new_key() -> str:
 
 
 def complete(server: VLLMServer, prompt: list[int], plan: dict | None = None, salt: str | None = None,
-              max_tokens: int = 1) -> dict:
-    body: dict = {"model": server.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+              max_tokens: int = 1, model: str | None = None) -> dict:
+    """One completion; `model` names a LoRA adapter the server serves (default: the base model)."""
+    body: dict = {"model": model or server.config.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                   "ignore_eos": True, "logprobs": 20, "return_tokens_as_token_ids": True}
     if plan is not None:
         body["kv_transfer_params"] = Plan.from_dict({**plan, "version": CONTRACT_VERSION}).to_params()

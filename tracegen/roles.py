@@ -159,6 +159,9 @@ ROLE_PRESETS: dict[str, tuple[str, ...]] = {
     # for `--task role-recall`: main and fallback readings alternate
     "role-recall": ("Route Planner", "Failover Officer", "Queue Router", "Recovery Lead",
                     "Shift Dispatcher", "Outage Handler", "Ticket Tracer", "Continuity Auditor"),
+    # for `--task role-recall` where every agent follows the main route (its even-numbered roles): a
+    # control without cross-role difference, and the same-adapter scenario of adapter traces
+    "role-recall-main": ("Route Planner", "Queue Router", "Shift Dispatcher", "Ticket Tracer"),
 }
 MAX_AGENTS = 8
 

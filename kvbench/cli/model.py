@@ -38,7 +38,8 @@ def build_command(recipe: str, seed: int, train_steps: int | None, force: bool) 
         return
     if recipe == "roles":
         from kvbench.model.resolve import resolve_model
-        from kvbench.model.roles import FAMILIES, build_role_model
+        from kvbench.model.role_build import build_role_model
+        from kvbench.model.roles import FAMILIES
         from kvbench.model.store import cache_root
 
         for name in FAMILIES:
@@ -109,9 +110,10 @@ def path_command(model: str | None, build: bool) -> None:
 @click.option("--roles", "preset", type=click.Choice(sorted(ROLE_PRESETS)), default="recall", show_default=True,
               help="Role preset: one adapter per role of its first --agents roles.")
 @click.option("--agents", type=click.IntRange(1, 8), default=4, show_default=True)
-@click.option("--kind", type=click.Choice(["random", "zero"]), default="random", show_default=True,
+@click.option("--kind", type=click.Choice(["random", "zero", "route"]), default="random", show_default=True,
               help="random: seeded V-only adapters that change each role's values (and answers); zero: B = 0, "
-                   "the identity adapter (outputs equal the base model's).")
+                   "the identity adapter (outputs equal the base model's); route: for kvbench:roles-adapter with "
+                   "--roles role-recall, each role's reading of the routing table (constructed adapters).")
 @click.option("--rank", type=click.IntRange(1, 256), default=8, show_default=True)
 @click.option("--strength", type=click.FloatRange(min=0), default=0.5, show_default=True,
               help="random: how far each adapter moves the values (per coordinate; 0.5 changes the recall model's "
@@ -120,18 +122,30 @@ def path_command(model: str | None, build: bool) -> None:
 def adapters_command(out: Path, model: str | None, preset: str, agents: int, kind: str, rank: int, strength: float,
                      seed: int) -> None:
     """Build one V-only LoRA adapter per role (PEFT folders vLLM serves), and print the
-    gen-trace --adapter arguments that give each role's agents its adapter. These are stand-ins
-    that change each role's cache and answers, not adapters trained for the roles."""
+    gen-trace --adapter arguments that give each role's agents its adapter. Random ones are
+    stand-ins that change each role's cache and answers; route ones (kvbench:roles-adapter, a
+    constructed test model) hold each role's reading of the role-recall table."""
     from kvbench.model.adapters import build_random_adapter
     from kvbench.model.resolve import resolve_model
+    from kvbench.model.role_adapters import build_route_adapter
     from kvbench.tracegen.adapters import adapter_name
     from kvbench.tracegen.roles import roles_for
 
     base = resolve_model(model)
     arguments = []
     for index, role in enumerate(roles_for(preset, agents)):
-        folder = build_random_adapter(base, out / adapter_name(role.name.lower()), rank=rank, seed=seed + index,
-                                      strength=strength, zero=kind == "zero")
+        target = out / adapter_name(role.name.lower())
+        if kind == "route":
+            if role.reading is None:
+                raise click.UsageError(f"--kind route: role {role.name!r} of --roles {preset} follows no route; "
+                                       "use --roles role-recall")
+            try:
+                folder = build_route_adapter(base, target, role.reading)
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from None
+        else:
+            folder = build_random_adapter(base, target, rank=rank, seed=seed + index, strength=strength,
+                                          zero=kind == "zero")
         arguments.append(f"--adapter {json.dumps(f'{role.name}={folder}')}")
         click.echo(f"{role.name}: {folder}", err=True)
     click.echo(" ".join(arguments))
@@ -159,10 +173,10 @@ def check_command(models: tuple[str, ...], as_json: bool, out: Path, device: str
     """The realism figures of a model: does it read its context as real LLMs do? For a role-family
     model (kvbench:roles-*): what reuse costs on it, and why."""
     from kvbench.experiment.model_check import CheckSettings, run_check
-    from kvbench.model.roles import FAMILIES
+    from kvbench.model.roles import PROMPT_FAMILIES
     from kvbench.replay.server import ServerError
 
-    targets: list[str | None] = list(models) + ([f"kvbench:{name}" for name in FAMILIES] if families else [])
+    targets: list[str | None] = list(models) + ([f"kvbench:{name}" for name in PROMPT_FAMILIES] if families else [])
     targets = targets or [None]
     results = []
     for model in targets:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import click
@@ -26,3 +27,14 @@ def finite_float(text: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{text!r} is not finite")
     return number
+
+
+def role_paths(specs: Iterable[str], option: str = "--adapter") -> dict[str, str]:
+    """`ROLE=PATH` options (gen-trace's and sweep's --adapter) as a role -> path map."""
+    paths = {}
+    for spec in specs:
+        role, sep, path = str(spec).partition("=")
+        if not sep or not role or not path:
+            raise click.BadParameter(f"expected ROLE=PATH, got {spec!r}", param_hint=option)
+        paths[role] = path
+    return paths

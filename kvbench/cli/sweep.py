@@ -11,9 +11,10 @@ from typing import Any
 
 import click
 
-from kvbench.cli.param_types import finite_float
+from kvbench.cli.param_types import finite_float, role_paths
 from kvbench.tracegen.datasets import BENCHMARK_TASKS
 from kvbench.tracegen.generate import TASK_MODELS, TASKS
+from kvbench.tracegen.roles import ROLE_PRESETS
 
 
 def _csv(kind: Callable[[str], Any], what: str):
@@ -116,6 +117,11 @@ def _sweep_options(func):
                           "0, each --repeats run samples its own outputs."),
         click.option("--model", default=None,
                      help="Model [default: the embedded one; with --task role-recall, kvbench:roles-transferable]."),
+        click.option("--roles", default=None, type=click.Choice(sorted(ROLE_PRESETS)),
+                     help="Role preset of the generated traces [default: the task's]."),
+        click.option("--adapter", "adapters", multiple=True, metavar="ROLE=PATH",
+                     help="A role's LoRA adapter (PEFT folder; repeatable), as gen-trace --adapter: every server "
+                          "serves them and each agent's requests name its role's."),
         click.option("--quality", is_flag=True,
                      help="Also measure what each cell costs in outputs: a NonShared reference and a no-context "
                           "floor per trace (QPS 0), every cell compared with them (exact match, token F1, "
@@ -162,7 +168,8 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
                                          "quality", "temperature")},
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
-        save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks)
+        save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks, roles=options["roles"],
+        adapters={role: str(Path(path).resolve()) for role, path in role_paths(options["adapters"]).items()})
     cells = spec.cells(out)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))

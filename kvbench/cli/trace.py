@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvbench.cli.param_types import FiniteFloatRange
+from kvbench.cli.param_types import FiniteFloatRange, role_paths
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 from kvbench.tracegen.datasets import BENCHMARK_TASKS
 from kvbench.tracegen.generate import TASK_MODELS, TASK_ROLES, TASKS
@@ -89,13 +89,7 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
         params["shared_tokens"] = params["shared_tokens"] or 2048
     params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
     params["num_trajectories"] = params["num_trajectories"] or 10
-    role_paths = {}
-    for spec_text in params["adapters"]:  # type: ignore[union-attr]
-        role, sep, path = str(spec_text).partition("=")
-        if not sep or not role or not path:
-            raise click.BadParameter(f"expected ROLE=PATH, got {spec_text!r}", param_hint="--adapter")
-        role_paths[role] = path
-    params["adapters"] = role_paths or None
+    params["adapters"] = role_paths(params["adapters"]) or None  # type: ignore[arg-type]
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)

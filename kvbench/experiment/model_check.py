@@ -162,7 +162,7 @@ def run_check(settings: CheckSettings, root: Path, serving: bool = True,
     """The realism figures of a model, or for a role-family model what reuse costs on it
     (kvbench.experiment.family_check); written to root/check.json."""
     from kvbench.model.resolve import resolve_model
-    from kvbench.model.roles import family_of
+    from kvbench.model.role_build import family_of
 
     path = resolve_model(settings.model)
     manifest_path = Path(path) / MANIFEST_NAME

@@ -94,6 +94,9 @@ class SweepSpec:
     # file (None: HumanEval's packaged problems). One trace per task, of num_trajectories items
     # (plus the warm-ups'); shared_tokens does not apply (the question is the shared segment).
     benchmarks: dict[str, str | None] = field(default_factory=dict)
+    roles: str | None = None  # the role preset (None: the task's, TASK_ROLES)
+    # role -> PEFT folder of its LoRA adapter (gen-trace --adapter): every server serves them all
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,7 +139,7 @@ class SweepSpec:
         for context, agents, rounds in itertools.product(longest, self.agents, self.rounds):
             specs[trace_id(context, agents, rounds)] = TraceSpec(
                 num_agents=agents, rounds=rounds, workflow=self.workflow, shared_tokens=context, task=self.task,
-                roles=TASK_ROLES[self.task],
+                roles=self.roles or TASK_ROLES[self.task], adapters=dict(self.adapters) or None,
                 output_len=self.output_len, num_trajectories=longest[context] + self.num_warmups, seed=self.seed)
         return specs
 
@@ -221,8 +224,9 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
             write_trace(path, *generate_trace(trace_spec, tokenizer))
         traces[name] = read_trace(path)
     cells = spec.cells(root)
+    lora_modules = {name: path for trace in traces.values() for name, path in (trace.header.adapters or {}).items()}
     if spec.quality:
-        _run_quality_baselines(spec, root, traces, tokenizer, model, on_cell)
+        _run_quality_baselines(spec, root, traces, tokenizer, model, on_cell, lora_modules)
     for method, group in itertools.groupby(cells, key=lambda cell: cell.method):
         todo = []
         for cell in group:
@@ -234,7 +238,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
         if not todo:
             continue
         server_config = method_server_config(method.method, model, method.params, **spec.server_options,
-                                             cpu_kv_cache_gib=spec.cpu_kv_cache_gib,
+                                             cpu_kv_cache_gib=spec.cpu_kv_cache_gib, lora_modules=lora_modules,
                                              log_path=root / "runs" / method.name / "server.log")
         with VLLMServer(server_config) as server:  # one start per method configuration
             for cell in todo:
@@ -271,7 +275,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
 
 
 def _run_quality_baselines(spec: SweepSpec, root: Path, traces: dict[str, Any], tokenizer: Any, model: str,
-                           on_cell: Callable[[str], None] | None) -> None:
+                           on_cell: Callable[[str], None] | None, lora_modules: dict[str, str]) -> None:
     """Per trace, on one plain vLLM server: the NonShared reference (with first-token logprobs)
     and the floor (every shared segment dropped), single stream, over the trace's measured
     trajectories."""
@@ -285,7 +289,7 @@ def _run_quality_baselines(spec: SweepSpec, root: Path, traces: dict[str, Any], 
     if not todo:
         return
     server_config = method_server_config("nonshared", model, cpu_kv_cache_gib=spec.cpu_kv_cache_gib,
-                                         log_path=root / "quality" / "server.log",
+                                         log_path=root / "quality" / "server.log", lora_modules=lora_modules,
                                          **{k: v for k, v in spec.server_options.items() if k in ("max_model_len",)})
     with VLLMServer(server_config) as server:
         for name, run, drop in todo:

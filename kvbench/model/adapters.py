@@ -43,22 +43,33 @@ def build_random_adapter(model_dir: str | Path, out_dir: str | Path, *, rank: in
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(layers):
-        prefix = f"base_model.model.model.layers.{layer}.self_attn.{V_PROJ}"
         # x @ A^T has about unit entries per coordinate for unit-variance inputs: B's scale then sets
         # the update's size against the values' (strength, per output coordinate)
         lora_a = torch.randn(rank, hidden, generator=generator) / hidden ** 0.5
         lora_b = torch.randn(kv_dim, rank, generator=generator) * (strength / rank ** 0.5) * (rank / alpha)
-        tensors[f"{prefix}.lora_A.weight"] = lora_a.to(torch.bfloat16).contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = (torch.zeros_like(lora_b) if zero else lora_b).to(torch.bfloat16).contiguous()
+        tensors.update(v_lora_tensors(layer, lora_a, torch.zeros_like(lora_b) if zero else lora_b))
+    return write_peft_adapter(out_dir, tensors, rank, alpha, model_dir, {
+        "kind": "zero" if zero else "random", "rank": rank, "seed": seed, "strength": strength, "layers": layers})
+
+
+def v_lora_tensors(layer: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """PEFT's names for one layer's v_proj LoRA: A [rank, hidden], B [kv rows, rank] (bf16)."""
+    prefix = f"base_model.model.model.layers.{layer}.self_attn.{V_PROJ}"
+    return {f"{prefix}.lora_A.weight": lora_a.to(torch.bfloat16).contiguous(),
+            f"{prefix}.lora_B.weight": lora_b.to(torch.bfloat16).contiguous()}
+
+
+def write_peft_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], rank: int, alpha: int, model_dir: Path,
+                       manifest: dict[str, Any]) -> Path:
+    """A V-only LoRA adapter folder: weights, PEFT config, and kvbench's manifest (how it was
+    made, with the weights' sha256)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / PEFT_WEIGHTS))
     peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
                    "target_modules": [V_PROJ], "bias": "none", "fan_in_fan_out": False,
                    "base_model_name_or_path": str(model_dir)}
     (out_dir / PEFT_CONFIG).write_text(json.dumps(peft_config, indent=2) + "\n")
-    (out_dir / MANIFEST).write_text(json.dumps({
-        "kind": "zero" if zero else "random", "rank": rank, "seed": seed, "strength": strength, "layers": layers,
-        "weights_sha256": weights_sha256(out_dir)}, indent=2) + "\n")
+    (out_dir / MANIFEST).write_text(json.dumps({**manifest, "weights_sha256": weights_sha256(out_dir)}, indent=2) + "\n")
     return out_dir
 
 
@@ -89,3 +100,20 @@ def v_only_problems(folder: str | Path) -> list[str]:
         if others:
             problems.append(f"{folder}: weights for {', '.join(others)} (only {V_PROJ} is allowed)")
     return problems
+
+
+def merge_v_lora(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """`model` (a transformers Llama) with the V-only adapter in `folder` merged into its value
+    projections (W_v + (alpha / r) B A), in place: what vLLM computes for a request naming it."""
+    folder = Path(folder)
+    config = json.loads((folder / PEFT_CONFIG).read_text())
+    scaling = float(config["lora_alpha"]) / float(config["r"])
+    tensors = load_file(str(folder / PEFT_WEIGHTS))
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            prefix = f"base_model.model.model.layers.{index}.self_attn.{V_PROJ}"
+            if f"{prefix}.lora_A.weight" in tensors:
+                a, b = tensors[f"{prefix}.lora_A.weight"].float(), tensors[f"{prefix}.lora_B.weight"].float()
+                weight = layer.self_attn.v_proj.weight
+                weight.add_((scaling * b @ a).to(weight.dtype))
+    return model

@@ -32,7 +32,9 @@ def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def llama_config(spec: TinyModelSpec, token_ids: dict[str, int]) -> Any:
+def llama_config(spec: Any, token_ids: dict[str, int], tie_word_embeddings: bool = True) -> Any:
+    """The LlamaConfig of an embedded model's spec (TinyModelSpec, RecallModelSpec, RoleModelSpec:
+    the architecture fields they share)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -46,7 +48,7 @@ def llama_config(spec: TinyModelSpec, token_ids: dict[str, int]) -> Any:
         max_position_embeddings=spec.max_position_embeddings,
         rope_theta=spec.rope_theta,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=token_ids[BOS_TOKEN],
         eos_token_id=token_ids[EOS_TOKEN],
         pad_token_id=token_ids[PAD_TOKEN],

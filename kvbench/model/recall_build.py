@@ -23,7 +23,7 @@ from kvbench.model import circuit
 from kvbench.model.corpus import package_corpus, read_corpus_files
 from kvbench.model.spec import spec_digest
 from kvbench.model.store import cache_root
-from kvbench.model.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, train_tokenizer
+from kvbench.model.tokenizer import EOS_TOKEN, train_tokenizer
 from kvbench.model.train import evaluate, warmup_cosine
 from kvbench.model.vocabulary import ARROW, NAME_WORDS, RECALL_ANSWER_PREFIX
 
@@ -166,9 +166,9 @@ def heldout_loss(model: torch.nn.Module, tokenizer: Any, documents: list[str], w
 def build_recall_model(spec: RecallModelSpec, seed: int, out_dir: Path,
                        on_step: Callable[[int, int, float, float], None] | None = None) -> dict[str, Any]:
     """Build into `out_dir` atomically; returns the manifest. `on_step(step, total, loss, tokens_per_s)`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from kvbench.model.build import save_model_dir
+    from kvbench.model.build import llama_config, save_model_dir
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(spec.torch_threads)
@@ -184,14 +184,7 @@ def build_recall_model(spec: RecallModelSpec, seed: int, out_dir: Path,
         train_ids = torch.tensor(ids, dtype=torch.long)
 
         torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-            max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta, rms_norm_eps=1e-5,
-            tie_word_embeddings=False, bos_token_id=vocab[BOS_TOKEN], eos_token_id=vocab[EOS_TOKEN],
-            pad_token_id=vocab[PAD_TOKEN], torch_dtype="bfloat16")
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(llama_config(spec, vocab, tie_word_embeddings=False))
         residual_rms = circuit.ONE / 16  # the circuit's constant dominates the stream's RMS
         frozen = circuit.install(model, recall_circuit_spec(tokenizer), norm_scale=residual_rms)
         with torch.no_grad():

@@ -55,7 +55,8 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
 
 
 def _role_model(name: str, build_if_missing: bool) -> str:
-    from kvbench.model.roles import FAMILIES, ROLES_RECIPE_VERSION, WEIGHTS_SHA256, build_role_model
+    from kvbench.model.role_build import WEIGHTS_SHA256, build_role_model
+    from kvbench.model.roles import FAMILIES, ROLES_RECIPE_VERSION
 
     if name not in FAMILIES:
         raise FileNotFoundError(f"no role-family model {EMBEDDED_PREFIX}{name}; the families: "

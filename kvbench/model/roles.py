@@ -33,20 +33,13 @@ recorded sha256, so every machine runs the same bytes (`kvbench model build --re
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shutil
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from kvbench import __version__
 from kvbench.model.circuit import CODE_BITS, word_codes
 from kvbench.model.constructed import ONE, UNIT, CircuitWriter, Dim, Fields
-from kvbench.model.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from kvbench.model.vocabulary import NAME_WORDS, RECALL_ANSWER_PREFIX, ROUTE_ARROWS, ROUTE_WORDS
 
 ROLES_RECIPE_VERSION = 1
@@ -55,7 +48,9 @@ ROLES_RECIPE_VERSION = 1
 @dataclass(frozen=True)
 class Family:
     name: str
-    mechanism: Literal["class", "content"]  # what the route changes: a class flag, or copied names
+    # what the route changes: a class flag, copied names, or (adapter) nothing in the base model: a
+    # role's V-only LoRA adapter picks its route's names at the lookup (kvbench.model.role_adapters)
+    mechanism: Literal["class", "content", "adapter"]
     placement: Literal["early", "deep"]  # read at layer 0 (written by layer 1), or in the last two layers
     written_at: Literal["route-words", "record-end"]  # which table tokens carry the route
     holds_for: str  # whose assumption holds by construction
@@ -71,17 +66,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "the route is read and written only in the last two layers"),
     Family("roles-content-bound", "content", "early", "route-words", "no method (the negative control)",
            "the delta is each token's own name: corrections from other contents cannot predict it"),
+    Family("roles-adapter", "adapter", "deep", "route-words", "PReCache (V-only adapters: base values + X A B)",
+           "the route is in each role's LoRA adapter, on the last layer's values only"),
 )}
-
-# The weights each family must build to (sha256 over names, dtypes, shapes and bytes): a build
-# that differs is refused, so reports made with a family name the same model everywhere.
-WEIGHTS_SHA256: dict[str, str] = {
-    "roles-transferable": "d20aff58314fd41241794b7cac44297f3ad94a83ac5fc172aa8712870c76b377",
-    "roles-sparse": "3ada6e882dec78037d6bc6954d8f06bd04376dcbdf95d4d3aa51d89d12e17ff4",
-    "roles-deep": "04fd7baa4cfedf873be767191f9b1dbfbb7195843c3da2ba77012189594586de",
-    "roles-content-bound": "b94d358dd3d349db2631322ad876f8d303c0a861ad5c5f3e34ff427fe17c16ed",
-}
-
+# Families whose route is read from the agent's system prompt (the adapter family's is in its adapters).
+PROMPT_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.mechanism != "adapter")
 
 @dataclass(frozen=True)
 class RoleModelSpec:
@@ -116,6 +105,7 @@ ROUTE_PAIR = 31
 # their written size.
 NORM_SCALE = 16.05
 READINGS = len(ROUTE_WORDS)
+LOOKUP_VALUE_WEIGHT = 2.0  # half the attention on the line holding the name: twice its code
 
 FIELDS = (
     ("one", 1), ("code", CODE_BITS), ("is_name", 1), ("is_arrow", READINGS), ("is_newline", 1), ("is_colon", 1),
@@ -180,6 +170,8 @@ class LayerPlan:
 
 
 def layer_plan(family: Family, layers: int) -> LayerPlan:
+    if family.mechanism == "adapter":  # no route reader; the names per route written a layer before the lookup
+        return LayerPlan(reads_role=0, writes_route=layers - 2, lookup=layers - 1, layers=layers)
     if family.placement == "deep":
         return LayerPlan(reads_role=layers - 2, writes_route=layers - 2, lookup=layers - 1, layers=layers)
     # record-end needs a name 6 tokens back, gathered at layer 1: its write waits a layer. The
@@ -228,7 +220,8 @@ def install(model: torch.nn.Module, family: Family, tokens: RoleTokens) -> Layer
     w.value(0, 1, [Dim("is_colon")])
     w.positional_query(0, 3, 3)
     w.output(0, 3, 0, [Dim("p3_colon")])
-    _route_reader(w, plan.reads_role)
+    if family.mechanism != "adapter":
+        _route_reader(w, plan.reads_role)
 
     # Layer 1: the names (first word, second word) a few tokens back, and the asked name.
     pair = d("p1_code") + d("code")
@@ -257,6 +250,11 @@ def install(model: torch.nn.Module, family: Family, tokens: RoleTokens) -> Layer
         w.gated(1, after_arrow, 2, d("pair_a"), d("key_c"))
         w.gated(1, two_after_arrow, 2, d("pair_b"), d("key_d"))
         for position in ("p1_arrow", "p2_arrow"):
+            if family.mechanism == "adapter":  # every name of route r's line into sel's r-th half, whoever reads
+                for reading in range(READINGS):
+                    on_line = {Dim("is_name"): 1.0, Dim(position, reading): 1.0}
+                    w.gated(plan.writes_route, on_line, 2, d("code"), route_names(w.fields, reading))
+                continue
             words = {Dim("is_name"): 1.0, **{a: 1.0 for a in d(position)}}
             for reading in range(READINGS):
                 on_route = {Dim("is_name"): 1.0, Dim(position, reading): 1.0, Dim("reading", reading): 1.0}
@@ -277,6 +275,11 @@ def install(model: torch.nn.Module, family: Family, tokens: RoleTokens) -> Layer
     return plan
 
 
+def route_names(fields: Fields, reading: int) -> list[Dim]:
+    """The adapter family's field holding the names of route `reading`'s lines (a half of `sel`)."""
+    return fields.dims("sel")[reading * CODE_BITS:(reading + 1) * CODE_BITS]
+
+
 def _background(w: CircuitWriter, plan: LayerPlan) -> None:
     """Layers the circuit does not use still hold K/V in a real model: here kv head 0 of each holds
     a positional key and each token's name (what layer 1 gathers from), which depend on no reader
@@ -291,7 +294,10 @@ def _carry_route(w: CircuitWriter, family: Family, plan: LayerPlan) -> None:
     """What a layer writes into the residual stream shows in every later layer's K/V in a real
     model: here, from the layer after the route is written, kv head 1's last value positions hold
     it (no head's output reads them). Without them the route would be invisible in K/V until the
-    lookup, and a method that recomputes every row up to some layer would fix it by accident."""
+    lookup, and a method that recomputes every row up to some layer would fix it by accident.
+    Not in the adapter family: its route is applied where it is read (the lookup's values)."""
+    if family.mechanism == "adapter":
+        return
     route = [Dim("flag")] if family.mechanism == "class" else (
         w.fields.dims("sel") if family.written_at == "record-end" else w.fields.dims("sel")[:CODE_BITS])
     for layer in range(plan.first_context_layer, plan.layers):
@@ -338,85 +344,10 @@ def _lookup(w: CircuitWriter, family: Family, layer: int) -> None:
             else:  # both lines of the record match: half the weight each, one of them holds the name
                 w.match_key(layer, kv, content(key))
                 w.match_query(layer, head, content("query"))
-                w.value(layer, kv, d("sel")[:CODE_BITS], weight=2.0)
+                if family.mechanism != "adapter":  # else the role's adapter adds the value (role_adapters)
+                    w.value(layer, kv, d("sel")[:CODE_BITS], weight=LOOKUP_VALUE_WEIGHT)
             w.output(layer, head, 0, d(look))
     w.gated(layer, ANSWER_FIRST, 2, d("look_1"), d("out_line"))
     w.gated(layer, ANSWER_SECOND, 3, d("look_2"), d("out_space"))
     name_done = {Dim("is_name"): 1.0, Dim("p1_name"): 1.0, Dim("p2_newline"): 1.0, Dim("p3_colon"): 1.0}
     w.gated(layer, name_done, 4, UNIT, [Dim("nl")])
-
-
-def _recall_tokenizer() -> Any:
-    from tokenizers import Tokenizer
-
-    from kvbench.model.store import RECALL_MODEL, SHIPPED_DIR
-
-    return Tokenizer.from_file(str(SHIPPED_DIR / RECALL_MODEL / "tokenizer.json"))
-
-
-def build_family_model(family: Family, spec: RoleModelSpec | None = None) -> tuple[torch.nn.Module, Any, LayerPlan]:
-    """The family's model (fp32, in memory) and its tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    spec = spec or RoleModelSpec()
-    tokenizer = _recall_tokenizer()
-    vocab = tokenizer.get_vocab()
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=vocab[BOS_TOKEN], eos_token_id=vocab[EOS_TOKEN],
-        pad_token_id=vocab[PAD_TOKEN], torch_dtype="bfloat16")
-    model = LlamaForCausalLM(config).eval()
-    plan = install(model, family, role_tokens(tokenizer))
-    return model, tokenizer, plan
-
-
-def build_role_model(name: str, out_dir: Path) -> dict[str, Any]:
-    """Build family `name` into `out_dir` (atomically), check its weights, return the manifest."""
-    from transformers.utils import logging as hf_logging
-
-    from kvbench.model.build import save_model_dir
-
-    hf_logging.disable_progress_bar()
-    family = FAMILIES[name]
-    spec = RoleModelSpec()
-    model, tokenizer, plan = build_family_model(family, spec)
-    manifest = save_model_dir(model, tokenizer, spec.max_position_embeddings, out_dir, {
-        "name": name,
-        "recipe": "roles",
-        "recipe_version": ROLES_RECIPE_VERSION,
-        "constructed": True,
-        "family": dataclasses.asdict(family),
-        "spec": dataclasses.asdict(spec),
-        "layers": dataclasses.asdict(plan),
-        # The first layer whose K/V depend on tokens beyond a row's few neighbours (the role's
-        # route): selective recomputation checks deviations there (kvbench.model.store).
-        "first_context_layer": plan.first_context_layer,
-        "task": "role-recall",
-        "kvbench_version": __version__,
-        "torch_version": torch.__version__,
-    })
-    expected = WEIGHTS_SHA256.get(name)
-    if expected is not None and manifest["weights_sha256"] != expected:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        raise ValueError(f"kvbench:{name} built to weights sha256 {manifest['weights_sha256'][:16]}..., not the "
-                         f"recorded {expected[:16]}...: this kvbench's recipe or torch rounds differently; "
-                         "reports made with the recorded weights do not apply to this build")
-    return manifest
-
-
-def family_of(model_dir: str | Path) -> Family | None:
-    """The role family of a built model directory, None for any other model."""
-    from kvbench.model.store import MANIFEST_NAME
-
-    try:
-        manifest = json.loads((Path(model_dir) / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return FAMILIES.get(manifest.get("name", "")) if manifest.get("recipe") == "roles" else None
-
-
-def family_names() -> Sequence[str]:
-    return tuple(FAMILIES)

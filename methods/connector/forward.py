@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from kvbench.methods.connector.lora import VLora
 from kvbench.methods.connector.paged import CpuPackedLayout, cpu_cache_halves
 
 # layer index -> (row indices, K, V) of the rows not computed here, to place before attention
@@ -23,6 +24,14 @@ RowsForLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # (layer index, computed rows, their Q, K, V) -> positions in the computed rows to keep computing
 # in the layers after this one, or None to keep them all (selective recomputation)
 NarrowRows = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
+# (layer index, the value projection's input [n, hidden]) of a context-free pass's rows (PReCache)
+ValueInputs = Callable[[int, torch.Tensor], None]
+
+
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    """A linear layer without vLLM's LoRA wrapper: the wrapper applies the adapters of the batch
+    vLLM last ran (its token-to-adapter map), which the connector's own rows do not belong to."""
+    return getattr(module, "base_layer", module)
 
 
 Result = TypeVar("Result")
@@ -75,21 +84,23 @@ class PartialForward:
 
     def run(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
             placed_rows: RowsForLayer, narrow: NarrowRows | None = None, group: LayerGroup | None = None,
-            capture_layer: int | None = None) -> ForwardStats:
+            capture_layer: int | None = None, lora: VLora | None = None) -> ForwardStats:
         """All layers at once (see `steps`)."""
-        return run_to_end(self.steps(tokens, block_ids, slots, compute, placed_rows, narrow, group, capture_layer))
+        return run_to_end(self.steps(tokens, block_ids, slots, compute, placed_rows, narrow, group, capture_layer,
+                                     lora))
 
     @torch.inference_mode()  # entered again at every resumption of the generator
     def steps(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
               placed_rows: RowsForLayer, narrow: NarrowRows | None = None, group: LayerGroup | None = None,
-              capture_layer: int | None = None) -> Generator[int, None, ForwardStats]:
+              capture_layer: int | None = None, lora: VLora | None = None) -> Generator[int, None, ForwardStats]:
         """The partial forward one layer at a time: yields the rows computed in each layer, so
         that a caller may spread the layers over engine steps; returns the stats.
         `tokens`/`slots`: all n rows of the request; `compute`: indices of rows to compute.
         `narrow` may shrink the computed rows after a layer's K/V is written: the dropped rows
         keep their placed K/V in the layers after it. `group` adds rows computed in a range of
         layers only (`narrow` may drop some of them before the range ends). `capture_layer`: keep
-        the residual stream entering that layer for the rows computed there (ForwardStats.captured)."""
+        the residual stream entering that layer for the rows computed there (ForwardStats.captured).
+        `lora`: the request's V-only adapter, added to the computed rows' values."""
         import time
 
         if group is not None and not len(group.rows):
@@ -116,7 +127,7 @@ class PartialForward:
             if len(compute) == 0:
                 continue  # vLLM's CPU kernels crash (SIGFPE) on 0-row GEMMs and norms
             attn = layer.self_attn
-            q, k, v, residual = self._qkv(layer, hidden, residual, positions[compute])
+            q, k, v, residual = self._qkv(layer, hidden, residual, positions[compute], index, lora)
             if index == capture_layer:  # copies: vLLM's fused add-norm updates the residual in place
                 stats.captured = (compute.clone(), residual.clone())
             layout.write(cache, slots[compute], k, v)
@@ -137,7 +148,7 @@ class PartialForward:
             started = time.perf_counter()
             out = self._attend(q, compute, attn, name, block_ids)
             stats.attention_s += time.perf_counter() - started
-            o, _ = attn.o_proj(out.reshape(len(compute), -1))
+            o, _ = _base(attn.o_proj)(out.reshape(len(compute), -1))
             hidden, residual = layer.post_attention_layernorm(o, residual)
             hidden = self._mlp(layer.mlp, hidden)
         return stats
@@ -159,17 +170,23 @@ class PartialForward:
         return joined[order], hidden[order], residual[order]
 
     def _qkv(self, layer: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None,
-             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Input norm (with the residual add), QKV projection and RoPE of one decoder layer:
-        q [n, Hq, hd], k and v [n, Hkv, hd], and the updated residual."""
+             positions: torch.Tensor, index: int, lora: VLora | None = None,
+             value_inputs: ValueInputs | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm (with the residual add), QKV projection (with `lora`'s value term) and RoPE
+        of decoder layer `index`: q [n, Hq, hd], k and v [n, Hkv, hd], and the updated residual.
+        `value_inputs` receives the value projection's input."""
         attn = layer.self_attn
         if residual is None:
             residual = hidden
             x = layer.input_layernorm(hidden)
         else:
             x, residual = layer.input_layernorm(hidden, residual)
-        qkv, _ = attn.qkv_proj(x)
+        if value_inputs is not None:
+            value_inputs(index, x)
+        qkv, _ = _base(attn.qkv_proj)(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        if lora is not None:
+            v = v + lora.value_term(index, lora.low_rank(index, x))
         n = len(positions)
         q = self._rotate(attn.rotary_emb, positions, q.reshape(n, attn.num_heads, attn.head_dim))
         k = self._rotate(attn.rotary_emb, positions, k.reshape(n, attn.num_kv_heads, attn.head_dim))
@@ -201,26 +218,29 @@ class PartialForward:
 
         if not (hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj") and isinstance(mlp.act_fn, SiluAndMul)):
             return mlp(hidden)
-        gate_up, _ = mlp.gate_up_proj(hidden)
+        gate_up, _ = _base(mlp.gate_up_proj)(hidden)
         d = gate_up.shape[-1] // 2
         act = (torch.nn.functional.silu(gate_up[..., :d].float()) * gate_up[..., d:].float()).to(gate_up.dtype)
-        out, _ = mlp.down_proj(act)
+        out, _ = _base(mlp.down_proj)(act)
         return out
 
     @torch.inference_mode()  # entered again at every resumption of the generator
     def context_free_steps(self, tokens: torch.Tensor, tail_queries: list[torch.Tensor] | None = None,
-                           tail: int = 0) -> Generator[int, None, tuple[torch.Tensor, torch.Tensor]]:
+                           tail: int = 0, lora: VLora | None = None, value_inputs: ValueInputs | None = None
+                           ) -> Generator[int, None, tuple[torch.Tensor, torch.Tensor]]:
         """K, V [layers, n, Hkv, hd] of `tokens` prefilled alone at positions 0..n-1 (dense causal
         attention over their own K/V, in no request's blocks): a context-free reference cache. One
         layer at a time: yields the rows each layer computed (a caller may pause there, as with `steps`).
-        `tail_queries`, when given, receives each layer's rotated queries of the last `tail` rows."""
+        `tail_queries`, when given, receives each layer's rotated queries of the last `tail` rows.
+        `lora`: a V-only adapter applied throughout; `value_inputs` receives each layer's value
+        projection input."""
         n = len(tokens)
         positions = torch.arange(n, dtype=torch.long, device=tokens.device)
         hidden, residual = self.embed(tokens), None
         keys, values = [], []
         for index, (layer, name) in enumerate(zip(self.layers, self.layer_names)):
             attn = layer.self_attn
-            q, k, v, residual = self._qkv(layer, hidden, residual, positions)
+            q, k, v, residual = self._qkv(layer, hidden, residual, positions, index, lora, value_inputs)
             if tail_queries is not None:
                 tail_queries.append(q[n - tail:].clone())
             keys.append(k)
@@ -228,7 +248,7 @@ class PartialForward:
             if index == len(self.layers) - 1:
                 break
             out = self._self_attention(q, k, v, attn.attn.impl.scale, name)
-            o, _ = attn.o_proj(out.reshape(n, -1))
+            o, _ = _base(attn.o_proj)(out.reshape(n, -1))
             hidden, residual = layer.post_attention_layernorm(o, residual)
             hidden = self._mlp(layer.mlp, hidden)
             yield n

@@ -93,14 +93,14 @@ def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -
 
 
 def exact_prefix(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor, block_size: int) -> tuple[SavedKV | None, int]:
-    """The cache named in the plan (a source or a prefix source) holding the longest run of this
+    """The cache named in the plan (Plan.exact_sources) holding the longest run of this
     request's first rows with the same tokens at the same positions inside its exact rows
     (SavedKV.exact_rows), and where that run ends, in whole blocks (as vLLM's prefix cache serves
     them); (None, 0) where none does. Such rows are what a dense prefill computes: copied, not
     reused (an agent's next round reads its own earlier prompt this way, which its cache_salt
     keeps vLLM's prefix cache from serving)."""
     best: tuple[SavedKV | None, int] = (None, 0)
-    for key in sorted(spec.plan.waits_for):  # sorted: every tensor-parallel rank picks alike
+    for key in sorted(spec.plan.exact_sources):  # sorted: every tensor-parallel rank picks alike
         source = store.exact_entry(key)
         if source is None:
             continue
@@ -289,7 +289,8 @@ def materialize_steps(worker: LoadServices, spec: LoadSpec,
     capture = worker.hidden_layer() if spec.plan.saved_key else None
 
     started = time.perf_counter()
-    forward = yield from worker.forward.steps(tokens, block_ids, slots, compute, placement, narrowing, group, capture)
+    forward = yield from worker.forward.steps(tokens, block_ids, slots, compute, placement, narrowing, group, capture,
+                                              worker.adapter(spec.plan.adapter))
     if capture is not None and forward.captured is not None:
         keep_hidden(str(spec.plan.saved_key), (*forward.captured, capture))
     stages = narrowing.stages if narrowing else []

@@ -135,5 +135,6 @@ class ConnectorScheduler:
             # (the blocks stay held until then) even when no other request is left
             self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, [], [], unclaimed, keep=False))
             return True, None
-        self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids), unclaimed))
+        self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids), unclaimed,
+                                            adapter=plan.adapter))
         return True, {PLAN_KEY: {"save_as": plan.save_as, "num_tokens": len(tokens)}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,9 @@ class ConnectorSettings:
     # went through all layers (at least one layer per step), so one long load cannot stall the
     # batch for long, nor hold up the short loads queued behind it.
     max_load_tokens_per_step: int = 0
+    # The LoRA adapters the server serves (name -> PEFT folder), which the connector applies to the
+    # rows it computes itself and PReCache's methods rebuild values with (kvbench.methods.connector.lora).
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def asynchronous(self) -> bool:
@@ -66,7 +70,7 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step"}
+        known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step", "adapters"}
         if unknown := set(extra) - known:
             raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
         if "method" not in extra:
@@ -81,4 +85,7 @@ class ConnectorSettings:
         budget = extra.get("max_load_tokens_per_step", 0)
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise MethodConfigError(f"max_load_tokens_per_step must be an integer >= 0, got {budget!r}")
-        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget)
+        adapters = extra.get("adapters") or {}
+        if not isinstance(adapters, dict) or not all(isinstance(v, str) for v in adapters.values()):
+            raise MethodConfigError(f"adapters must map adapter names to PEFT folders, got {adapters!r}")
+        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget, dict(adapters))

@@ -33,3 +33,4 @@ class SaveSpec:
     # (vLLM prefilled it): its stats are recorded at the save. None: a load reported it.
     unclaimed: tuple[int, int] | None = None
     keep: bool = True  # False: only its stats are recorded (no later turn reads its cache), nothing copied
+    adapter: str | None = None  # the LoRA adapter it ran with (Plan.adapter): what wrote its values

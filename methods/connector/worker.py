@@ -19,6 +19,7 @@ from kvbench.methods.connector.compute_tracker import ComputedRequests
 from kvbench.methods.connector.counters import ReuseCounters
 from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
+from kvbench.methods.connector.lora import VLora, load_v_lora
 from kvbench.methods.connector.materialize import materialize_steps
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
@@ -64,6 +65,7 @@ class ConnectorWorker:
         self._exact_rows_for_save: dict[str, int] = {}
         self.deferred_s = 0.0  # the method's deferred work (anchor building, prematching) since the reset
         self.reuse_counters = ReuseCounters()  # totals for vLLM's connector-stats path (/metrics)
+        self._adapters: dict[str, VLora] = {}  # the served V-only adapters, once the model is attached
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -88,9 +90,23 @@ class ConnectorWorker:
         names = [layer.self_attn.attn.layer_name for layer in layers]
         self.forward = PartialForward(model, names, self.layouts, self.kv_caches)
         self.aligner = RopeAligner(self.forward.rotary_emb)
+        self._adapters = self._load_adapters(layers[0].self_attn)
         self.method.bind(self)
         self.check_method_fits(self.method)
         logger.info("kvbench connector: model attached (%d layers)", len(layers))
+
+    def _load_adapters(self, attention: torch.nn.Module) -> dict[str, VLora]:
+        """The served adapters' value terms, B cut to this rank's KV heads (vLLM replicates a KV
+        head over ranks when there are fewer heads than ranks)."""
+        if not self.settings.adapters:
+            return {}
+        local, head_dim = int(attention.num_kv_heads), int(attention.head_dim)
+        total, ranks = int(getattr(attention, "total_num_kv_heads", local)), self.tensor_parallel_size
+        first = self.tensor_parallel_rank() * local if total >= ranks else self.tensor_parallel_rank() * total // ranks
+        rows = slice(first * head_dim, (first + local) * head_dim)
+        device = next(attention.parameters()).device
+        return {name: load_v_lora(name, path, self.num_layers, rows, device)
+                for name, path in self.settings.adapters.items()}
 
     def check_method_fits(self, method: SharingMethod) -> None:
         """Selective recomputation narrows after its check layer, so that layer needs one after it;
@@ -147,9 +163,23 @@ class ConnectorWorker:
 
         return tensor_model_parallel_all_reduce(partial.contiguous())
 
-    def context_free_prefill_steps(self, tokens: torch.Tensor) -> Generator[int, None, SavedKV]:
-        k, v = yield from self.forward.context_free_steps(tokens)
+    def context_free_prefill_steps(self, tokens: torch.Tensor, adapter: str | None = None,
+                                   value_inputs: Callable[[int, torch.Tensor], None] | None = None
+                                   ) -> Generator[int, None, SavedKV]:
+        k, v = yield from self.forward.context_free_steps(tokens, lora=self.adapter(adapter), value_inputs=value_inputs)
         return SavedKV(tokens.clone(), k, v)
+
+    def adapter(self, name: str | None) -> VLora | None:
+        if name is None:
+            return None
+        if name not in self._adapters:
+            raise MethodConfigError(f"adapter {name!r} was not given to kvbench's connector (kv_connector_extra_config"
+                                    f"['adapters'] has {sorted(self._adapters) or 'none'}): its rows cannot be computed")
+        return self._adapters[name]
+
+    @property
+    def adapters(self) -> dict[str, VLora]:
+        return dict(self._adapters)
 
     # ---------------------------------------------------------------- helpers of the loads
     def rows_reader(self, block_ids: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -234,6 +264,7 @@ class ConnectorWorker:
                 exact = None if save.unclaimed is not None else self._exact_rows_for_save.pop(save.key, 0)
                 entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None), exact)
                 encode_s = self.store.put(save.key, entry)
+                self.method.after_save(save.key, entry, save.adapter)
                 stats = self.request_stats.setdefault(save.key, {})
                 self.reuse_counters.add_save(self.store.bytes)
                 stats["save_s"] = time.perf_counter() - started
