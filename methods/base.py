@@ -102,6 +102,8 @@ class SharingMethod:
     threshold_name: ClassVar[str | None] = None
     threshold_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
     rho_rises_with_threshold: ClassVar[bool] = True
+    # Works only on agents that are LoRA adapters (the server must serve some): PReCache's methods.
+    needs_adapters: ClassVar[bool] = False
 
     core: CoreServices | None = None
 

@@ -83,6 +83,7 @@ class PReCache(SharingMethod):
 
     Params = PReCacheParams
     adapter_free_base: ClassVar[bool] = False
+    needs_adapters = True
 
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)

@@ -115,3 +115,51 @@ def test_model_adapters_prints_the_gen_trace_arguments(tmp_path: Path) -> None:
     line = next(line for line in result.output.splitlines() if line.startswith("--adapter"))
     assert line == (f'--adapter "Table Reader={tmp_path / "table-reader"}" '
                     f'--adapter "Link Follower={tmp_path / "link-follower"}"')
+
+
+def test_route_adapters_follow_each_roles_reading_and_need_the_adapter_model(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["model", "adapters", "-o", str(tmp_path / "r"), "--model", "kvbench:roles-adapter",
+                                       "--roles", "role-recall", "--kind", "route"])
+    assert result.exit_code == 0, result.output
+    readings = {p.name: json.loads((p / "kvbench-adapter.json").read_text())["reading"]
+                for p in (tmp_path / "r").iterdir()}
+    assert readings == {"route-planner": 0, "failover-officer": 1, "queue-router": 0, "recovery-lead": 1}
+    refused = CliRunner().invoke(main, ["model", "adapters", "-o", str(tmp_path / "x"), "--roles", "role-recall",
+                                        "--kind", "route"])  # the default model has no route to put in an adapter
+    assert refused.exit_code != 0 and "roles-adapter" in refused.output
+    refused = CliRunner().invoke(main, ["model", "adapters", "-o", str(tmp_path / "y"), "--model",
+                                        "kvbench:roles-adapter", "--kind", "route"])  # recall roles follow no route
+    assert refused.exit_code != 0 and "follows no route" in refused.output
+
+
+def test_a_sweep_serves_its_traces_adapters_and_old_sweep_files_still_read(tmp_path: Path) -> None:
+    from kvbench.experiment.sweep import MethodConfig, SweepSpec
+
+    folder = _peft(tmp_path / "main-route")
+    spec = SweepSpec(methods=[MethodConfig("precache-rebase")], task="role-recall", roles="role-recall-main",
+                     adapters={"Route Planner": str(folder), "Queue Router": str(folder)})
+    [trace_spec] = spec.trace_specs().values()
+    assert trace_spec.roles == "role-recall-main" and trace_spec.adapters == spec.adapters
+    stored = spec.to_json()
+    del stored["roles"], stored["adapters"]  # a sweep.json written before adapters
+    old = SweepSpec.from_json(stored)
+    assert old.roles is None and old.adapters == {}
+    assert next(iter(old.trace_specs().values())).roles == "role-recall"  # the task's preset
+
+
+def test_a_connector_server_gives_its_adapters_to_the_connector(tmp_path: Path) -> None:
+    from kvbench.replay.server import VLLMServer, method_server_config
+
+    folder = _peft(tmp_path / "a")
+    command = VLLMServer(method_server_config("precache-prelr", "m", lora_modules={"a": str(folder)})).command()
+    transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_extra_config"]["adapters"] == {"a": str(folder)}
+    assert "--lora-modules" in command and f"a={folder}" in command
+
+
+def test_precache_is_refused_for_a_trace_without_adapters(tmp_path: Path) -> None:
+    trace = _trace(tmp_path)
+    result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--method", "precache-rebase",
+                                       "--result-dir", str(tmp_path / "run")])
+    assert result.exit_code != 0 and "use none" in result.output
+    assert not (tmp_path / "run" / "requests.jsonl").exists()

@@ -1,19 +1,44 @@
-"""Agents as LoRA adapters on real vLLM (CPU): the adapters load, change what an agent writes, and
-the connector's methods run beside them."""
+"""Agents as LoRA adapters on real vLLM (CPU): the adapters load, change what an agent writes, a
+connector method runs beside them (PReCache's ReBaseShared, which rebuilds each reader's values),
+and with identity adapters ReBaseShared gives vLLM's own outputs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from vllm_helpers import all_request_stats, replay_turns
 
 from kvbench.cli import main
 from kvbench.model.adapters import build_random_adapter
 from kvbench.replay.server import VLLMServer, method_server_config
+from kvbench.tracegen.generate import TraceSpec, generate_trace
+from kvbench.tracegen.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.engine
+AGENTS = 4
+
+
+@pytest.fixture(scope="module")
+def adapters(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    folders = {"reader-random": build_random_adapter(default_model, root / "reader-random", seed=1),
+               "reader-zero": build_random_adapter(default_model, root / "reader-zero", zero=True),
+               **{f"zero-{i}": build_random_adapter(default_model, root / f"zero-{i}", zero=True)
+                  for i in range(AGENTS)}}
+    return {name: str(path) for name, path in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def rebase_server(default_model: str, adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[VLLMServer]:
+    log = Path(tmp_path_factory.mktemp("rebase")) / "server.log"
+    with VLLMServer(method_server_config("precache-rebase", default_model, lora_modules=adapters, max_model_len=2048,
+                                         log_path=log)) as server:
+        yield server
 
 
 def _trace(tmp_path: Path, name: str, *adapters: str) -> Path:
@@ -25,7 +50,7 @@ def _trace(tmp_path: Path, name: str, *adapters: str) -> Path:
     return out
 
 
-def _replay(trace: Path, url: str, out: Path, method: str = "nonshared") -> pd.DataFrame:
+def _replay(trace: Path, url: str, out: Path, method: str) -> pd.DataFrame:
     result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", url, "--qps", "0", "--method", method,
                                        "--num-warmups", "0", "--result-dir", str(out)])
     assert result.exit_code == 0, result.output
@@ -34,24 +59,38 @@ def _replay(trace: Path, url: str, out: Path, method: str = "nonshared") -> pd.D
     return requests.set_index(["trajectory_id", "turn_id"])
 
 
-def test_adapters_load_change_outputs_and_run_beside_the_connector(default_model: str, tmp_path: Path) -> None:
-    random = build_random_adapter(default_model, tmp_path / "reader-random", seed=1)
-    zero = build_random_adapter(default_model, tmp_path / "reader-zero", zero=True)
-    modules = {"reader-random": str(random), "reader-zero": str(zero)}
+def test_adapters_load_change_outputs_and_run_beside_the_connector(rebase_server: VLLMServer, adapters: dict[str, str],
+                                                                   tmp_path: Path) -> None:
     plain = _trace(tmp_path, "plain")
-    with_random = _trace(tmp_path, "random", f"Table Reader={random}")
-    with_zero = _trace(tmp_path, "zero", f"Table Reader={zero}")
-    # One FullShared server (the connector beside LoRA): first agents reuse nothing, so they are
-    # computed as under NonShared (issue 36), and later agents reuse the adapter agent's cache as
-    # it is (the naive writer-change baseline)
-    with VLLMServer(method_server_config("fullshared", default_model, lora_modules=modules, max_model_len=2048,
-                                         log_path=tmp_path / "fullshared.log")) as server:
-        base = _replay(plain, server.base_url, tmp_path / "base", "fullshared")
-        changed = _replay(with_random, server.base_url, tmp_path / "random", "fullshared")
-        same = _replay(with_zero, server.base_url, tmp_path / "zero", "fullshared")
+    with_random = _trace(tmp_path, "random", f"Table Reader={adapters['reader-random']}")
+    with_zero = _trace(tmp_path, "zero", f"Table Reader={adapters['reader-zero']}")
+    # First agents reuse nothing, so they are computed by vLLM itself (issue 36); later agents
+    # reuse the adapter agent's cache with their own values rebuilt
+    url = rebase_server.base_url
+    base = _replay(plain, url, tmp_path / "base", "precache-rebase")
+    changed = _replay(with_random, url, tmp_path / "random", "precache-rebase")
+    same = _replay(with_zero, url, tmp_path / "zero", "precache-rebase")
     first = [(t, "A0.r0") for t in base.index.get_level_values(0).unique()]
     outputs = {name: [list(frame.loc[key, "output_token_ids"]) for key in first]
                for name, frame in (("base", base), ("random", changed), ("zero", same))}
     assert outputs["zero"] == outputs["base"]  # the identity adapter is the base model
     assert outputs["random"] != outputs["base"]  # a real adapter changes what its agent writes
     assert (changed["reused_tokens"] > 0).any()  # later agents reused the adapter agent's cache
+
+
+def test_rebase_with_identity_adapters_gives_vllms_own_outputs(rebase_server: VLLMServer) -> None:
+    tokenizer = load_tokenizer(None)
+    _, (trajectory,) = generate_trace(TraceSpec(task="recall", shared_tokens=512, output_len=8, num_trajectories=1,
+                                                seed=2), tokenizer)
+    # one system prompt for every agent: the shared table's rows see the same context in every
+    # prompt, so its adapter-free rows are what each agent's own prefill computes (an agent's
+    # output follows other text in its writer's cache than in its readers' prompts: not reused here)
+    system = next(iter(trajectory.agents.values())).system
+    trajectory = trajectory.model_copy(update={"agents": {
+        name: agent.model_copy(update={"system": system}) for name, agent in trajectory.agents.items()}})
+    adapter_of = {name: f"zero-{i}" for i, name in enumerate(trajectory.agents)}  # one each: no exact copies
+    dense = replay_turns(rebase_server, trajectory, adapter_of, dense=True, steps=8)
+    before = sum(s.get("reused_tokens", 0) for s in all_request_stats(rebase_server))
+    reused = replay_turns(rebase_server, trajectory, adapter_of, dense=False, steps=8, only_q=True)
+    assert sum(s.get("reused_tokens", 0) for s in all_request_stats(rebase_server)) > before
+    assert reused == dense

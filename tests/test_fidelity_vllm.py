@@ -1,29 +1,38 @@
 """The cache-fidelity sweep end to end in vLLM (issue 25 item 7): segments measured in the worker,
-what each method served compared with dense prefill, and the four paper entries rendered."""
+what each method served compared with dense prefill, and the four paper entries rendered. The same
+sweep runs with `--quality` (one sweep, so one set of server starts, serves both): every cell is
+compared with its NonShared reference and no-context floor."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from click.testing import CliRunner
 
 from kvbench.analysis import fidelity, paper
-from kvbench.experiment.fidelity import record_fidelity
-from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.cli import main
 from kvbench.model.store import first_context_layer
 
 pytestmark = pytest.mark.engine
 
 
+def _invoke(*args: str):
+    return CliRunner().invoke(main, list(args), prog_name="kvbench")
+
+
 @pytest.fixture(scope="module")
 def fidelity_sweep(tmp_path_factory: pytest.TempPathFactory, default_model: str) -> Path:
-    root = tmp_path_factory.mktemp("fidelity")
-    spec = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("fullshared"), MethodConfig("kvcmas")],
-                     points=[SweepPoint(1024, 0.0, 2)], num_warmups=1, prime_method_state=True, output_len=16,
-                     save_prompt_ids=True, seed=3)
-    run_sweep(spec, root, after_cell=record_fidelity(error_trajectories=2))
-    return root
+    """`kvbench paper fig2 --run --quality`: the fidelity grid (prompts kept, pools primed, each cell's
+    fidelity recorded) at 1K, two trajectories, with the quality baselines."""
+    out = tmp_path_factory.mktemp("fidelity")
+    result = _invoke("paper", "fig2", "--run", "-o", str(out), "--methods", "nonshared,fullshared,kvcmas",
+                     "--shared-tokens", "1024", "--qps", "0", "--num-trajectories", "2", "--num-warmups", "1",
+                     "--output-len", "16", "--seed", "3", "--quality")
+    assert result.exit_code == 0, result.output
+    return out / "sweep"
 
 
 def test_segments_are_measured_with_keys_realigned(fidelity_sweep: Path, default_model: str) -> None:
@@ -64,3 +73,22 @@ def test_the_four_paper_entries_render(fidelity_sweep: Path, tmp_path: Path) -> 
     table = pd.read_csv(tmp_path / "table2-1024.csv")
     assert table["coverage"].between(0, 1).all()
     assert table["random_coverage"].between(0.05, 0.2).all()  # the 10% budget's share (rounded per segment)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_quality_sweep_compares_every_cell_with_its_reference(fidelity_sweep: Path, tmp_path: Path) -> None:
+    """`--quality`: a NonShared reference and a no-context floor per trace; every cell gets the
+    quality keys (NonShared's own cell at QPS 0: exact, PGR 1; FullShared's: its PGR and its gain
+    over itself, 0), and Table 7 shows them beside the latencies."""
+    assert (fidelity_sweep / "quality" / "ctx1024-a4-r1" / "reference" / "summary.json").exists()
+    nonshared = _summary(fidelity_sweep / "runs" / "nonshared" / "ctx1024-a4-r1-qps0-rep0")
+    assert nonshared["exact_match_rate"] == 1.0 and nonshared["output_pgr"] == pytest.approx(1.0)
+    fullshared = _summary(fidelity_sweep / "runs" / "fullshared" / "ctx1024-a4-r1-qps0-rep0")
+    assert 0 <= fullshared["exact_match_rate"] <= 1 and fullshared["output_pgr_gain_over_naive"] == 0.0
+    assert fullshared["mean_first_token_kl"] >= 0  # every cell recorded first-token logprobs
+    assert _invoke("paper", "table7", "--results", str(fidelity_sweep), "-o", str(tmp_path / "t7")).exit_code == 0
+    text = (tmp_path / "t7" / "table7.md").read_text()
+    assert "### output PGR" in text and "| reference" not in text  # the baselines are not grid cells

@@ -85,3 +85,37 @@ def small_replay(server: VLLMServer, method: str, result_dir: Path) -> tuple[pd.
 def set_params(server: VLLMServer, **params: object) -> dict:
     """Swap the server's method parameters (its learned state is dropped); returns them all."""
     return WorkerClient(server.base_url).set_params(params)
+
+
+def replay_turns(server: VLLMServer, trajectory, adapter_of: dict[str, str], dense: bool, steps: int,
+                 only_q: bool = False) -> dict[str, list[int]]:
+    """Every turn of `trajectory` in order, each agent's requests under its LoRA adapter, free-running
+    (each reads this replay's own earlier outputs): `dense` vLLM prefills everything itself (what
+    NonShared serves), else the plan's sources are reused through the server's method (`only_q`: the
+    shared table only, not the agents' outputs). Greedy output token ids per turn."""
+    from kvbench.replay.prompts import PromptBuilder, TurnPrompt
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    builder = PromptBuilder(tokenizer, tokenizer.prompt_prefix_ids, run_id=new_key())
+    trajectory = trajectory.model_copy(update={"agents": {
+        name: agent.model_copy(update={"adapter": adapter_of[name]}) for name, agent in trajectory.agents.items()}})
+    outputs: dict[str, list[int]] = {}
+    prompts: dict[str, TurnPrompt] = {}
+    for turn in trajectory.turns:
+        prompt = builder.build(trajectory, turn, outputs, prompts)
+        plan = prompt.plan.to_dict()
+        if dense:
+            plan["claim"] = "none"
+        if only_q:
+            plan["segments"] = [{**seg, "source": None} if seg["id"] != "q" else seg for seg in plan["segments"]]
+        choice = complete(server, prompt.token_ids, plan, salt=plan["save_as"].replace("/", "-"), max_tokens=steps,
+                          model=plan["adapter"])
+        outputs[turn.turn_id] = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+        prompts[turn.turn_id] = prompt
+    return outputs
+
+
+def all_request_stats(server: VLLMServer) -> list[dict]:
+    """Every request's load stats the (first) worker holds."""
+    return [dict(s) for s in WorkerClient(server.base_url).stats()[0].requests.values()]

@@ -29,12 +29,12 @@ def finite_float(text: str) -> float:
     return number
 
 
-def role_paths(specs: Iterable[str], option: str = "--adapter") -> dict[str, str]:
-    """`ROLE=PATH` options (gen-trace's and sweep's --adapter) as a role -> path map."""
+def role_paths(specs: Iterable[str], option: str = "--adapter", key: str = "ROLE") -> dict[str, str]:
+    """`KEY=PATH` options (gen-trace's and sweep's --adapter ROLE=PATH, serve's --lora-modules) as a map."""
     paths = {}
     for spec in specs:
         role, sep, path = str(spec).partition("=")
         if not sep or not role or not path:
-            raise click.BadParameter(f"expected ROLE=PATH, got {spec!r}", param_hint=option)
+            raise click.BadParameter(f"expected {key}=PATH, got {spec!r}", param_hint=option)
         paths[role] = path
     return paths

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kvbench.cli.param_types import role_paths
 from kvbench.cli.replay import check_method
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.replay.interrupts import Interrupted
@@ -19,8 +20,12 @@ from kvbench.replay.interrupts import Interrupted
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="vLLM's log [default: kvbench-serve-<method>-<port>.log in the current folder].")
+@click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PATH",
+              help="A LoRA adapter to serve (PEFT folder; repeatable), as vLLM's --lora-modules: requests name it as "
+                   "their model, and the connector applies it to the rows it computes (V-only adapters).")
 @server_options
-def serve_command(method: str, host: str, port: int, log_path: Path | None, server: ServerOptions) -> None:
+def serve_command(method: str, host: str, port: int, log_path: Path | None, lora_modules: tuple[str, ...],
+                  server: ServerOptions) -> None:
     """Start a vLLM server running a method, for other clients (Ctrl-C stops it)."""
     import time
 
@@ -29,8 +34,9 @@ def serve_command(method: str, host: str, port: int, log_path: Path | None, serv
 
     params = check_method(method, server.method_params)
     log_path = log_path or Path(f"kvbench-serve-{method}-{port}.log")
+    adapters = {name: str(Path(path).resolve()) for name, path in role_paths(lora_modules, "--lora-modules", "NAME").items()}
     config = server.server_config(method, params, resolve_model(server.model), host=host, port=port,
-                                  log_path=log_path.resolve())
+                                  log_path=log_path.resolve(), lora_modules=adapters)
     click.echo(f"starting vLLM ({method}) for {config.model} on {host}:{port} (a start takes a minute or two "
                f"on a CPU) ... log: {config.log_path}", err=True)
     try:

@@ -111,6 +111,9 @@ class ConnectorWorker:
     def check_method_fits(self, method: SharingMethod) -> None:
         """Selective recomputation narrows after its check layer, so that layer needs one after it;
         a recomputed layer group must lie inside the model."""
+        if method.needs_adapters and not self._adapters:
+            raise MethodConfigError(f"{method.name} rebuilds values per LoRA adapter, and the server serves none "
+                                    "(serve the trace's adapters: kvbench replay does it for a trace with adapters)")
         layers, check, checks = self.num_layers, method.check_layer(), method.check_layers()
         if check is not None and not 0 <= check < layers - 1:
             raise MethodConfigError(f"{method.name}: check_layer must be in [0, {layers - 2}] for this "
