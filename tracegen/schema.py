@@ -59,11 +59,11 @@ def max_text_bytes() -> int:
 class TraceError(ValueError):
     """A malformed trace. `problems` holds one 'line N: field: message' string per problem."""
 
-    def __init__(self, path: str | Path, problems: list[str]) -> None:
+    def __init__(self, path: str | Path, problems: list[str], what: str = "trace") -> None:
         self.path = str(path)
         self.problems = problems
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        super().__init__(f"invalid trace {path}:\n  " + "\n  ".join(shown))
+        super().__init__(f"invalid {what} {path}:\n  " + "\n  ".join(shown))
 
 
 def _check_identifier(value: str) -> str:

@@ -183,24 +183,78 @@ def stats_command(file: Path, as_json: bool) -> None:
 
 @trace_group.command("export")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["mooncake"]), default="mooncake", show_default=True,
-              help="Target format: Mooncake JSONL (timestamp ms, input_length, output_length, "
-                   "hash_ids of 512-token blocks, session_id, agent_id, parent).")
+@click.option("--format", "fmt", type=click.Choice(["mooncake", "aiperf", "openai-chat"]), default="mooncake",
+              show_default=True,
+              help="mooncake: one line per turn (timestamp ms, input_length, output_length, hash_ids of 512-token "
+                   "blocks, session_id, agent_id, parent); aiperf: AIPerf's DAG JSONL (an orchestrator per "
+                   "trajectory, its rounds the dependency levels); openai-chat: the log `trace import` reads. "
+                   "What each keeps: docs/interop.md.")
+@click.option("--from-run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A replay of this trace: each turn timed when that run sent it, and (aiperf, openai-chat) the "
+                   "outputs it generated in the later prompts instead of placeholders.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file [default: standard output].")
-def export_command(file: Path, fmt: str, output: Path | None) -> None:
-    """Export a trace, one line per turn, for other replay tools."""
-    from kvbench.tracegen.export import mooncake_records
+def export_command(file: Path, fmt: str, run_dir: Path | None, output: Path | None) -> None:
+    """Export a trace for other tools (one JSON object per line)."""
+    from kvbench.tracegen.export import RunTimeline, aiperf_dag_records, mooncake_records, openai_chat_records
     from kvbench.tracegen.schema import TraceError
+    from kvbench.tracegen.tokenizer import load_tokenizer
     from kvbench.tracegen.trace_files import read_trace
 
     try:
         trace = read_trace(file)
-    except TraceError as exc:
+        timeline = RunTimeline.read(run_dir) if run_dir else None
+    except (TraceError, ValueError) as exc:
         raise _trace_error(exc) from None
-    lines = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in mooncake_records(trace))
+    if fmt == "mooncake":
+        records = mooncake_records(trace, timeline)
+    else:
+        tokenizer = load_tokenizer(trace.header.tokenizer)
+        records = (aiperf_dag_records if fmt == "aiperf" else openai_chat_records)(trace, tokenizer, timeline)
+    lines = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records)
     if output is None:
         click.echo(lines, nl=False)
     else:
         output.write_text(lines)
         click.echo(f"wrote {output}: {lines.count(chr(10))} {fmt} records", err=True)
+
+
+@trace_group.command("import")
+@click.argument("log", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["openai-chat"]), default="openai-chat", show_default=True,
+              help="openai-chat: one request per line: messages, response, and optionally id, agent, timestamp, "
+                   "parent_ids, session (docs/interop.md).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where to write the trace.")
+@click.option("--model", default=None, help="Whose tokenizer and chat template [default: the embedded model].")
+@click.option("--min-span-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Shortest token run two requests' messages must share to become a shared segment.")
+def import_command(log: Path, fmt: str, output: Path, model: str | None, min_span_tokens: int) -> None:
+    """Build a kvbench trace from a real agent log: agents, shared segments found in token space
+    (any position), dependencies (parent ids, or earlier outputs inside later prompts), arrivals."""
+    from kvbench.tracegen.chat_import import chat_log_trace, describe, prompt_mismatches
+    from kvbench.tracegen.chat_log import read_chat_log
+    from kvbench.tracegen.schema import TraceError
+    from kvbench.tracegen.tokenizer import load_tokenizer
+    from kvbench.tracegen.trace_files import read_trace, write_trace
+
+    try:
+        records = read_chat_log(log)
+    except TraceError as exc:
+        raise _trace_error(exc) from None
+    try:
+        tokenizer = load_tokenizer(model)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    header, trajectories = chat_log_trace(records, tokenizer, min_span_tokens, source=log.name)
+    write_trace(output, header, trajectories)
+    read_trace(output)  # what was written reads back as a valid trace
+    found = describe(trajectories)
+    click.echo(f"wrote {output}: {found['trajectories']} trajectories, {found['turns']} turns of "
+               f"{len(found['agents'])} agents, {found['shared_segments']} shared segments "
+               f"({found['shared_tokens']} tokens), {found['output_reuses']} outputs read by later turns, "
+               f"{found['dependencies']} dependencies", err=True)
+    mismatches = prompt_mismatches(records, trajectories, tokenizer)
+    if mismatches:
+        click.echo(f"note: {len(mismatches)} prompts differ from the log's tokenization (a cut the tokenizer "
+                   "merges across):\n  " + "\n  ".join(mismatches[:10]), err=True)

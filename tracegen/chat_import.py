@@ -1,0 +1,338 @@
+"""A kvbench trace from an OpenAI-chat agent log (tracegen/chat_log.py reads it).
+
+Each request becomes a turn of its agent; each session a trajectory. Its prompt is the chat
+template's rendering of its messages (plain text, messages apart by a blank line, for a model
+without a template), cut into segments:
+
+- the agent's system prompt (`pf: system`) and the template's text around messages (`pf: text`);
+- an earlier request's response found verbatim in a message (`ph: out:<turn>`): the replayer
+  feeds that turn's real output there. Without `parent_ids`, such a request becomes a parent;
+  with them, only an ancestor's output is taken (another one stays text);
+- a token run of at least `min_span_tokens` shared with an earlier request's message, at any
+  position in either (`ph: s<k>`, text in the trajectory's `shared`): what a method reuses.
+
+Shared spans are cut at token boundaries where the pieces tokenize alone as they do together; an
+output is taken whole, so where the tokenizer merges a character across its ends (a blank line
+before it) the built prompt differs from the log's by that token. `prompt_mismatches` names every
+prompt kvbench builds from the trace that is not the log's token for token. The search compares
+every pair of requests of a session: logs of hundreds of requests import in seconds, not logs of
+millions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbench import __version__
+from kvbench.tracegen.chat_log import ChatRecord
+from kvbench.tracegen.schema import (
+    OUT_PREFIX,
+    TRACE_FORMAT,
+    TRACE_VERSION,
+    Agent,
+    Segment,
+    SharedText,
+    TraceHeader,
+    Trajectory,
+    Turn,
+)
+from kvbench.tracegen.tokenizer import TraceTokenizer
+
+SEED_GRAM = 8  # tokens that must match before a run is extended
+
+
+@dataclass
+class Piece:
+    kind: str  # "glue" (template text), "system", "content" (searchable), "shared" (ph key), "out" (ph out:turn)
+    text: str
+    key: str = ""
+
+
+@dataclass
+class _Request:
+    record: ChatRecord
+    turn_id: str
+    agent: str
+    pieces: list[Piece]
+    parents: set[str] = field(default_factory=set)  # record ids
+
+
+def _render(record: ChatRecord, tokenizer: TraceTokenizer) -> list[Piece]:
+    """The prompt as pieces: messages' contents and the text the chat template puts around them."""
+    contents = [text for _, text in record.messages]
+    system_first = record.system is not None
+    kinds = ["system" if system_first and i == 0 else "content" for i in range(len(contents))]
+    template = tokenizer.chat
+    if template is None:
+        pieces = []
+        for kind, text in zip(kinds, contents):
+            pieces += [Piece(kind, text), Piece("glue", "\n\n")]
+        return pieces
+    rendered = str(template.apply_chat_template([{"role": r, "content": t} for r, t in record.messages],
+                                                tokenize=False, add_generation_prompt=True))
+    bos = getattr(template, "bos_token", None)
+    if bos and tokenizer.prompt_prefix_ids and rendered.startswith(bos):
+        rendered = rendered[len(bos):]
+    pieces, at = [], 0
+    for kind, text in zip(kinds, contents):
+        found = rendered.find(text, at) if text else -1
+        if found < 0:  # the template rewrote it: it stays template text (never shared)
+            continue
+        pieces += [Piece("glue", rendered[at:found]), Piece(kind, text)]
+        at = found + len(text)
+    pieces.append(Piece("glue", rendered[at:]))
+    return [p for p in pieces if p.text]
+
+
+def log_prompt_ids(record: ChatRecord, tokenizer: TraceTokenizer) -> list[int]:
+    """The request's prompt as a server tokenizes it: its chat template's rendering; without a
+    template, each message (and the blank lines between them) tokenized apart, as a template's
+    special tokens keep messages apart."""
+    pieces = _render(record, tokenizer)
+    if tokenizer.chat is not None:
+        return tokenizer.prompt_prefix_ids + tokenizer.encode("".join(p.text for p in pieces))
+    return tokenizer.prompt_prefix_ids + [i for p in pieces for i in tokenizer.encode(p.text)]
+
+
+def _stable_cut(tokenizer: TraceTokenizer, text: str, start: int, stop: int) -> bool:
+    """Whether text[:start], text[start:stop], text[stop:] tokenize alone as they do together."""
+    whole = tokenizer.encode(text)
+    parts = [tokenizer.encode(part) for part in (text[:start], text[start:stop], text[stop:])]
+    return parts[0] + parts[1] + parts[2] == whole
+
+
+def _split(pieces: list[Piece], index: int, start: int, stop: int, kind: str, key: str) -> None:
+    piece = pieces[index]
+    pieces[index:index + 1] = [p for p in (Piece(piece.kind, piece.text[:start]), Piece(kind, piece.text[start:stop], key),
+                                           Piece(piece.kind, piece.text[stop:])) if p.text]
+
+
+def _take_outputs(request: _Request, earlier: list[_Request], ancestors: set[str] | None,
+                  tokenizer: TraceTokenizer) -> None:
+    """Earlier responses found verbatim in this request's messages become `out:` pieces (longest first)."""
+    for producer in sorted(earlier, key=lambda r: -len(r.record.response)):
+        if ancestors is not None and producer.record.id not in ancestors:
+            continue
+        response = producer.record.response
+        for index, piece in enumerate(request.pieces):
+            at = piece.text.find(response) if piece.kind == "content" else -1
+            if at >= 0:  # an output is taken whole even where the tokenizer merges across its ends
+                _split(request.pieces, index, at, at + len(response), "out", producer.turn_id)
+                if ancestors is None:  # no parent ids: what a request quotes it waited for
+                    request.parents.add(producer.record.id)
+                break
+
+
+def _runs(a: list[int], b: list[int], min_len: int) -> list[tuple[int, int, int]]:
+    """Common runs of >= min_len tokens (start in a, start in b, length), left to right in a,
+    each the longest starting there."""
+    gram = min(SEED_GRAM, min_len)
+    index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for q in range(len(b) - gram + 1):
+        index[tuple(b[q:q + gram])].append(q)
+    runs, p = [], 0
+    while p <= len(a) - gram:
+        best = 0, 0
+        for q in index.get(tuple(a[p:p + gram]), ()):
+            n = gram
+            while p + n < len(a) and q + n < len(b) and a[p + n] == b[q + n]:
+                n += 1
+            best = max(best, (n, q))
+        if best[0] >= min_len:
+            runs.append((p, best[1], best[0]))
+            p += best[0]
+        else:
+            p += 1
+    return runs
+
+
+def _joint_cut(tokenizer: TraceTokenizer, sides: list[tuple[str, list[int]]], token: int, step: int,
+               limit: int) -> list[int] | None:
+    """Character offsets, one per side, of a cut before token `token + k * step` (k = 0, 1, ...
+    while inside the run) that is stable on every side: the same cut in the same text, so the run's
+    pieces stay identical. None when no such cut is within `limit` tokens."""
+    for k in range(limit):
+        at = token + k * step
+        offsets = [starts[at] if at < len(starts) else len(text) for text, starts in sides]
+        if all(_stable_cut(tokenizer, text, cut, cut) for (text, _), cut in zip(sides, offsets)):
+            return offsets
+    return None
+
+
+def _mark_shared(requests: list[_Request], tokenizer: TraceTokenizer, min_len: int) -> dict[str, str]:
+    """Shared segments: every message text is cut where a token run of >= min_len it shares with
+    another request's messages starts and ends (both cuts stable in both texts, moved inward if
+    need be); the pieces of >= min_len tokens that two or more requests hold become shared
+    segments (one key per text, at any position). Returns text -> key."""
+    content = [(r, i) for r, request in enumerate(requests) for i, p in enumerate(request.pieces) if p.kind == "content"]
+    encoded = {(r, i): tokenizer.backend.encode(requests[r].pieces[i].text, add_special_tokens=False)
+               for r, i in content}
+    cuts: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for (r, i), (s, j) in itertools.combinations(content, 2):
+        if r == s:
+            continue
+        sides = [(requests[r].pieces[i].text, [a for a, _ in encoded[(r, i)].offsets]),
+                 (requests[s].pieces[j].text, [a for a, _ in encoded[(s, j)].offsets])]
+        for p, q, n in _runs(encoded[(r, i)].ids, encoded[(s, j)].ids, min_len):
+            slack = max(1, n - min_len)
+            start = _joint_cut(tokenizer, [(sides[0][0], sides[0][1][p:]), (sides[1][0], sides[1][1][q:])], 0, 1, slack)
+            end = _joint_cut(tokenizer, [(sides[0][0], sides[0][1][p:]), (sides[1][0], sides[1][1][q:])], n, -1, slack)
+            if start is not None and end is not None and end[0] - start[0] > 0:
+                cuts[(r, i)] |= {start[0], end[0]}
+                cuts[(s, j)] |= {start[1], end[1]}
+    holders: dict[str, set[int]] = defaultdict(set)
+    for r, request in enumerate(requests):
+        pieces: list[Piece] = []
+        for i, piece in enumerate(request.pieces):
+            if (r, i) not in cuts:
+                pieces.append(piece)
+                continue
+            bounds = sorted({0, *cuts[(r, i)], len(piece.text)})
+            for start, stop in zip(bounds, bounds[1:]):
+                pieces.append(Piece("content", piece.text[start:stop]))
+                holders[piece.text[start:stop]].add(r)
+        request.pieces = pieces
+    keys: dict[str, str] = {}
+    for request in requests:
+        for piece in request.pieces:
+            if piece.kind == "content" and len(holders.get(piece.text, ())) > 1 \
+                    and len(tokenizer.encode(piece.text)) >= min_len:
+                piece.kind, piece.key = "shared", keys.setdefault(piece.text, f"s{len(keys) + 1}")
+    return keys
+
+
+def _agent_key(record: ChatRecord, by_system: dict[str | None, str]) -> str:
+    if record.agent is not None:
+        return record.agent
+    return by_system.setdefault(record.system, f"A{len(by_system)}")
+
+
+def _trajectory(session: str, records: list[ChatRecord], tokenizer: TraceTokenizer, min_len: int,
+                arrival_s: float) -> Trajectory:
+    by_system: dict[str | None, str] = {}
+    systems: dict[str, str] = {}
+    counts: dict[str, int] = defaultdict(int)
+    requests: list[_Request] = []
+    by_id: dict[str, _Request] = {}
+    for record in records:
+        agent = _agent_key(record, by_system)
+        systems.setdefault(agent, record.system or "")
+        pieces = _render(record, tokenizer)
+        for piece in pieces:  # a system prompt other than its agent's is the prompt's own text
+            if piece.kind == "system" and piece.text != systems[agent]:
+                piece.kind = "glue"
+        request = _Request(record, f"{agent}.r{counts[agent]}", agent, pieces)
+        counts[agent] += 1
+        if record.parent_ids is not None:
+            request.parents = set(record.parent_ids)
+        ancestors = _ancestors(request, by_id) if record.parent_ids is not None else None
+        _take_outputs(request, requests, ancestors, tokenizer)
+        requests.append(request)
+        by_id[record.id] = request
+    keys = _mark_shared(requests, tokenizer, min_len)
+    agents = {name: Agent(role=name, system=text, system_tokens=len(tokenizer.encode(text)))
+              for name, text in systems.items()}
+    shared = {key: SharedText(text=text, num_tokens=len(tokenizer.encode(text))) for text, key in keys.items()}
+    turns = [Turn(turn_id=r.turn_id, agent=r.agent, after=sorted(by_id[p].turn_id for p in r.parents),
+                  max_tokens=max(1, len(tokenizer.encode(r.record.response))), segments=_segments(r, tokenizer))
+             for r in requests]
+    return Trajectory(trajectory_id=session, arrival_s=arrival_s, agents=agents, shared=shared, turns=turns)
+
+
+def _ancestors(request: _Request, by_id: dict[str, _Request]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(request.parents)
+    while stack:
+        record_id = stack.pop()
+        if record_id not in seen:
+            seen.add(record_id)
+            stack += by_id[record_id].parents
+    return seen
+
+
+def _segments(request: _Request, tokenizer: TraceTokenizer) -> list[Segment]:
+    segments: list[Segment] = []
+    text = ""
+    for piece in request.pieces:
+        if piece.kind in ("glue", "content") and (tokenizer.chat is not None or not text):
+            text += piece.text  # with a template, one text; without, each message's text apart (log_prompt_ids)
+            continue
+        if text:
+            segments.append(Segment(pf="text", text=text, num_tokens=len(tokenizer.encode(text))))
+            text = ""
+        if piece.kind in ("glue", "content"):
+            text = piece.text
+            continue
+        if piece.kind == "system":
+            segments.append(Segment(pf="system"))
+        else:
+            segments.append(Segment(ph=OUT_PREFIX + piece.key if piece.kind == "out" else piece.key))
+    if text:
+        segments.append(Segment(pf="text", text=text, num_tokens=len(tokenizer.encode(text))))
+    return segments
+
+
+def chat_log_trace(records: list[ChatRecord], tokenizer: TraceTokenizer, min_span_tokens: int = 32,
+                   source: str | Path = "") -> tuple[TraceHeader, list[Trajectory]]:
+    """The trace of a log: one trajectory per session, arriving when its first request did."""
+    sessions: dict[str, list[ChatRecord]] = defaultdict(list)
+    for record in records:
+        sessions[record.session].append(record)
+    origin = min((r.timestamp for r in records if r.timestamp is not None), default=0.0)
+    trajectories = []
+    for session, members in sessions.items():
+        members.sort(key=lambda r: (r.timestamp if r.timestamp is not None else 0.0, r.line))
+        first = members[0].timestamp
+        trajectories.append(_trajectory(session, members, tokenizer, min_span_tokens,
+                                        0.0 if first is None else first - origin))
+    trajectories.sort(key=lambda t: t.arrival_s)
+    header = TraceHeader(format=TRACE_FORMAT, version=TRACE_VERSION,
+                         generator={"name": "kvbench trace import", "format": "openai-chat", "log": str(source),
+                                    "min_span_tokens": min_span_tokens, "chat_template": tokenizer.chat is not None,
+                                    "kvbench_version": __version__},
+                         tokenizer=tokenizer.name, tokenizer_sha256=tokenizer.sha256,
+                         prompt_prefix_ids=tokenizer.prompt_prefix_ids)
+    return header, trajectories
+
+
+def prompt_mismatches(records: list[ChatRecord], trajectories: list[Trajectory],
+                      tokenizer: TraceTokenizer) -> list[str]:
+    """Requests whose prompt, built from the trace with the log's responses as the outputs, is not
+    the log's prompt token for token (each as 'trajectory/turn: why')."""
+    from kvbench.replay.prompts import PromptBuilder, TurnPrompt
+
+    problems = []
+    by_session: dict[str, list[ChatRecord]] = defaultdict(list)
+    for record in records:
+        by_session[record.session].append(record)
+    for trajectory in trajectories:
+        members = sorted(by_session[trajectory.trajectory_id],
+                         key=lambda r: (r.timestamp if r.timestamp is not None else 0.0, r.line))
+        builder = PromptBuilder(tokenizer, tokenizer.prompt_prefix_ids, run_id="import-check")
+        outputs = {t.turn_id: tokenizer.encode(r.response) for t, r in zip(trajectory.turns, members)}
+        prompts: dict[str, TurnPrompt] = {}
+        for turn, record in zip(trajectory.turns, members):
+            built = builder.build(trajectory, turn, outputs, prompts)
+            prompts[turn.turn_id] = built
+            expected = log_prompt_ids(record, tokenizer)
+            if built.token_ids != expected:
+                at = next((i for i, (x, y) in enumerate(zip(built.token_ids, expected)) if x != y),
+                          min(len(built.token_ids), len(expected)))
+                problems.append(f"{trajectory.trajectory_id}/{turn.turn_id}: differs from token {at} "
+                                f"({len(built.token_ids)} tokens built, {len(expected)} in the log)")
+    return problems
+
+
+def describe(trajectories: list[Trajectory]) -> dict[str, Any]:
+    """What the import found: turns, agents, shared segments and their tokens, dependencies."""
+    return {"trajectories": len(trajectories), "turns": sum(len(t.turns) for t in trajectories),
+            "agents": sorted({a for t in trajectories for a in t.agents}),
+            "shared_segments": sum(len(t.shared) for t in trajectories),
+            "shared_tokens": sum(s.num_tokens for t in trajectories for s in t.shared.values()),
+            "output_reuses": sum(1 for t in trajectories for turn in t.turns for s in turn.segments
+                                 if s.ph and s.ph.startswith(OUT_PREFIX)),
+            "dependencies": sum(len(turn.after) for t in trajectories for turn in t.turns)}
