@@ -92,3 +92,35 @@ def test_from_run_times_turns_when_the_run_sent_them_and_fills_its_outputs(tmp_p
     assert "[the output of" not in chat[1]["messages"][1]["content"]
     refused = CliRunner().invoke(main, ["trace", "export", str(trace), "--from-run", str(tmp_path)])
     assert refused.exit_code != 0 and "requests.parquet" in refused.output
+
+
+def test_a_precache_csv_becomes_one_growing_stream_per_trajectory(tmp_path: Path) -> None:
+    csv_path, out = tmp_path / "react.csv", tmp_path / "trace.jsonl"
+    csv_path.write_text("agent,prefill_len,decode_len\nplan,300,40\naction,120,30\nreflect,80,20\n")
+    adapter = tmp_path / "plan-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["v_proj"]}))
+    _run("trace", "import", str(csv_path), "--format", "precache-csv", "--repeats", "2", "-o", str(out),
+         "--adapter", f"plan={adapter}")
+    trace = read_trace(out)
+    assert len(trace.trajectories) == 2 and trace.header.adapters == {"plan-adapter": str(adapter.resolve())}
+    first, second = trace.trajectories
+    assert first.shared["p0"].text != second.shared["p0"].text  # each lap its own filler
+    # turn k's prompt: every earlier prompt and output, then its own new tokens
+    assert [first.prompt_tokens(t) for t in first.turns] == [300, 300 + 40 + 120, 300 + 40 + 120 + 30 + 80]
+    assert [t.max_tokens for t in first.turns] == [40, 30, 20]
+    assert [t.after for t in first.turns] == [[], ["plan.r0"], ["action.r1"]]
+    assert first.agents["plan"].adapter == "plan-adapter" and first.agents["action"].adapter is None
+
+
+def test_a_bad_precache_csv_is_refused_by_line_and_column(tmp_path: Path) -> None:
+    csv_path = tmp_path / "bad.csv"
+    csv_path.write_text("agent,prefill_len,decode_len\nplan,300,40\n,12,x\n")
+    result = CliRunner().invoke(main, ["trace", "import", str(csv_path), "--format", "precache-csv", "-o",
+                                       str(tmp_path / "t.jsonl")])
+    assert result.exit_code != 0
+    assert "line 3: agent: must be" in result.output and "line 3: decode_len: must be a whole number" in result.output
+    csv_path.write_text("agent,prefill\nplan,3\n")
+    result = CliRunner().invoke(main, ["trace", "import", str(csv_path), "--format", "precache-csv", "-o",
+                                       str(tmp_path / "t.jsonl")])
+    assert result.exit_code != 0 and "no column prefill_len, decode_len" in result.output

@@ -221,32 +221,49 @@ def export_command(file: Path, fmt: str, run_dir: Path | None, output: Path | No
 
 @trace_group.command("import")
 @click.argument("log", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["openai-chat"]), default="openai-chat", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["openai-chat", "precache-csv"]), default="openai-chat",
+              show_default=True,
               help="openai-chat: one request per line: messages, response, and optionally id, agent, timestamp, "
-                   "parent_ids, session (docs/interop.md).")
+                   "parent_ids, session; precache-csv: PReCache's agent,prefill_len,decode_len trajectories "
+                   "(docs/interop.md).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Where to write the trace.")
 @click.option("--model", default=None, help="Whose tokenizer and chat template [default: the embedded model].")
 @click.option("--min-span-tokens", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Shortest token run two requests' messages must share to become a shared segment.")
-def import_command(log: Path, fmt: str, output: Path, model: str | None, min_span_tokens: int) -> None:
-    """Build a kvbench trace from a real agent log: agents, shared segments found in token space
-    (any position), dependencies (parent ids, or earlier outputs inside later prompts), arrivals."""
+              help="openai-chat: the shortest token run two requests' messages must share to become a shared segment.")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="precache-csv: trajectories (each with its own filler text).")
+@click.option("--seed", type=int, default=0, show_default=True, help="precache-csv: the filler text's seed.")
+@click.option("--adapter", "adapters", multiple=True, metavar="AGENT=PATH",
+              help="An agent's LoRA adapter (PEFT folder; repeatable), as gen-trace --adapter.")
+def import_command(log: Path, fmt: str, output: Path, model: str | None, min_span_tokens: int, repeats: int,
+                   seed: int, adapters: tuple[str, ...]) -> None:
+    """Build a kvbench trace from a real agent log (openai-chat: agents, shared segments found in
+    token space at any position, dependencies from parent ids or earlier outputs quoted in later
+    prompts, arrivals) or from PReCache's trajectory CSV."""
+    from kvbench.tracegen.adapters import with_adapters
     from kvbench.tracegen.chat_import import chat_log_trace, describe, prompt_mismatches
     from kvbench.tracegen.chat_log import read_chat_log
+    from kvbench.tracegen.precache_csv import precache_trace, read_precache_csv
     from kvbench.tracegen.schema import TraceError
     from kvbench.tracegen.tokenizer import load_tokenizer
     from kvbench.tracegen.trace_files import read_trace, write_trace
 
     try:
-        records = read_chat_log(log)
-    except TraceError as exc:
-        raise _trace_error(exc) from None
-    try:
         tokenizer = load_tokenizer(model)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    header, trajectories = chat_log_trace(records, tokenizer, min_span_tokens, source=log.name)
+    try:
+        if fmt == "openai-chat":
+            records = read_chat_log(log)
+            header, trajectories = chat_log_trace(records, tokenizer, min_span_tokens, source=log.name)
+        else:
+            header, trajectories = precache_trace(read_precache_csv(log), tokenizer, repeats, seed, source=log.name)
+        if adapters:
+            served, trajectories = with_adapters(trajectories, role_paths(adapters, key="AGENT"))
+            header = header.model_copy(update={"adapters": served})
+    except (TraceError, ValueError) as exc:
+        raise _trace_error(exc) from None
     write_trace(output, header, trajectories)
     read_trace(output)  # what was written reads back as a valid trace
     found = describe(trajectories)
@@ -254,7 +271,7 @@ def import_command(log: Path, fmt: str, output: Path, model: str | None, min_spa
                f"{len(found['agents'])} agents, {found['shared_segments']} shared segments "
                f"({found['shared_tokens']} tokens), {found['output_reuses']} outputs read by later turns, "
                f"{found['dependencies']} dependencies", err=True)
-    mismatches = prompt_mismatches(records, trajectories, tokenizer)
+    mismatches = prompt_mismatches(records, trajectories, tokenizer) if fmt == "openai-chat" else []
     if mismatches:
-        click.echo(f"note: {len(mismatches)} prompts differ from the log's tokenization (a cut the tokenizer "
-                   "merges across):\n  " + "\n  ".join(mismatches[:10]), err=True)
+        click.echo(f"note: {len(mismatches)} prompts differ from the log's tokenization (an output the tokenizer "
+                   "merges with the text before it):\n  " + "\n  ".join(mismatches[:10]), err=True)
