@@ -70,7 +70,10 @@ class ForwardStats:
 class PartialForward:
     def __init__(self, model: torch.nn.Module, layer_names: list[str], layouts: dict, kv_caches: dict) -> None:
         inner = model.model
-        self.embed = inner.embed_input_ids
+        # the token embedding without vLLM's LoRA wrapper too (its index buffer is the last
+        # batch's, and no longer than the scheduler's token budget)
+        embed_tokens = getattr(inner, "embed_tokens", None)
+        self.embed = getattr(embed_tokens, "base_layer", None) or inner.embed_input_ids
         self.layers = list(inner.layers)[inner.start_layer:inner.end_layer]
         self.layer_names = layer_names
         self.layouts = layouts
