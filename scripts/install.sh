@@ -36,4 +36,11 @@ fi
   "$venv/bin/python" -c 'import vllm, transformers'
   exit 1
 }
+if [ "$target" = cpu ] && [ -z "${KVBENCH_SKIP_AIPERF:-}" ]; then
+  # AIPerf, to replay kvbench's exports (docs/interop.md), in an environment of its own: in
+  # kvbench's it would replace pandas, huggingface-hub, pyzmq and pillow under vLLM's CPU wheel.
+  tools=.venv-aiperf
+  [ -x "$tools/bin/python" ] || "$python" -m venv "$tools"
+  [ -x "$tools/bin/aiperf" ] || "$tools/bin/python" -m pip install --quiet "aiperf==0.13.0"
+fi
 echo "kvbench ($target) ready in $venv"

@@ -41,9 +41,12 @@ def model_layers(default_model: str) -> int:
 
 @pytest.fixture(scope="session")
 def vllm_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """One plain vLLM server (no connector) on the embedded model, shared by the whole session."""
+    """One plain vLLM server (no connector) on the embedded model, shared by the whole session
+    (with a plain chat template, for clients that send chat requests)."""
     log = Path(tmp_path_factory.mktemp("vllm")) / "server.log"
-    with VLLMServer(ServerConfig(model=default_model, log_path=log, max_model_len=8192)) as server:
+    template = Path(__file__).parent / "data" / "plain-chat-template.jinja"
+    with VLLMServer(ServerConfig(model=default_model, log_path=log, max_model_len=8192,
+                                 extra_args=["--chat-template", str(template)])) as server:
         yield server
 
 
