@@ -110,3 +110,13 @@ def test_duplicate_ids_are_refused(tmp_path: Path) -> None:
     log.write_text(record + "\n" + record + "\n")
     with pytest.raises(TraceError, match="invalid openai-chat log .*\n  line 2: id: 'a' is also the id of line 1"):
         read_chat_log(log)
+
+
+def test_a_short_response_found_elsewhere_is_no_dependency(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    rows = [{"id": "a", "agent": "x", "messages": [{"role": "user", "content": "Is the build green?"}], "response": "Yes"},
+            {"id": "b", "agent": "y", "messages": [{"role": "user", "content": "Yes or no: is the deploy done?"}],
+             "response": "No, it is still running."}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, _, _, trajectory = _import(read_chat_log(log))
+    assert [t.after for t in trajectory.turns] == [[], []]

@@ -43,6 +43,7 @@ from kvbench.tracegen.schema import (
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
 SEED_GRAM = 8  # tokens that must match before a run is extended
+MIN_QUOTED_TOKENS = 4  # a shorter response ("OK") turns up in unrelated text: never taken as quoted
 
 
 @dataclass
@@ -116,6 +117,8 @@ def _take_outputs(request: _Request, earlier: list[_Request], ancestors: set[str
     """Earlier responses found verbatim in this request's messages become `out:` pieces (longest first)."""
     for producer in sorted(earlier, key=lambda r: -len(r.record.response)):
         if ancestors is not None and producer.record.id not in ancestors:
+            continue
+        if len(tokenizer.encode(producer.record.response)) < MIN_QUOTED_TOKENS:
             continue
         response = producer.record.response
         for index, piece in enumerate(request.pieces):
