@@ -179,7 +179,7 @@ class PReCache(SharingMethod):
             if lora is not None:
                 term = lora.value_term(layer, reuse.entry.low_rank[lora.name][layer, src])
                 flat.add_(term.to(flat.dtype), alpha=sign)
-        return keys, values
+        return keys, flat.reshape(values.shape)  # `flat` may be a copy when `values` is not contiguous
 
     # ---------------------------------------------------------------- state
     def _current_bytes(self) -> dict[str, int]:
