@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.tracegen.chat_import import chat_log_trace, prompt_mismatches
+from kvbench.replay.import_check import prompt_mismatches
+from kvbench.tracegen.chat_import import chat_log_trace
 from kvbench.tracegen.chat_log import read_chat_log
 from kvbench.tracegen.schema import TraceError
 from kvbench.tracegen.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ without a template), cut into segments:
 
 Shared spans are cut at token boundaries where the pieces tokenize alone as they do together; an
 output is taken whole, so where the tokenizer merges a character across its ends (a blank line
-before it) the built prompt differs from the log's by that token. `prompt_mismatches` names every
+before it) the built prompt differs from the log's by that token. `replay.import_check` names every
 prompt kvbench builds from the trace that is not the log's token for token. The search compares
 every pair of requests of a session: logs of hundreds of requests import in seconds, not logs of
 millions.
@@ -300,34 +300,6 @@ def chat_log_trace(records: list[ChatRecord], tokenizer: TraceTokenizer, min_spa
                          tokenizer=tokenizer.name, tokenizer_sha256=tokenizer.sha256,
                          prompt_prefix_ids=tokenizer.prompt_prefix_ids)
     return header, trajectories
-
-
-def prompt_mismatches(records: list[ChatRecord], trajectories: list[Trajectory],
-                      tokenizer: TraceTokenizer) -> list[str]:
-    """Requests whose prompt, built from the trace with the log's responses as the outputs, is not
-    the log's prompt token for token (each as 'trajectory/turn: why')."""
-    from kvbench.replay.prompts import PromptBuilder, TurnPrompt
-
-    problems = []
-    by_session: dict[str, list[ChatRecord]] = defaultdict(list)
-    for record in records:
-        by_session[record.session].append(record)
-    for trajectory in trajectories:
-        members = sorted(by_session[trajectory.trajectory_id],
-                         key=lambda r: (r.timestamp if r.timestamp is not None else 0.0, r.line))
-        builder = PromptBuilder(tokenizer, tokenizer.prompt_prefix_ids, run_id="import-check")
-        outputs = {t.turn_id: tokenizer.encode(r.response) for t, r in zip(trajectory.turns, members)}
-        prompts: dict[str, TurnPrompt] = {}
-        for turn, record in zip(trajectory.turns, members):
-            built = builder.build(trajectory, turn, outputs, prompts)
-            prompts[turn.turn_id] = built
-            expected = log_prompt_ids(record, tokenizer)
-            if built.token_ids != expected:
-                at = next((i for i, (x, y) in enumerate(zip(built.token_ids, expected)) if x != y),
-                          min(len(built.token_ids), len(expected)))
-                problems.append(f"{trajectory.trajectory_id}/{turn.turn_id}: differs from token {at} "
-                                f"({len(built.token_ids)} tokens built, {len(expected)} in the log)")
-    return problems
 
 
 def describe(trajectories: list[Trajectory]) -> dict[str, Any]:

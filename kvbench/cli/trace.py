@@ -241,8 +241,9 @@ def import_command(log: Path, fmt: str, output: Path, model: str | None, min_spa
     """Build a kvbench trace from a real agent log (openai-chat: agents, shared segments found in
     token space at any position, dependencies from parent ids or earlier outputs quoted in later
     prompts, arrivals) or from PReCache's trajectory CSV."""
+    from kvbench.replay.import_check import prompt_mismatches
     from kvbench.tracegen.adapters import with_adapters
-    from kvbench.tracegen.chat_import import chat_log_trace, describe, prompt_mismatches
+    from kvbench.tracegen.chat_import import chat_log_trace, describe
     from kvbench.tracegen.chat_log import read_chat_log
     from kvbench.tracegen.precache_csv import precache_trace, read_precache_csv
     from kvbench.tracegen.schema import TraceError
