@@ -89,7 +89,6 @@ class PReCache(SharingMethod):
         super().__init__(params)
         self.entries: OrderedDict[str, LowRankEntry] = OrderedDict()
         self.pending: list[tuple[str, SavedKV, str | None]] = []  # saved sources waiting for their build
-        self.built_deferred = self.built_at_load = 0
         self.peak: dict[str, int] = {}
 
     # ---------------------------------------------------------------- building the LR cache
@@ -131,7 +130,6 @@ class PReCache(SharingMethod):
         for key, source, writer in pending:
             try:
                 self._keep(key, run_to_end(self._build(source, writer)))
-                self.built_deferred += 1
             except Exception:  # its readers build it at their load instead
                 logger.exception("kvbench: %s could not build the LR cache of %s", self.name, key)
 
@@ -149,7 +147,6 @@ class PReCache(SharingMethod):
             entry = yield from self._build(reuse.source, reuse.segment.source_adapter)
             self._keep(key, entry)
             built, seconds = built + entry.tokens, seconds + entry.build_s
-            self.built_at_load += 1
         if built:
             ctx.stats.update(precache_built_tokens=built, precache_build_s=seconds)
 
@@ -195,5 +192,4 @@ class PReCache(SharingMethod):
     def reset(self) -> None:
         self.entries.clear()
         self.pending.clear()
-        self.built_deferred = self.built_at_load = 0
         self.peak = {}
