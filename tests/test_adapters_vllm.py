@@ -17,6 +17,7 @@ from kvbench.model.adapters import build_random_adapter
 from kvbench.replay.server import VLLMServer, method_server_config
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.tokenizer import load_tokenizer
+from kvbench.tracegen.trace_files import read_trace
 
 pytestmark = pytest.mark.engine
 AGENTS = 4
@@ -61,18 +62,21 @@ def _replay(trace: Path, url: str, out: Path, method: str) -> pd.DataFrame:
 
 def test_adapters_load_change_outputs_and_run_beside_the_connector(rebase_server: VLLMServer, adapters: dict[str, str],
                                                                    tmp_path: Path) -> None:
-    plain = _trace(tmp_path, "plain")
     with_random = _trace(tmp_path, "random", f"Table Reader={adapters['reader-random']}")
     with_zero = _trace(tmp_path, "zero", f"Table Reader={adapters['reader-zero']}")
     # First agents reuse nothing, so they are computed by vLLM itself (issue 36); later agents
     # reuse the adapter agent's cache with their own values rebuilt
     url = rebase_server.base_url
-    base = _replay(plain, url, tmp_path / "base", "precache-rebase")
     changed = _replay(with_random, url, tmp_path / "random", "precache-rebase")
     same = _replay(with_zero, url, tmp_path / "zero", "precache-rebase")
-    first = [(t, "A0.r0") for t in base.index.get_level_values(0).unique()]
-    outputs = {name: [list(frame.loc[key, "output_token_ids"]) for key in first]
-               for name, frame in (("base", base), ("random", changed), ("zero", same))}
+    trajectories = read_trace(with_zero).trajectories
+    first = [(t.trajectory_id, "A0.r0") for t in trajectories]
+    # the base model's outputs (no adapter), from vLLM's own prefill of the same prompts
+    base = {(t.trajectory_id, "A0.r0"): replay_turns(rebase_server, t, dict.fromkeys(t.agents), dense=True,
+                                                     steps=t.turns[0].max_tokens)["A0.r0"] for t in trajectories}
+    outputs = {"base": [base[key] for key in first],
+               **{name: [list(frame.loc[key, "output_token_ids"]) for key in first]
+                  for name, frame in (("random", changed), ("zero", same))}}
     assert outputs["zero"] == outputs["base"]  # the identity adapter is the base model
     assert outputs["random"] != outputs["base"]  # a real adapter changes what its agent writes
     assert (changed["reused_tokens"] > 0).any()  # later agents reused the adapter agent's cache

@@ -87,7 +87,7 @@ def set_params(server: VLLMServer, **params: object) -> dict:
     return WorkerClient(server.base_url).set_params(params)
 
 
-def replay_turns(server: VLLMServer, trajectory, adapter_of: dict[str, str], dense: bool, steps: int,
+def replay_turns(server: VLLMServer, trajectory, adapter_of: dict[str, str | None], dense: bool, steps: int,
                  only_q: bool = False) -> dict[str, list[int]]:
     """Every turn of `trajectory` in order, each agent's requests under its LoRA adapter, free-running
     (each reads this replay's own earlier outputs): `dense` vLLM prefills everything itself (what
