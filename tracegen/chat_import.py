@@ -99,11 +99,9 @@ def log_prompt_ids(record: ChatRecord, tokenizer: TraceTokenizer) -> list[int]:
     return tokenizer.prompt_prefix_ids + [i for p in pieces for i in tokenizer.encode(p.text)]
 
 
-def _stable_cut(tokenizer: TraceTokenizer, text: str, start: int, stop: int) -> bool:
-    """Whether text[:start], text[start:stop], text[stop:] tokenize alone as they do together."""
-    whole = tokenizer.encode(text)
-    parts = [tokenizer.encode(part) for part in (text[:start], text[start:stop], text[stop:])]
-    return parts[0] + parts[1] + parts[2] == whole
+def _stable_cut(tokenizer: TraceTokenizer, text: str, ids: list[int], cut: int) -> bool:
+    """Whether text[:cut] and text[cut:] tokenize alone as `text` (whose ids are `ids`) does."""
+    return tokenizer.encode(text[:cut]) + tokenizer.encode(text[cut:]) == ids
 
 
 def _split(pieces: list[Piece], index: int, start: int, stop: int, kind: str, key: str) -> None:
@@ -153,15 +151,16 @@ def _runs(a: list[int], b: list[int], min_len: int) -> list[tuple[int, int, int]
     return runs
 
 
-def _joint_cut(tokenizer: TraceTokenizer, sides: list[tuple[str, list[int]]], token: int, step: int,
+def _joint_cut(tokenizer: TraceTokenizer, sides: list[tuple[str, Any, int]], token: int, step: int,
                limit: int) -> list[int] | None:
-    """Character offsets, one per side, of a cut before token `token + k * step` (k = 0, 1, ...
-    while inside the run) that is stable on every side: the same cut in the same text, so the run's
-    pieces stay identical. None when no such cut is within `limit` tokens."""
+    """Character offsets, one per side, of a cut before token `token + k * step` of the run (k = 0,
+    1, ... within `limit` tokens) that is stable on every side: the same cut in the same text, so
+    the run's pieces stay identical. A side: its text, its encoding, where the run starts in it."""
     for k in range(limit):
         at = token + k * step
-        offsets = [starts[at] if at < len(starts) else len(text) for text, starts in sides]
-        if all(_stable_cut(tokenizer, text, cut, cut) for (text, _), cut in zip(sides, offsets)):
+        offsets = [encoding.offsets[start + at][0] if start + at < len(encoding.ids) else len(text)
+                   for text, encoding, start in sides]
+        if all(_stable_cut(tokenizer, text, encoding.ids, cut) for (text, encoding, _), cut in zip(sides, offsets)):
             return offsets
     return None
 
@@ -178,12 +177,11 @@ def _mark_shared(requests: list[_Request], tokenizer: TraceTokenizer, min_len: i
     for (r, i), (s, j) in itertools.combinations(content, 2):
         if r == s:
             continue
-        sides = [(requests[r].pieces[i].text, [a for a, _ in encoded[(r, i)].offsets]),
-                 (requests[s].pieces[j].text, [a for a, _ in encoded[(s, j)].offsets])]
         for p, q, n in _runs(encoded[(r, i)].ids, encoded[(s, j)].ids, min_len):
+            sides = [(requests[r].pieces[i].text, encoded[(r, i)], p), (requests[s].pieces[j].text, encoded[(s, j)], q)]
             slack = max(1, n - min_len)
-            start = _joint_cut(tokenizer, [(sides[0][0], sides[0][1][p:]), (sides[1][0], sides[1][1][q:])], 0, 1, slack)
-            end = _joint_cut(tokenizer, [(sides[0][0], sides[0][1][p:]), (sides[1][0], sides[1][1][q:])], n, -1, slack)
+            start = _joint_cut(tokenizer, sides, 0, 1, slack)
+            end = _joint_cut(tokenizer, sides, n, -1, slack)
             if start is not None and end is not None and end[0] - start[0] > 0:
                 cuts[(r, i)] |= {start[0], end[0]}
                 cuts[(s, j)] |= {start[1], end[1]}
