@@ -72,8 +72,8 @@ def test_adapters_load_change_outputs_and_run_beside_the_connector(rebase_server
     trajectories = read_trace(with_zero).trajectories
     first = [(t.trajectory_id, "A0.r0") for t in trajectories]
     # the base model's outputs (no adapter), from vLLM's own prefill of the same prompts
-    base = {(t.trajectory_id, "A0.r0"): replay_turns(rebase_server, t, dict.fromkeys(t.agents), dense=True,
-                                                     steps=t.turns[0].max_tokens)["A0.r0"] for t in trajectories}
+    base = {(t.trajectory_id, "A0.r0"): replay_turns(rebase_server, t, t.turns[0].max_tokens, dict.fromkeys(t.agents),
+                                                     plan_update={"claim": "none"})["A0.r0"] for t in trajectories}
     outputs = {"base": [base[key] for key in first],
                **{name: [list(frame.loc[key, "output_token_ids"]) for key in first]
                   for name, frame in (("random", changed), ("zero", same))}}
@@ -93,8 +93,8 @@ def test_rebase_with_identity_adapters_gives_vllms_own_outputs(rebase_server: VL
     trajectory = trajectory.model_copy(update={"agents": {
         name: agent.model_copy(update={"system": system}) for name, agent in trajectory.agents.items()}})
     adapter_of = {name: f"zero-{i}" for i, name in enumerate(trajectory.agents)}  # one each: no exact copies
-    dense = replay_turns(rebase_server, trajectory, adapter_of, dense=True, steps=8)
+    dense = replay_turns(rebase_server, trajectory, 8, adapter_of, plan_update={"claim": "none"})
     before = sum(s.get("reused_tokens", 0) for s in all_request_stats(rebase_server))
-    reused = replay_turns(rebase_server, trajectory, adapter_of, dense=False, steps=8, only_q=True)
+    reused = replay_turns(rebase_server, trajectory, 8, adapter_of, only_q=True)
     assert sum(s.get("reused_tokens", 0) for s in all_request_stats(rebase_server)) > before
     assert reused == dense

@@ -46,9 +46,9 @@ def test_both_variants_answer_every_reuse_turn_along_the_readers_route(route_ser
                                                 output_len=3, num_trajectories=1, seed=7), tokenizer)
     adapter_of = {name: f"route-{reading_of(agent.system)}" for name, agent in trajectory.agents.items()}
     gold = {a.turn_id: a.answer for a in trajectory.task.answers}
-    dense = replay_turns(server, trajectory, adapter_of, dense=True, steps=3)
+    dense = replay_turns(server, trajectory, 3, adapter_of, plan_update={"claim": "none"})
     assert {t: tokenizer.decode(ids).strip() for t, ids in dense.items()} == gold  # NonShared with adapters
-    reused = replay_turns(server, trajectory, adapter_of, dense=False, steps=3)
+    reused = replay_turns(server, trajectory, 3, adapter_of)
     assert {t: tokenizer.decode(ids).strip() for t, ids in reused.items()} == gold, method
     stats = [s for s in all_request_stats(server) if s.get("reused_tokens")]
     assert len(stats) >= 3  # A1..A3 reused A0's (or each other's) cache

@@ -5,18 +5,16 @@ and a dense fallback on every load gives NonShared's outputs token for token."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_helpers import complete
+from vllm_helpers import replay_turns
 
 from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 from kvbench.model.resolve import resolve_model
 from kvbench.model.roles import PROMPT_FAMILIES
-from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.server import ServerConfig, VLLMServer
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -40,21 +38,10 @@ def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 
 def _replay(server: VLLMServer, trajectory, mode: str) -> dict[str, list[int]]:
-    """Every turn in order, free-running (each reads this replay's own earlier outputs): `dense`
-    vLLM prefills everything itself, `reuse` the plan's sources are reused, `fallback` every load
-    fails and vLLM recomputes."""
-    tokenizer = load_tokenizer(None)
-    builder = PromptBuilder(tokenizer, tokenizer.prompt_prefix_ids, run_id=f"{mode}-{uuid.uuid4().hex[:8]}")
-    outputs: dict[str, list[int]] = {}
-    prompts: dict[str, TurnPrompt] = {}
-    for turn in trajectory.turns:
-        prompt = builder.build(trajectory, turn, outputs, prompts)
-        plan = prompt.plan.to_dict()
-        plan.update({"dense": {"claim": "none"}, "reuse": {}, "fallback": {"inject_fault": True}}[mode])
-        choice = complete(server, prompt.token_ids, plan, salt=plan["save_as"].replace("/", "-"), max_tokens=3)
-        outputs[turn.turn_id] = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
-        prompts[turn.turn_id] = prompt
-    return outputs
+    """Every turn in order: `dense` vLLM prefills everything itself, `reuse` the plan's sources are
+    reused, `fallback` every load fails and vLLM recomputes."""
+    update = {"dense": {"claim": "none"}, "reuse": {}, "fallback": {"inject_fault": True}}[mode]
+    return replay_turns(server, trajectory, 3, plan_update=update)
 
 
 def test_dense_answers_right_reuse_wrong_fallback_equals_dense(family_server: tuple[str, VLLMServer]) -> None:

@@ -87,26 +87,26 @@ def set_params(server: VLLMServer, **params: object) -> dict:
     return WorkerClient(server.base_url).set_params(params)
 
 
-def replay_turns(server: VLLMServer, trajectory, adapter_of: dict[str, str | None], dense: bool, steps: int,
-                 only_q: bool = False) -> dict[str, list[int]]:
-    """Every turn of `trajectory` in order, each agent's requests under its LoRA adapter, free-running
-    (each reads this replay's own earlier outputs): `dense` vLLM prefills everything itself (what
-    NonShared serves), else the plan's sources are reused through the server's method (`only_q`: the
-    shared table only, not the agents' outputs). Greedy output token ids per turn."""
+def replay_turns(server: VLLMServer, trajectory, steps: int, adapter_of: dict[str, str | None] | None = None,
+                 plan_update: dict | None = None, only_q: bool = False) -> dict[str, list[int]]:
+    """Every turn of `trajectory` in order, free-running (each reads this replay's own earlier
+    outputs), each agent's requests under its LoRA adapter in `adapter_of` (default: the trace's):
+    greedy output token ids per turn. `plan_update` goes into every plan (`{"claim": "none"}`: vLLM
+    prefills everything itself, what NonShared serves; `{"inject_fault": True}`: every load fails
+    and vLLM recomputes); `only_q`: the shared table is reused, not the agents' outputs."""
     from kvbench.replay.prompts import PromptBuilder, TurnPrompt
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     builder = PromptBuilder(tokenizer, tokenizer.prompt_prefix_ids, run_id=new_key())
-    trajectory = trajectory.model_copy(update={"agents": {
-        name: agent.model_copy(update={"adapter": adapter_of[name]}) for name, agent in trajectory.agents.items()}})
+    if adapter_of is not None:
+        trajectory = trajectory.model_copy(update={"agents": {
+            name: agent.model_copy(update={"adapter": adapter_of[name]}) for name, agent in trajectory.agents.items()}})
     outputs: dict[str, list[int]] = {}
     prompts: dict[str, TurnPrompt] = {}
     for turn in trajectory.turns:
         prompt = builder.build(trajectory, turn, outputs, prompts)
-        plan = prompt.plan.to_dict()
-        if dense:
-            plan["claim"] = "none"
+        plan = {**prompt.plan.to_dict(), **(plan_update or {})}
         if only_q:
             plan["segments"] = [{**seg, "source": None} if seg["id"] != "q" else seg for seg in plan["segments"]]
         choice = complete(server, prompt.token_ids, plan, salt=plan["save_as"].replace("/", "-"), max_tokens=steps,
