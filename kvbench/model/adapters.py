@@ -52,11 +52,29 @@ def build_random_adapter(model_dir: str | Path, out_dir: str | Path, *, rank: in
         "kind": "zero" if zero else "random", "rank": rank, "seed": seed, "strength": strength, "layers": layers})
 
 
-def v_lora_tensors(layer: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> dict[str, torch.Tensor]:
-    """PEFT's names for one layer's v_proj LoRA: A [rank, hidden], B [kv rows, rank] (bf16)."""
+def _v_lora_names(layer: int) -> tuple[str, str]:
+    """PEFT's tensor names of one layer's v_proj LoRA A and B."""
     prefix = f"base_model.model.model.layers.{layer}.self_attn.{V_PROJ}"
-    return {f"{prefix}.lora_A.weight": lora_a.to(torch.bfloat16).contiguous(),
-            f"{prefix}.lora_B.weight": lora_b.to(torch.bfloat16).contiguous()}
+    return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
+
+
+def v_lora_tensors(layer: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One layer's v_proj LoRA under PEFT's names: A [rank, hidden], B [kv rows, rank] (bf16)."""
+    name_a, name_b = _v_lora_names(layer)
+    return {name_a: lora_a.to(torch.bfloat16).contiguous(), name_b: lora_b.to(torch.bfloat16).contiguous()}
+
+
+def read_v_lora(folder: str | Path, num_layers: int) -> tuple[int, float, list[tuple[torch.Tensor, torch.Tensor] | None]]:
+    """A PEFT adapter's rank, scaling (alpha / r) and each layer's v_proj (A, B), None where it
+    leaves the layer alone. Raises OSError/ValueError for a folder it cannot read."""
+    folder = Path(folder)
+    config = json.loads((folder / PEFT_CONFIG).read_text())
+    tensors = load_file(str(folder / PEFT_WEIGHTS))
+    layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for layer in range(num_layers):
+        name_a, name_b = _v_lora_names(layer)
+        layers.append((tensors[name_a], tensors[name_b]) if name_a in tensors and name_b in tensors else None)
+    return int(config["r"]), float(config["lora_alpha"]) / float(config["r"]), layers
 
 
 def write_peft_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], rank: int, alpha: int, model_dir: Path,
@@ -105,15 +123,11 @@ def v_only_problems(folder: str | Path) -> list[str]:
 def merge_v_lora(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
     """`model` (a transformers Llama) with the V-only adapter in `folder` merged into its value
     projections (W_v + (alpha / r) B A), in place: what vLLM computes for a request naming it."""
-    folder = Path(folder)
-    config = json.loads((folder / PEFT_CONFIG).read_text())
-    scaling = float(config["lora_alpha"]) / float(config["r"])
-    tensors = load_file(str(folder / PEFT_WEIGHTS))
+    _, scaling, layers = read_v_lora(folder, len(model.model.layers))
     with torch.no_grad():
-        for index, layer in enumerate(model.model.layers):
-            prefix = f"base_model.model.model.layers.{index}.self_attn.{V_PROJ}"
-            if f"{prefix}.lora_A.weight" in tensors:
-                a, b = tensors[f"{prefix}.lora_A.weight"].float(), tensors[f"{prefix}.lora_B.weight"].float()
+        for layer, weights in zip(model.model.layers, layers):
+            if weights is not None:
+                a, b = (t.float() for t in weights)
                 weight = layer.self_attn.v_proj.weight
                 weight.add_((scaling * b @ a).to(weight.dtype))
     return model

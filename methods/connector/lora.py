@@ -14,7 +14,6 @@ kv_connector_extra_config["adapters"]); B keeps only this tensor-parallel rank's
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,29 +47,25 @@ class VLora:
 def load_v_lora(name: str, folder: str | Path, num_layers: int, kv_rows: slice, device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.bfloat16) -> VLora:
     """Adapter `name` from its PEFT folder; MethodConfigError if it is not V-only or does not fit."""
-    from safetensors.torch import load_file
-
-    from kvbench.model.adapters import PEFT_CONFIG, PEFT_WEIGHTS, V_PROJ, v_only_problems
+    from kvbench.model.adapters import V_PROJ, read_v_lora, v_only_problems
 
     folder = Path(folder)
     try:
         problems = v_only_problems(folder)
-        config = json.loads((folder / PEFT_CONFIG).read_text())
-        tensors = load_file(str(folder / PEFT_WEIGHTS))
-    except (OSError, ValueError) as exc:
+        rank, scaling, layers = read_v_lora(folder, num_layers)
+    except (OSError, ValueError, KeyError) as exc:
         raise MethodConfigError(f"adapter {name!r}: cannot read {folder} ({exc})") from None
     if problems:
         raise MethodConfigError(f"adapter {name!r} is not V-only, which kvbench's connector needs to compute rows "
                                 f"under it: {'; '.join(problems)}")
-    rank, scaling = int(config["r"]), float(config["lora_alpha"]) / float(config["r"])
-    a_layers, b_layers = [], []
-    for layer in range(num_layers):
-        prefix = f"base_model.model.model.layers.{layer}.self_attn.{V_PROJ}"
-        a, b = tensors.get(f"{prefix}.lora_A.weight"), tensors.get(f"{prefix}.lora_B.weight")
-        if a is None or b is None:  # a layer the adapter leaves alone: a zero term
+    a_layers: list[torch.Tensor | None] = []
+    b_layers: list[torch.Tensor | None] = []
+    for layer, weights in enumerate(layers):
+        if weights is None:  # a layer the adapter leaves alone: a zero term
             a_layers.append(None)
             b_layers.append(None)
             continue
+        a, b = weights
         if a.shape[0] != rank or b.shape[1] != rank or b.shape[0] < kv_rows.stop:
             raise MethodConfigError(f"adapter {name!r}: layer {layer}'s A {tuple(a.shape)} / B {tuple(b.shape)} do not "
                                     f"fit rank {rank} and this model's value rows")
