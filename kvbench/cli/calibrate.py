@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvbench.cli.param_types import FiniteFloatRange
+from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option
 from kvbench.cli.replay import check_method, load_trace
 from kvbench.cli.server_options import ServerOptions, server_options
 
@@ -35,6 +35,7 @@ from kvbench.cli.server_options import ServerOptions, server_options
               help="Exit 1 when no step came within this of the target rho.")
 @click.option("--base-url", default=None, help="A running server with the method [default: start one].")
 @click.option("--seed", type=int, default=1, show_default=True)
+@allow_code_execution_option
 @server_options
 def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
                       shared_tokens: int, output_len: int, iterations: int, num_warmups: int, tolerance: float,

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import click
+
+from kvbench.analysis.code_execution import CONSENT_ENV, CodeExecutionRefused, require_code_execution
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -38,3 +43,23 @@ def role_paths(specs: Iterable[str], option: str = "--adapter", key: str = "ROLE
             raise click.BadParameter(f"expected {key}=PATH, got {spec!r}", param_hint=option)
         paths[role] = path
     return paths
+
+
+def allow_code_execution_option(func: F) -> F:
+    """`--allow-code-execution`: consent to run model-written code (HumanEval's tests), in the sandbox."""
+    def consent(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+        if value:
+            os.environ[CONSENT_ENV] = "1"  # read where the checks run, in this process and its children
+
+    return click.option("--allow-code-execution", is_flag=True, expose_value=False, callback=consent,
+                        help=f"Run model-written code: HumanEval's tests of each completion, each in a bubblewrap "
+                             f"sandbox [also: {CONSENT_ENV}=1].")(func)
+
+
+def require_code_execution_here() -> None:
+    """Refuse at once, before any server starts, when HumanEval would be scored without consent
+    or without a sandbox."""
+    try:
+        require_code_execution()
+    except CodeExecutionRefused as exc:
+        raise click.ClickException(str(exc)) from None

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from kvbench import run_files
-from kvbench.cli.param_types import FiniteFloatRange
+from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option, require_code_execution_here
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.replay.interrupts import Interrupted
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
@@ -110,6 +110,7 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--drop-shared", is_flag=True,
               help="Leave every shared segment out of every prompt: the no-context floor of PGR.")
 @server_options
+@allow_code_execution_option
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
                    num_warmups: int, prime_method_state: bool, seed: int, metric_percentiles: str,
@@ -240,6 +241,8 @@ def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int
         raise click.ClickException(str(exc)) from None
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
+    if any(t.task is not None and t.task.name == "humaneval" for t in trace.trajectories):
+        require_code_execution_here()  # scoring it runs model-written code: refused before a server starts
     served = resolve_model(model if model is not None else trace.header.tokenizer)
     return trace, tokenizer, served
 

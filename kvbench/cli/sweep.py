@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from kvbench.cli.param_types import finite_float, role_paths
+from kvbench.cli.param_types import allow_code_execution_option, finite_float, role_paths
 from kvbench.tracegen.datasets import BENCHMARK_TASKS
 from kvbench.tracegen.generate import TASK_MODELS, TASKS
 from kvbench.tracegen.roles import ROLE_PRESETS
@@ -126,6 +126,7 @@ def _sweep_options(func):
                      help="Also measure what each cell costs in outputs: a NonShared reference and a no-context "
                           "floor per trace (QPS 0), every cell compared with them (exact match, token F1, "
                           "first-token KL, PGR; NonShared's own cells give the noise floor under load)."),
+        allow_code_execution_option,
     ]):
         func = option(func)
     return func
@@ -135,6 +136,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from kvbench.analysis.code_execution import CodeExecutionRefused
     from kvbench.experiment.sweep import SweepSpec, run_sweep
     from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.runner import ReplayError
@@ -178,7 +180,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
             extra = 2 * len(spec.trace_specs()) if spec.quality else 0  # the reference and floor runs
             task = progress.add_task("", total=len(cells) + extra)
             run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name), after_cell)
-    except (ValueError, ServerError, ReplayError, ResultDirError) as exc:
+    except (ValueError, ServerError, ReplayError, ResultDirError, CodeExecutionRefused) as exc:
         raise click.ClickException(f"{exc} (finished cells are kept; rerun the same command to resume)") from None
     return out
 

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvbench import run_files
+from kvbench.analysis.code_execution import require_code_execution
 from kvbench.analysis.quality import write_quality
 from kvbench.analysis.summary import write_summary
 from kvbench.analysis.task_score import write_scores
 from kvbench.replay.runner import ReplayConfig, run_replay
-from kvbench.tracegen.schema import Trace, TraceHeader
+from kvbench.tracegen.schema import Trace, TraceHeader, Trajectory
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def require_consent_for(trajectories: Sequence[Trajectory]) -> None:
+    """A trace whose scoring runs model-written code (HumanEval) needs consent and a sandbox:
+    refused before anything is replayed (CodeExecutionRefused)."""
+    if any(t.task is not None and t.task.name == "humaneval" for t in trajectories):
+        require_code_execution()
 
 
 def _score_and_summarize(config: ReplayConfig) -> dict[str, Any]:
@@ -31,6 +40,7 @@ def replay_and_summarize(config: ReplayConfig) -> dict[str, Any]:
     outputs first) and return it. A run that was aborted or stopped by a signal is summarized
     too (the summary says which) before the error propagates; one that never reached its
     servers left nothing to summarize."""
+    require_consent_for(config.trace.trajectories)
     try:
         run_replay(config)
     except BaseException:
@@ -80,5 +90,6 @@ def rescore(result_dir: Path, trace_path: Path | None = None) -> dict[str, Any]:
     if not any(t.task is not None for t in trace.trajectories):
         raise ValueError(f"{result_dir}: its trace has no task to score "
                          "(make one with gen-trace --task recall, mmlu, gsm8k or humaneval)")
+    require_consent_for(trace.trajectories)
     write_scores(result_dir, trace.trajectories, tokenizer)
     return write_summary(result_dir)

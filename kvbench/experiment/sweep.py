@@ -199,7 +199,7 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
 
 def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
                after_cell: AfterCell | None) -> list[SweepCell]:
-    from kvbench.experiment.run import replay_and_summarize
+    from kvbench.experiment.run import replay_and_summarize, require_consent_for
     from kvbench.model.resolve import resolve_model
     from kvbench.replay.runner import ReplayConfig, ReplayError
     from kvbench.replay.sampling import SamplingParams
@@ -223,6 +223,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
             path.parent.mkdir(parents=True, exist_ok=True)
             write_trace(path, *generate_trace(trace_spec, tokenizer))
         traces[name] = read_trace(path)
+    require_consent_for([t for trace in traces.values() for t in trace.trajectories])  # before any server starts
     cells = spec.cells(root)
     lora_modules = {name: path for trace in traces.values() for name, path in (trace.header.adapters or {}).items()}
     if spec.quality:
