@@ -83,8 +83,12 @@ def test_a_benchmark_workload_replays_and_its_final_answers_are_scored(vllm_serv
                                      "--output-len", "12", "--qps", "0"])
     assert made.exit_code == 0, made.output
     out = tmp_path / "run"
-    result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", vllm_server.base_url,
-                                       "--qps", "0", "--num-warmups", "0", "--result-dir", str(out)])
+    args = ["replay", "--trace", str(trace), "--base-url", vllm_server.base_url, "--qps", "0", "--num-warmups", "0",
+            "--result-dir", str(out)]
+    refused = CliRunner().invoke(main, args, env={"KVBENCH_ALLOW_CODE_EXECUTION": ""})
+    # scoring runs model-written code: without consent, refused before anything is sent
+    assert refused.exit_code == 1 and "--allow-code-execution" in refused.output and not out.exists()
+    result = CliRunner().invoke(main, [*args, "--allow-code-execution"])
     assert result.exit_code == 0, result.output
     requests = pd.read_parquet(out / "requests.parquet")
     assert len(requests) == 8 and requests["success"].all() and (requests["output_tokens"] <= 12).all()
