@@ -21,8 +21,7 @@ def prompt_mismatches(records: list[ChatRecord], trajectories: list[Trajectory],
     for record in records:
         by_session[record.session].append(record)
     for trajectory in trajectories:
-        members = sorted(by_session[trajectory.trajectory_id],
-                         key=lambda r: (r.timestamp if r.timestamp is not None else 0.0, r.line))
+        members = sorted(by_session[trajectory.trajectory_id], key=lambda r: r.order)
         builder = PromptBuilder(tokenizer, tokenizer.prompt_prefix_ids, run_id="import-check")
         outputs = {t.turn_id: tokenizer.encode(r.response) for t, r in zip(trajectory.turns, members)}
         prompts: dict[str, TurnPrompt] = {}

@@ -21,7 +21,7 @@ millions.
 
 from __future__ import annotations
 
-import itertools
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +40,9 @@ from kvbench.tracegen.schema import (
     Trajectory,
     Turn,
 )
+from kvbench.tracegen.token_spans import shared_spans
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
-SEED_GRAM = 8  # tokens that must match before a run is extended
 MIN_QUOTED_TOKENS = 4  # a shorter response ("OK") turns up in unrelated text: never taken as quoted
 
 
@@ -59,6 +59,7 @@ class _Request:
     turn_id: str
     agent: str
     pieces: list[Piece]
+    response_tokens: int  # the response's length in tokens, counted once
     parents: set[str] = field(default_factory=set)  # record ids
 
 
@@ -67,14 +68,16 @@ def _render(record: ChatRecord, tokenizer: TraceTokenizer) -> list[Piece]:
     contents = [text for _, text in record.messages]
     system_first = record.system is not None
     kinds = ["system" if system_first and i == 0 else "content" for i in range(len(contents))]
+    calls = record.tool_calls or (None,) * len(contents)
     template = tokenizer.chat
-    if template is None:
+    if template is None:  # a tool call is written out as its JSON, after the message's text
         pieces = []
-        for kind, text in zip(kinds, contents):
-            pieces += [Piece(kind, text), Piece("glue", "\n\n")]
-        return pieces
-    rendered = str(template.apply_chat_template([{"role": r, "content": t} for r, t in record.messages],
-                                                tokenize=False, add_generation_prompt=True))
+        for kind, text, call in zip(kinds, contents, calls):
+            pieces += [Piece(kind, text), *([Piece("glue", call)] if call else []), Piece("glue", "\n\n")]
+        return [p for p in pieces if p.text]
+    messages = [{"role": r, "content": t, **({"tool_calls": json.loads(c)} if c else {})}
+                for (r, t), c in zip(record.messages, calls)]
+    rendered = str(template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     bos = getattr(template, "bos_token", None)
     if bos and tokenizer.prompt_prefix_ids and rendered.startswith(bos):
         rendered = rendered[len(bos):]
@@ -99,24 +102,18 @@ def log_prompt_ids(record: ChatRecord, tokenizer: TraceTokenizer) -> list[int]:
     return tokenizer.prompt_prefix_ids + [i for p in pieces for i in tokenizer.encode(p.text)]
 
 
-def _stable_cut(tokenizer: TraceTokenizer, text: str, ids: list[int], cut: int) -> bool:
-    """Whether text[:cut] and text[cut:] tokenize alone as `text` (whose ids are `ids`) does."""
-    return tokenizer.encode(text[:cut]) + tokenizer.encode(text[cut:]) == ids
-
-
 def _split(pieces: list[Piece], index: int, start: int, stop: int, kind: str, key: str) -> None:
     piece = pieces[index]
     pieces[index:index + 1] = [p for p in (Piece(piece.kind, piece.text[:start]), Piece(kind, piece.text[start:stop], key),
                                            Piece(piece.kind, piece.text[stop:])) if p.text]
 
 
-def _take_outputs(request: _Request, earlier: list[_Request], ancestors: set[str] | None,
-                  tokenizer: TraceTokenizer) -> None:
+def _take_outputs(request: _Request, earlier: list[_Request], ancestors: set[str] | None) -> None:
     """Earlier responses found verbatim in this request's messages become `out:` pieces (longest first)."""
     for producer in sorted(earlier, key=lambda r: -len(r.record.response)):
         if ancestors is not None and producer.record.id not in ancestors:
             continue
-        if len(tokenizer.encode(producer.record.response)) < MIN_QUOTED_TOKENS:
+        if producer.response_tokens < MIN_QUOTED_TOKENS:
             continue
         response = producer.record.response
         for index, piece in enumerate(request.pieces):
@@ -128,81 +125,25 @@ def _take_outputs(request: _Request, earlier: list[_Request], ancestors: set[str
                 break
 
 
-def _runs(a: list[int], b: list[int], min_len: int) -> list[tuple[int, int, int]]:
-    """Common runs of >= min_len tokens (start in a, start in b, length), left to right in a,
-    each the longest starting there."""
-    gram = min(SEED_GRAM, min_len)
-    index: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for q in range(len(b) - gram + 1):
-        index[tuple(b[q:q + gram])].append(q)
-    runs, p = [], 0
-    while p <= len(a) - gram:
-        best = 0, 0
-        for q in index.get(tuple(a[p:p + gram]), ()):
-            n = gram
-            while p + n < len(a) and q + n < len(b) and a[p + n] == b[q + n]:
-                n += 1
-            best = max(best, (n, q))
-        if best[0] >= min_len:
-            runs.append((p, best[1], best[0]))
-            p += best[0]
-        else:
-            p += 1
-    return runs
-
-
-def _joint_cut(tokenizer: TraceTokenizer, sides: list[tuple[str, Any, int]], token: int, step: int,
-               limit: int) -> list[int] | None:
-    """Character offsets, one per side, of a cut before token `token + k * step` of the run (k = 0,
-    1, ... within `limit` tokens) that is stable on every side: the same cut in the same text, so
-    the run's pieces stay identical. A side: its text, its encoding, where the run starts in it."""
-    for k in range(limit):
-        at = token + k * step
-        offsets = [encoding.offsets[start + at][0] if start + at < len(encoding.ids) else len(text)
-                   for text, encoding, start in sides]
-        if all(_stable_cut(tokenizer, text, encoding.ids, cut) for (text, encoding, _), cut in zip(sides, offsets)):
-            return offsets
-    return None
-
-
 def _mark_shared(requests: list[_Request], tokenizer: TraceTokenizer, min_len: int) -> dict[str, str]:
-    """Shared segments: every message text is cut where a token run of >= min_len it shares with
-    another request's messages starts and ends (both cuts stable in both texts, moved inward if
-    need be); the pieces of >= min_len tokens that two or more requests hold become shared
-    segments (one key per text, at any position). Returns text -> key."""
+    """Shared segments: the token runs of >= min_len that a request's messages share with another
+    request's, at any position in either, cut stably (tracegen/token_spans.py) and keyed by
+    their text in order of first appearance. Returns text -> key."""
     content = [(r, i) for r, request in enumerate(requests) for i, p in enumerate(request.pieces) if p.kind == "content"]
-    encoded = {(r, i): tokenizer.backend.encode(requests[r].pieces[i].text, add_special_tokens=False)
-               for r, i in content}
-    cuts: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for (r, i), (s, j) in itertools.combinations(content, 2):
-        if r == s:
-            continue
-        for p, q, n in _runs(encoded[(r, i)].ids, encoded[(s, j)].ids, min_len):
-            sides = [(requests[r].pieces[i].text, encoded[(r, i)], p), (requests[s].pieces[j].text, encoded[(s, j)], q)]
-            slack = max(1, n - min_len)
-            start = _joint_cut(tokenizer, sides, 0, 1, slack)
-            end = _joint_cut(tokenizer, sides, n, -1, slack)
-            if start is not None and end is not None and end[0] - start[0] > 0:
-                cuts[(r, i)] |= {start[0], end[0]}
-                cuts[(s, j)] |= {start[1], end[1]}
-    holders: dict[str, set[int]] = defaultdict(set)
+    spans = shared_spans([requests[r].pieces[i].text for r, i in content], [r for r, _ in content], tokenizer, min_len)
+    cut: dict[tuple[int, int], list[tuple[int, int]]] = {place: ranges for place, ranges in zip(content, spans) if ranges}
+    keys: dict[str, str] = {}
     for r, request in enumerate(requests):
         pieces: list[Piece] = []
         for i, piece in enumerate(request.pieces):
-            if (r, i) not in cuts:
-                pieces.append(piece)
-                continue
-            bounds = sorted({0, *cuts[(r, i)], len(piece.text)})
-            for start, stop in zip(bounds, bounds[1:]):
-                pieces.append(Piece("content", piece.text[start:stop]))
-                holders[piece.text[start:stop]].add(r)
-        request.pieces = pieces
-    keys: dict[str, str] = {}
-    for request in requests:
-        for piece in request.pieces:
-            if piece.kind == "content" and len(holders.get(piece.text, ())) > 1 \
-                    and len(tokenizer.encode(piece.text)) >= min_len:
-                piece.kind, piece.key = "shared", keys.setdefault(piece.text, f"s{len(keys) + 1}")
+            at = 0
+            for start, stop in cut.get((r, i), ()):
+                text = piece.text[start:stop]
+                key = keys.setdefault(text, f"s{len(keys) + 1}")
+                pieces += [Piece("content", piece.text[at:start]), Piece("shared", text, key)]
+                at = stop
+            pieces.append(Piece(piece.kind, piece.text[at:], piece.key) if at else piece)
+        request.pieces = [p for p in pieces if p.text]
     return keys
 
 
@@ -226,12 +167,12 @@ def _trajectory(session: str, records: list[ChatRecord], tokenizer: TraceTokeniz
         for piece in pieces:  # a system prompt other than its agent's is the prompt's own text
             if piece.kind == "system" and piece.text != systems[agent]:
                 piece.kind = "glue"
-        request = _Request(record, f"{agent}.r{counts[agent]}", agent, pieces)
+        request = _Request(record, f"{agent}.r{counts[agent]}", agent, pieces, len(tokenizer.encode(record.response)))
         counts[agent] += 1
         if record.parent_ids is not None:
             request.parents = set(record.parent_ids)
         ancestors = _ancestors(request, by_id) if record.parent_ids is not None else None
-        _take_outputs(request, requests, ancestors, tokenizer)
+        _take_outputs(request, requests, ancestors)
         requests.append(request)
         by_id[record.id] = request
     keys = _mark_shared(requests, tokenizer, min_len)
@@ -239,7 +180,7 @@ def _trajectory(session: str, records: list[ChatRecord], tokenizer: TraceTokeniz
               for name, text in systems.items()}
     shared = {key: SharedText(text=text, num_tokens=len(tokenizer.encode(text))) for text, key in keys.items()}
     turns = [Turn(turn_id=r.turn_id, agent=r.agent, after=sorted(by_id[p].turn_id for p in r.parents),
-                  max_tokens=max(1, len(tokenizer.encode(r.record.response))), segments=_segments(r, tokenizer))
+                  max_tokens=max(1, r.response_tokens), segments=_segments(r, tokenizer))
              for r in requests]
     return Trajectory(trajectory_id=session, arrival_s=arrival_s, agents=agents, shared=shared, turns=turns)
 
@@ -286,7 +227,7 @@ def chat_log_trace(records: list[ChatRecord], tokenizer: TraceTokenizer, min_spa
     origin = min((r.timestamp for r in records if r.timestamp is not None), default=0.0)
     trajectories = []
     for session, members in sessions.items():
-        members.sort(key=lambda r: (r.timestamp if r.timestamp is not None else 0.0, r.line))
+        members.sort(key=lambda r: r.order)
         first = members[0].timestamp
         trajectories.append(_trajectory(session, members, tokenizer, min_span_tokens,
                                         0.0 if first is None else first - origin))

@@ -10,19 +10,23 @@ One request per JSON line:
      "parent_ids": ["r3", "r5"],              # optional: requests whose outputs this one waited for
      "session": "s1"}                         # optional: one trajectory per session (default: one for the log)
 
-A message's content is text, or a list of parts of which the text parts are kept. Every problem
-of the log is reported at once, by line and field, as `kvbench trace validate` does for traces.
+A message's content is text, or a list of parts of which the text parts are kept; an assistant
+message that calls tools may have `content: null` (OpenAI's form), its `tool_calls` passed to the
+chat template. Every problem of the log is reported at once, by line and field, as `kvbench trace
+validate` does for traces, and the log is read within the same bounds as a trace: a regular file,
+lines and texts under the trace limits (KVBENCH_MAX_TRACE_LINE_BYTES, ..._TEXT_BYTES), lines split
+at "\n" only (a raw U+2028 inside a string is text, as JSON says).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.tracegen.schema import TraceError
+from kvbench.tracegen.schema import MAX_ARRIVAL_S, TraceError, max_text_bytes
+from kvbench.tracegen.trace_files import LineTooLong, bounded_lines
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 LOG = "openai-chat log"  # what TraceError calls the file
@@ -39,6 +43,12 @@ class ChatRecord:
     timestamp: float | None
     parent_ids: tuple[str, ...] | None
     session: str
+    tool_calls: tuple[str | None, ...] = ()  # per message: its tool_calls as JSON text, or None
+
+    @property
+    def order(self) -> tuple[float, int]:
+        """Where the request falls in its session: by timestamp, then by line."""
+        return (self.timestamp if self.timestamp is not None else 0.0, self.line)
 
     @property
     def system(self) -> str | None:
@@ -47,14 +57,48 @@ class ChatRecord:
 
 
 def _text(content: Any, where: str, problems: list[str]) -> str | None:
+    text = None
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
+        text = content
+    elif isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if all(isinstance(t, str) for t in texts):
-            return "".join(str(t) for t in texts)
-    problems.append(f"{where}: content must be text or a list of text parts, got {type(content).__name__}")
-    return None
+            text = "".join(str(t) for t in texts)
+    if text is None:
+        problems.append(f"{where}: content must be text or a list of text parts, got {type(content).__name__}")
+        return None
+    return _bounded(text, f"{where}: content", problems)
+
+
+def _bounded(text: str, where: str, problems: list[str]) -> str | None:
+    """`text` when a trace could hold it: UTF-8 encodable (no lone surrogate), under the text limit."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        problems.append(f"{where}: text cannot be encoded as UTF-8 (character {exc.start} is a lone surrogate)")
+        return None
+    if size > max_text_bytes():
+        problems.append(f"{where}: text of {size} bytes, over the trace limit of {max_text_bytes()} "
+                        "(KVBENCH_MAX_TRACE_TEXT_BYTES raises it)")
+        return None
+    return text
+
+
+def _message(message: Any, where: str, problems: list[str]) -> tuple[str, str, str | None] | None:
+    """(role, text, tool calls as JSON) of a chat message, or None with its problem recorded."""
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        problems.append(f"{where}: an object with a role of {', '.join(ROLES)} is required")
+        return None
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+        problems.append(f"{where}: tool_calls: must be a list of tool calls")
+        return None
+    if message.get("content") is None and message["role"] == "assistant" and calls:
+        return "assistant", "", json.dumps(calls, ensure_ascii=False)  # a tool call: no text of its own
+    text = _text(message.get("content"), where, problems)
+    if text is None:
+        return None
+    return str(message["role"]), text, None if not calls else json.dumps(calls, ensure_ascii=False)
 
 
 def _record(raw: Any, line: int, problems: list[str]) -> ChatRecord | None:
@@ -66,22 +110,22 @@ def _record(raw: Any, line: int, problems: list[str]) -> ChatRecord | None:
     for key in sorted(set(raw) - set(FIELDS)):
         problems.append(f"{here}: {key}: unknown field (known: {', '.join(FIELDS)})")
     messages: list[tuple[str, str]] = []
+    tool_calls: list[str | None] = []
     raw_messages = raw.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         problems.append(f"{here}: messages: a non-empty list of chat messages is required")
     else:
         for index, message in enumerate(raw_messages):
-            where = f"{here}: messages[{index}]"
-            if not isinstance(message, dict) or message.get("role") not in ROLES:
-                problems.append(f"{where}: an object with a role of {', '.join(ROLES)} is required")
-                continue
-            text = _text(message.get("content"), where, problems)
-            if text is not None:
-                messages.append((str(message["role"]), text))
+            read = _message(message, f"{here}: messages[{index}]", problems)
+            if read is not None:
+                messages.append(read[:2])
+                tool_calls.append(read[2])
     response = raw.get("response")
     if isinstance(response, dict):
         response = _text(response.get("content"), f"{here}: response", problems)
-    elif not isinstance(response, str):
+    elif isinstance(response, str):
+        response = _bounded(response, f"{here}: response", problems)
+    else:
         problems.append(f"{here}: response: the assistant's text (or message) is required")
         response = None
     if isinstance(response, str) and not response.strip():
@@ -91,9 +135,10 @@ def _record(raw: Any, line: int, problems: list[str]) -> ChatRecord | None:
         if value is not None and (not isinstance(value, str) or not value.strip() or not value.isprintable()):
             problems.append(f"{here}: {key}: must be non-empty printable text")
     timestamp = raw.get("timestamp")
+    # compared, never converted: a 3,600-digit integer is a number JSON allows and float() refuses
     if timestamp is not None and (isinstance(timestamp, bool) or not isinstance(timestamp, (int, float))
-                                  or not math.isfinite(timestamp) or timestamp < 0):
-        problems.append(f"{here}: timestamp: must be a number of seconds >= 0")
+                                  or not 0 <= timestamp <= MAX_ARRIVAL_S):
+        problems.append(f"{here}: timestamp: must be a number of seconds from 0 to {MAX_ARRIVAL_S:g}")
     parents = raw.get("parent_ids")
     if parents is not None and (not isinstance(parents, list) or not all(isinstance(p, str) for p in parents)):
         problems.append(f"{here}: parent_ids: must be a list of request ids")
@@ -101,28 +146,41 @@ def _record(raw: Any, line: int, problems: list[str]) -> ChatRecord | None:
         return None
     return ChatRecord(line, str(record_id), agent, tuple(messages), str(response).strip(),
                       None if timestamp is None else float(timestamp), None if parents is None else tuple(parents),
-                      str(session))
+                      str(session), tuple(tool_calls))
+
+
+MAX_PROBLEMS = 200  # a log that is not one stops being read here
+
+
+def _parse(text: str) -> tuple[Any, str | None]:
+    """The line's JSON value, or why it is none (as one line: never a traceback)."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return None, "not JSON this reader accepts (nested too deeply)"
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        return None, f"not JSON this reader accepts ({exc})"
 
 
 def read_chat_log(path: str | Path) -> list[ChatRecord]:
     """The log's requests in file order; TraceError naming every problem by line and field."""
     problems: list[str] = []
     records: list[ChatRecord] = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(path, [f"cannot read the log: {exc}"], LOG) from None
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
-            continue
-        record = _record(raw, number, problems)
-        if record is not None:
-            records.append(record)
+    for number, text in bounded_lines(path, LOG):
+        if isinstance(text, LineTooLong):
+            problems.append(f"line {number}: longer than the trace line limit (KVBENCH_MAX_TRACE_LINE_BYTES raises it)")
+        elif text is None:
+            problems.append(f"line {number}: not UTF-8 text")
+        elif text.strip():
+            raw, error = _parse(text)
+            if error is not None:
+                problems.append(f"line {number}: {error}")
+            elif (record := _record(raw, number, problems)) is not None:
+                records.append(record)
+        if len(problems) >= MAX_PROBLEMS:
+            break
     seen: dict[str, ChatRecord] = {}
     for record in records:
         if record.id in seen:
@@ -132,6 +190,9 @@ def read_chat_log(path: str | Path) -> list[ChatRecord]:
                 problems.append(f"line {record.line}: parent_ids: {parent!r} is no earlier request's id")
             elif seen[parent].session != record.session:
                 problems.append(f"line {record.line}: parent_ids: {parent!r} is in another session")
+            elif seen[parent].order > record.order:  # the import orders a session by time
+                problems.append(f"line {record.line}: parent_ids: {parent!r} (line {seen[parent].line}) has a later "
+                                f"timestamp than this request")
         seen.setdefault(record.id, record)
     if not records and not problems:
         problems.append("the log holds no request")

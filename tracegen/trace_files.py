@@ -78,35 +78,41 @@ def parse_header(line: str, path: str | Path = "<trace>") -> TraceHeader:
         raise TraceError(path, [f"line 1: {p}" for p in _format_validation_error(exc)]) from None
 
 
-class _LineTooLong(str):
+class LineTooLong(str):
     """Stands for a line longer than the limit (never read into memory whole)."""
 
 
-def _lines(path: str | Path) -> Iterator[tuple[int, str | None]]:
-    """(line number, text) of each line; text None for a line that is not UTF-8, a `_LineTooLong`
-    for one longer than `max_line_bytes()` (skipped in chunks). Only regular files are read: a
-    device or FIFO (/dev/zero, a pipe) may never end."""
+def open_regular(path: str | Path, what: str = "trace", expected: str = "a JSONL file") -> Any:
+    """The file opened for binary reading; TraceError unless it is a regular file. A device or
+    FIFO (/dev/zero, a pipe) may never end, and opening a FIFO waits for a writer."""
     try:
-        mode = os.stat(path).st_mode  # before opening: opening a FIFO waits for a writer
+        mode = os.stat(path).st_mode  # before opening
         if not stat.S_ISREG(mode):
             kind = "a directory" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
-            raise TraceError(path, [f"not a regular file ({kind}): a trace is a JSONL file"])
-        handle = open(path, "rb")
+            raise TraceError(path, [f"not a regular file ({kind}): {expected} is expected"], what)
+        return open(path, "rb")
     except OSError as exc:
-        raise TraceError(path, [f"cannot read: {exc.strerror}"]) from None
+        raise TraceError(path, [f"cannot read: {exc.strerror}"], what) from None
+
+
+def bounded_lines(path: str | Path, what: str = "trace") -> Iterator[tuple[int, str | None]]:
+    """(line number, text) of each line, split at "\n" only (U+2028 and the like are text); text
+    None for a line that is not UTF-8, a `LineTooLong` for one longer than `max_line_bytes()`
+    (skipped in chunks). Only regular files are read (`open_regular`)."""
+    handle = open_regular(path, what)
     with handle:
         try:
             limit = max_line_bytes()
             max_text_bytes()  # a bad setting is named once here, not on every text
         except ValueError as exc:
-            raise TraceError(path, [str(exc)]) from None
+            raise TraceError(path, [str(exc)], what) from None
         number = 0
         while raw := handle.readline(limit + 1):
             number += 1
             if len(raw) > limit and not raw.endswith(b"\n"):
                 while (rest := handle.readline(1 << 20)) and not rest.endswith(b"\n"):
                     pass
-                yield number, _LineTooLong()
+                yield number, LineTooLong()
                 continue
             try:
                 yield number, raw.decode("utf-8")
@@ -121,8 +127,8 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int,
     header_seen = False
     adapters: set[str] = set()
     ids: dict[str, int] = {}
-    for number, line in _lines(path):
-        if isinstance(line, _LineTooLong):
+    for number, line in bounded_lines(path):
+        if isinstance(line, LineTooLong):
             problem = (f"line {number}: longer than {max_line_bytes()} bytes ({MAX_LINE_BYTES_ENV} raises the limit)")
             if not header_seen:
                 raise TraceError(path, [problem])

@@ -8,11 +8,14 @@ and `kvbench replay` run the same checks, so a trace that validates replays.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvbench.tracegen.schema import Trace, TraceError, Trajectory
+from kvbench.tracegen.schema import Trace, TraceError, TraceHeader, Trajectory
 from kvbench.tracegen.tokenizer import TraceTokenizer, load_tokenizer
+from kvbench.tracegen.trace_files import read_trace, write_trace
 
 
 def tokenizer_problems(trace: Trace, tokenizer: TraceTokenizer) -> list[str]:
@@ -107,3 +110,21 @@ def checked_tokenizer(trace: Trace, model: str | None, path: str | Path) -> Trac
                                 "pass --model with the model the trace was made for"]) from None
     check_trace(trace, tokenizer, str(path))
     return tokenizer
+
+
+def write_validated_trace(path: str | Path, header: TraceHeader, trajectories: list[Trajectory],
+                          tokenizer: TraceTokenizer) -> int:
+    """Write a trace only if it reads back and validates as `trace validate` checks it: written
+    beside `path`, read back, checked, then moved into place; on any problem nothing is left
+    (TraceError names it). Returns its size in bytes."""
+    target = Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+    os.close(handle)
+    try:
+        size = write_trace(temporary, header, trajectories)
+        check_trace(read_trace(temporary), tokenizer, str(target))
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return size

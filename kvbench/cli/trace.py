@@ -231,7 +231,7 @@ def export_command(file: Path, fmt: str, run_dir: Path | None, output: Path | No
 @click.option("--model", default=None, help="Whose tokenizer and chat template [default: the embedded model].")
 @click.option("--min-span-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="openai-chat: the shortest token run two requests' messages must share to become a shared segment.")
-@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--repeats", type=click.IntRange(1, 10_000), default=1, show_default=True,
               help="precache-csv: trajectories (each with its own filler text).")
 @click.option("--seed", type=int, default=0, show_default=True, help="precache-csv: the filler text's seed.")
 @click.option("--adapter", "adapters", multiple=True, metavar="AGENT=PATH",
@@ -248,7 +248,7 @@ def import_command(log: Path, fmt: str, output: Path, model: str | None, min_spa
     from kvbench.tracegen.precache_csv import precache_trace, read_precache_csv
     from kvbench.tracegen.schema import TraceError
     from kvbench.tracegen.tokenizer import load_tokenizer
-    from kvbench.tracegen.trace_files import read_trace, write_trace
+    from kvbench.tracegen.validate import write_validated_trace
 
     try:
         tokenizer = load_tokenizer(model)
@@ -263,10 +263,11 @@ def import_command(log: Path, fmt: str, output: Path, model: str | None, min_spa
         if adapters:
             served, trajectories = with_adapters(trajectories, role_paths(adapters, key="AGENT"))
             header = header.model_copy(update={"adapters": served})
+        write_validated_trace(output, header, trajectories, tokenizer)  # nothing written unless it validates
     except (TraceError, ValueError) as exc:
         raise _trace_error(exc) from None
-    write_trace(output, header, trajectories)
-    read_trace(output)  # what was written reads back as a valid trace
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from None
     found = describe(trajectories)
     click.echo(f"wrote {output}: {found['trajectories']} trajectories, {found['turns']} turns of "
                f"{len(found['agents'])} agents, {found['shared_segments']} shared segments "
