@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,18 +136,52 @@ def mean_summary(runs: list[Run], key: str) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+# summary keys read as numbers (None where a run has no figure): checked when a run is loaded, so
+# that a damaged summary.json is named with its key, not met as a TypeError deep in a table
+_NUMBER_KEYS = re.compile(r"^(num_prompts|completed|failed|duration|request_rate|burstiness|max_concurrency|segments"
+                          r"|completed_trajectories|failed_trajectories|store_evictions|store_refused|prefix_cache_\w+"
+                          r"|num_preemptions|rank_mismatched_requests|method_stats_missing|task_\w+|\w*pgr\w*"
+                          r"|\w+_(ms|tokens|throughput|rho|share|bytes|perc|rate|s))$")
+_TYPED_KEYS: dict[str, type | tuple[type, ...]] = {
+    "config": dict, "method_state_bytes": dict, "method": str, "label": str, "model_id": str,
+    "method_stats_missing_requests": list, "segment_durations_s": list}
+
+
+def summary_problems(summary: Any) -> list[str]:
+    """What makes a summary.json unusable for tables: not an object, or a key of the wrong type."""
+    if not isinstance(summary, dict):
+        return [f"it holds a JSON {type(summary).__name__}, not an object"]
+    problems = []
+    for key, value in summary.items():
+        if value is None:
+            continue
+        if key in _TYPED_KEYS:
+            if not isinstance(value, _TYPED_KEYS[key]):
+                expected = _TYPED_KEYS[key]
+                problems.append(f"{key}: expected a {getattr(expected, '__name__', expected)}, got {type(value).__name__}")
+        elif _NUMBER_KEYS.match(key) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            problems.append(f"{key}: expected a number, got {type(value).__name__} {str(value)[:40]!r}")
+    return problems
+
+
 def load_run(path: Path) -> Run:
-    summary_path, requests_path = path / "summary.json", path / "requests.parquet"
-    if not summary_path.exists() or not requests_path.exists():
-        raise RunLoadError(f"{path} is not a kvbench run (needs summary.json and requests.parquet)")
+    """A run's summary and requests (the journal where requests.parquet is missing, shorter or
+    unreadable: run_files.load_requests, read only); RunLoadError naming what is wrong."""
+    summary_path = path / run_files.SUMMARY
+    if not summary_path.is_file():
+        raise RunLoadError(f"{path} is not a kvbench run (no {run_files.SUMMARY} file)")
     try:
         from kvbench.analysis.quality import renamed_pgr_keys
 
-        summary = renamed_pgr_keys(json.loads(summary_path.read_text()))
-        requests = pd.read_parquet(requests_path)
+        raw = json.loads(summary_path.read_text(encoding="utf-8"))
+        if problems := summary_problems(raw):
+            raise RunLoadError(f"cannot read the run in {path}: {run_files.SUMMARY}: " + "; ".join(problems[:5]))
+        requests = run_files.load_requests(path, rebuild=False).frame
+    except RunLoadError:
+        raise
     except (json.JSONDecodeError, OSError, ValueError) as exc:
         raise RunLoadError(f"cannot read the run in {path}: {exc}") from None
-    return Run(path, summary, requests)
+    return Run(path, renamed_pgr_keys(raw), requests)
 
 
 def find_runs(paths: list[Path]) -> list[Run]:

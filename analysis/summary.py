@@ -93,20 +93,29 @@ def _over_segments(per_segment: list[dict[str, Any]]) -> dict[str, Any]:
     return combined
 
 
-def _read_requests(result_dir: Path) -> pd.DataFrame:
-    path = result_dir / run_files.REQUESTS
-    if not path.exists():
-        raise FileNotFoundError(f"{result_dir} holds no {run_files.REQUESTS}: not a run the replayer reached its servers in")
-    requests = pd.read_parquet(path)
-    if len(requests):
-        requests["success"] = requests["success"].astype(bool)
-    return requests
+def read_config(result_dir: Path) -> dict[str, Any]:
+    """config.json, which must be a JSON object (ValueError naming the file otherwise)."""
+    path = result_dir / run_files.CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not the object a run's config is")
+    return config
 
 
 def summarize_run(result_dir: Path) -> dict[str, Any]:
-    """The summary of the run in `result_dir` (vLLM's `bench serve` keys plus kvbench's)."""
-    config = json.loads((result_dir / run_files.CONFIG).read_text())
-    requests = _read_requests(result_dir)
+    """The summary of the run in `result_dir` (vLLM's `bench serve` keys plus kvbench's), from
+    its requests as run_files.load_requests reads them (the journal when requests.parquet is
+    missing, shorter or unreadable: `requests_source` says which)."""
+    config = read_config(result_dir)
+    read = run_files.load_requests(result_dir)
+    requests = read.frame
+    if len(requests):
+        requests["success"] = requests["success"].astype(bool)
     segments = config.get("segments") or [{}]
     # each journal read once, then split by segment (a run resumed many times has many)
     metrics = run_files.read_jsonl(result_dir / run_files.SERVER_METRICS)
@@ -140,8 +149,19 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         "aborted": last.get("aborted"),
         "interrupted": status.removeprefix("interrupted by ") if status.startswith("interrupted by ") else None,
         "segments": len(config.get("segments") or []),
+        "requests_source": read.source,
         "config": config,
     }
+
+
+def _recorded_prompts(result_dir: Path) -> int:
+    """num_prompts of the summary on disk (0 when there is none, or it is unreadable)."""
+    try:
+        earlier = json.loads((result_dir / run_files.SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    prompts = earlier.get("num_prompts") if isinstance(earlier, dict) else None
+    return prompts if isinstance(prompts, int) and not isinstance(prompts, bool) else 0
 
 
 def _json_default(value: Any) -> Any:
@@ -153,7 +173,11 @@ def _json_default(value: Any) -> Any:
 
 
 def write_summary(result_dir: Path) -> dict[str, Any]:
-    """Compute the run's summary and write it to `summary.json`; returns it."""
+    """Compute the run's summary and write it to `summary.json`; returns it. A summary of no
+    request never replaces one of some (ValueError: the run's records are gone or unreadable)."""
     summary = summarize_run(result_dir)
+    if summary["num_prompts"] == 0 and (earlier := _recorded_prompts(result_dir)):
+        raise ValueError(f"{result_dir} holds no request record now, and its summary.json counts {earlier}: "
+                         "kept that summary (are requests.jsonl and requests.parquet damaged?)")
     run_files.write_text_atomic(result_dir / run_files.SUMMARY, json.dumps(summary, indent=2, default=_json_default) + "\n")
     return summary

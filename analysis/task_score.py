@@ -113,7 +113,7 @@ def task_figures(scores: pd.DataFrame) -> dict[str, Any]:
 
 def write_scores(result_dir: Path, trajectories: Sequence[Trajectory], tokenizer: TraceTokenizer) -> pd.DataFrame:
     """Score the run in `result_dir` into `task_scores.parquet` (the summary picks it up)."""
-    requests = pd.read_parquet(result_dir / run_files.REQUESTS)
+    requests = run_files.load_requests(result_dir).frame
     scores = score_requests(requests, trajectories, tokenizer.decode,
                             lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     scores.to_parquet(result_dir / run_files.TASK_SCORES, index=False)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,135 @@ def replace_durably(tmp: Path, path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` whole (temp file + rename): a reader or a crash never sees half of it."""
+    """Replace `path` whole (temp file + rename): a reader or a crash never sees half of it; a
+    write that fails (a full disk) leaves `path` as it was and no temp file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    replace_durably(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# -- the requests journal ----------------------------------------------------------------------
+# requests.jsonl is append-only and the source of truth: a line is a request's record, or a
+# control line (a JSON object with the key JOURNAL_CONTROL) that a resumed run or the end of a
+# segment appends instead of rewriting the file (which would need its size free again):
+#   {"journal": "drop", "trajectory_ids": [...]}  the earlier records of these trajectories are
+#                                                 void (a resumed run re-runs them whole)
+#   {"journal": "update", "request_id": ID, "fields": {...}}  fields of the earlier record ID
+JOURNAL_CONTROL = "journal"
+
+
+def read_requests_journal(path: Path) -> list[dict[str, Any]]:
+    """The journal's records in order, its control lines applied (a torn line is skipped)."""
+    records: list[dict[str, Any]] = []
+    for entry in read_jsonl(path):
+        control = entry.get(JOURNAL_CONTROL)
+        if control is None:
+            records.append(entry)
+        elif control == "drop":
+            dropped = set(entry.get("trajectory_ids") or ())
+            records = [r for r in records if r.get("trajectory_id") not in dropped]
+        elif control == "update":
+            for record in records:
+                if record.get("request_id") == entry.get("request_id"):
+                    record.update(entry.get("fields") or {})
+    return records
+
+
+def journal_line(entry: dict[str, Any]) -> bytes:
+    return (json.dumps(entry) + "\n").encode("utf-8")
+
+
+# -- requests.parquet ----------------------------------------------------------------------------
+def requests_schema() -> Any:
+    """requests.parquet's columns (docs/results.md), as pyarrow types."""
+    import pyarrow as pa
+
+    return pa.schema([
+        ("run_id", pa.string()), ("method", pa.string()), ("trajectory_id", pa.string()), ("turn_id", pa.string()),
+        ("agent", pa.string()), ("edge_source", pa.string()), ("server_url", pa.string()), ("request_id", pa.string()),
+        ("prompt_tokens", pa.int64()), ("shared_tokens", pa.int64()), ("reusable_tokens", pa.int64()),
+        ("scheduled_ns", pa.int64()), ("sent_ns", pa.int64()), ("first_token_ns", pa.int64()), ("end_ns", pa.int64()),
+        ("client_queue_ms", pa.float64()), ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()),
+        ("e2el_ms", pa.float64()), ("itl_ms", pa.list_(pa.float64())), ("output_tokens", pa.int64()),
+        ("cached_tokens", pa.int64()), ("prefix_cached_tokens", pa.int64()), ("eligible_tokens", pa.int64()),
+        ("reused_tokens", pa.int64()), ("recomputed_tokens", pa.int64()), ("source_missing_tokens", pa.int64()),
+        ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),
+        ("error_message", pa.string()), ("output_token_ids", pa.list_(pa.int64())),
+        ("prompt_token_ids", pa.list_(pa.int64())), ("first_token_logprobs", pa.string()),
+    ])
+
+
+def write_requests_parquet(records: list[dict[str, Any]], path: Path) -> None:
+    """requests.parquet from records, atomically (no temp file left when the write fails)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(records, schema=requests_schema())
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        pq.write_table(table, tmp)
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class RequestsRead:
+    """A run's request records and where they came from."""
+
+    frame: Any  # pandas.DataFrame, columns as requests_schema()
+    source: str  # "requests.parquet", or why the journal was read instead
+    rebuilt: bool = False  # requests.parquet was rewritten from the journal
+
+
+def _parquet_rows(path: Path) -> tuple[Any, str | None]:
+    """requests.parquet as a table, or None and why it cannot be used."""
+    import pyarrow.parquet as pq
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None, "missing"
+    if not stat.S_ISREG(mode):
+        return None, "not a file"
+    try:
+        return pq.read_table(path), None
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        return None, f"unreadable: {str(exc).splitlines()[0][:120]}"
+
+
+def load_requests(result_dir: Path, rebuild: bool = True) -> RequestsRead:
+    """The run's request records. The journal is the source of truth: requests.parquet is used
+    when it holds at least the journal's records, and otherwise (missing, shorter, not a file,
+    unreadable) the journal is read and, with `rebuild`, requests.parquet rewritten from it
+    (where it can be: a folder in its place, or a full disk, leaves it as it was).
+    FileNotFoundError when neither exists: the run never reached its servers."""
+    import pyarrow as pa
+
+    parquet_path = result_dir / REQUESTS
+    journal_path = result_dir / REQUESTS_JOURNAL
+    table, problem = _parquet_rows(parquet_path)
+    journal = read_requests_journal(journal_path) if journal_path.is_file() else None
+    if journal is None or (table is not None and table.num_rows >= len(journal)):
+        if table is None:
+            raise FileNotFoundError(f"{result_dir} holds no {REQUESTS} ({problem}) and no {REQUESTS_JOURNAL}: "
+                                    "not a run the replayer reached its servers in")
+        return RequestsRead(table.to_pandas(), REQUESTS)
+    why = problem or f"held {table.num_rows} of the journal's {len(journal)} records"
+    frame = pa.Table.from_pylist(journal, schema=requests_schema()).to_pandas()
+    rebuilt = False
+    if rebuild:
+        try:
+            if parquet_path.is_dir():
+                raise IsADirectoryError(f"{parquet_path} is a directory")
+            write_requests_parquet(journal, parquet_path)
+            rebuilt = True
+            why += "; rebuilt from the journal"
+        except OSError as exc:
+            why += f"; not rewritten: {exc.strerror or exc}"
+    return RequestsRead(frame, f"{REQUESTS_JOURNAL} ({REQUESTS}: {why})", rebuilt)

@@ -18,7 +18,6 @@ from typing import Any
 
 from kvbench import run_files
 from kvbench.contracts import WorkerStats
-from kvbench.replay.records import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +62,11 @@ class ServerState:
     poll_s: float = 0.0  # this poll's round trip (the engine answers it between two steps)
 
 
+# the request columns `MethodStatsCollector.apply` fills from the connector's stats
+STATS_FIELDS = ("reused_tokens", "eligible_tokens", "recomputed_tokens", "source_missing_tokens",
+                "prefix_cached_tokens", "method_stats")
+
+
 @dataclass
 class MethodStatsCollector:
     """Polls `kvbench_stats` (clearing what it got), journals every answer, merges per request."""
@@ -81,11 +85,6 @@ class MethodStatsCollector:
         for entry in run_files.read_jsonl(self.path):  # a torn last poll's requests count as missing
             if entry.get("kind") == "request" and entry.get("request_id") in request_ids:
                 self._merge(entry["request_id"], entry["stats"])
-
-    def restart_journal(self) -> None:
-        """Keep only what `load` took (records dropped for a resume lose their stats too)."""
-        write_text_atomic(self.path, "".join(json.dumps({"kind": "request", "request_id": key, "stats": stats}) + "\n"
-                                            for key, stats in self.by_request.items()))
 
     def _merge(self, request_id: str, stats: dict[str, Any]) -> None:
         # A request's stats arrive in parts (its load, then its save): later parts add keys.

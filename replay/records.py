@@ -3,8 +3,10 @@
 A crash (of the client or the server) never loses a finished request: every record is appended
 and flushed to `requests.jsonl` when it completes, and fsynced at most JOURNAL_FSYNC_S later (so a
 power loss or a kernel crash loses at most that much; a killed process loses nothing flushed).
-Every rewrite (the journal on resume, `requests.parquet` every few seconds and at the end, the
-config) is atomic: temp file, fsync, rename, fsync of the folder, so it is always readable whole.
+The journal is never rewritten (a resume or the stats copied in at the end append control lines:
+kvbench/run_files.py); every rewrite (`requests.parquet` every few seconds and at the end, the
+config) is atomic: temp file, fsync, rename, fsync of the folder, so it is always readable whole,
+and a write that fails leaves no temp file.
 """
 
 from __future__ import annotations
@@ -16,11 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from kvbench import run_files
-from kvbench.run_files import replace_durably, write_text_atomic
 
 if TYPE_CHECKING:
     from kvbench.replay.backend import CompletionResult
@@ -91,85 +89,101 @@ class RequestRecord:
             self.first_token_logprobs = json.dumps(result.first_token_logprobs)
 
 
-SCHEMA = pa.schema([
-    ("run_id", pa.string()), ("method", pa.string()), ("trajectory_id", pa.string()), ("turn_id", pa.string()),
-    ("agent", pa.string()), ("edge_source", pa.string()), ("server_url", pa.string()), ("request_id", pa.string()),
-    ("prompt_tokens", pa.int64()), ("shared_tokens", pa.int64()), ("reusable_tokens", pa.int64()),
-    ("scheduled_ns", pa.int64()), ("sent_ns", pa.int64()), ("first_token_ns", pa.int64()), ("end_ns", pa.int64()),
-    ("client_queue_ms", pa.float64()), ("ttft_ms", pa.float64()), ("tpot_ms", pa.float64()),
-    ("e2el_ms", pa.float64()), ("itl_ms", pa.list_(pa.float64())), ("output_tokens", pa.int64()),
-    ("cached_tokens", pa.int64()), ("prefix_cached_tokens", pa.int64()), ("eligible_tokens", pa.int64()),
-    ("reused_tokens", pa.int64()),
-    ("recomputed_tokens", pa.int64()),
-    ("source_missing_tokens", pa.int64()),
-    ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),
-    ("error_message", pa.string()), ("output_token_ids", pa.list_(pa.int64())),
-    ("prompt_token_ids", pa.list_(pa.int64())), ("first_token_logprobs", pa.string()),
-])
-
-
 def read_journal(result_dir: Path) -> list[dict[str, Any]]:
     """Records of an earlier (possibly interrupted) run; a torn last line is ignored."""
-    return run_files.read_jsonl(result_dir / run_files.REQUESTS_JOURNAL)  # a torn request re-runs on --resume
+    return run_files.read_requests_journal(result_dir / run_files.REQUESTS_JOURNAL)  # a torn request re-runs on --resume
 
 
 JOURNAL_FSYNC_S = 1.0  # the longest a flushed journal record waits for fsync
 
 
-def write_parquet(records: list[dict[str, Any]], path: Path) -> None:
-    table = pa.Table.from_pylist(records, schema=SCHEMA)
-    tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp)
-    replace_durably(tmp, path)
+def _ends_torn(path: Path) -> bool:
+    """Whether a non-empty file's last byte is not a newline."""
+    with open(path, "rb") as handle:
+        if not handle.seek(0, os.SEEK_END):
+            return False
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) != b"\n"
 
 
 class ResultsWriter:
-    """Appends records to the journal as they finish and snapshots them to Parquet."""
+    """Appends records to the journal as they finish and snapshots them to Parquet.
 
-    def __init__(self, result_dir: Path, existing: list[dict[str, Any]] | None = None,
-                 snapshot_every_s: float = 5.0) -> None:
+    The journal is only ever appended to (run_files: a resumed run appends a `drop` line for the
+    trajectories it re-runs, the end of a segment `update` lines for the stats it copied in), so
+    finishing a run needs no more free space than the lines it adds. The first write that fails
+    (a full disk) is kept in `failure` and the writer stops writing; what it wrote stays whole."""
+
+    def __init__(self, result_dir: Path, kept: list[dict[str, Any]] | None = None,
+                 dropped_trajectories: list[str] | None = None, snapshot_every_s: float = 5.0) -> None:
         self.result_dir = result_dir
-        self.records: list[dict[str, Any]] = list(existing or [])
+        self.records: list[dict[str, Any]] = list(kept or [])
         self.snapshot_every_s = snapshot_every_s
+        self.failure: OSError | None = None
         self._last_snapshot = time.monotonic()
         result_dir.mkdir(parents=True, exist_ok=True)
-        # Rewrite the journal so that records dropped for a resume are gone from it too; atomically,
-        # since the records kept are an earlier run's only copy.
         journal = result_dir / run_files.REQUESTS_JOURNAL
-        write_text_atomic(journal, "".join(json.dumps(r) + "\n" for r in self.records))
-        self._journal = open(journal, "a", encoding="utf-8")
+        self._fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._last_fsync = time.monotonic()
+        if _ends_torn(journal):
+            self._append(b"\n")  # a torn last line (the writer died mid-line) ends here, apart from what follows
+        if dropped_trajectories:
+            self._append(run_files.journal_line({run_files.JOURNAL_CONTROL: "drop",
+                                                 "trajectory_ids": sorted(dropped_trajectories)}))
         self.snapshot()
+
+    def _append(self, data: bytes) -> None:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            self.failure = exc
+            raise
 
     def add(self, record: RequestRecord) -> None:
         row = asdict(record)
+        self._append(run_files.journal_line(row))  # first on disk, then counted
         self.records.append(row)
-        self._journal.write(json.dumps(row) + "\n")
-        self._journal.flush()
         if time.monotonic() - self._last_fsync >= JOURNAL_FSYNC_S:
             self.sync()
         if time.monotonic() - self._last_snapshot >= self.snapshot_every_s:
             self.snapshot()
 
-    def rewrite(self) -> None:
-        """Rewrite journal and Parquet after records were updated in place (method stats)."""
-        self._journal.close()
-        journal = self.result_dir / run_files.REQUESTS_JOURNAL
-        write_text_atomic(journal, "".join(json.dumps(r) + "\n" for r in self.records))
-        self._journal = open(journal, "a", encoding="utf-8")
+    def update(self, records: list[dict[str, Any]], fields: tuple[str, ...]) -> None:
+        """Journal new values of `fields` of records already journaled (updated in place)."""
+        self._append(b"".join(run_files.journal_line({run_files.JOURNAL_CONTROL: "update", "request_id": r["request_id"],
+                                                      "fields": {f: r.get(f) for f in fields}}) for r in records))
         self.snapshot()
 
     def sync(self) -> None:
-        """The journal's flushed records on disk (fsync)."""
-        os.fsync(self._journal.fileno())
+        """The journal's records on disk (fsync)."""
+        if self.failure is None:
+            os.fsync(self._fd)
         self._last_fsync = time.monotonic()
 
     def snapshot(self) -> None:
-        write_parquet(self.records, self.result_dir / run_files.REQUESTS)
+        if self.failure is not None:
+            raise self.failure
+        try:
+            run_files.write_requests_parquet(self.records, self.result_dir / run_files.REQUESTS)
+        except OSError as exc:
+            self.failure = exc
+            raise
         self._last_snapshot = time.monotonic()
 
     def close(self) -> None:
-        if not self._journal.closed:
-            self.sync()
-            self.snapshot()
-            self._journal.close()
+        """The last snapshot, then the journal closed; raises the writer's failure, if any."""
+        if self._fd < 0:
+            return
+        try:
+            if self.failure is None:
+                self.sync()
+                self.snapshot()
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+        if self.failure is not None:
+            raise self.failure

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -19,17 +20,19 @@ import aiohttp
 from kvbench import run_files
 from kvbench.replay.backend import CompletionsBackend
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
-from kvbench.replay.method_stats import MethodStatsCollector
+from kvbench.replay.method_stats import STATS_FIELDS, MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
-from kvbench.replay.records import RequestRecord, ResultsWriter, read_journal, write_text_atomic
+from kvbench.replay.records import RequestRecord, ResultsWriter
 from kvbench.replay.result_lock import result_dir_lock
-from kvbench.replay.run_config import ReplayConfig, ReplayError, check_resumable, new_run_config
+from kvbench.replay.resume import RunStart, plan_start
+from kvbench.replay.run_config import ReplayConfig, ReplayError
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.replay.servers import ReplayServers
+from kvbench.run_files import write_text_atomic
 from kvbench.tracegen.arrivals import arrival_times
-from kvbench.tracegen.schema import Trajectory, Turn
+from kvbench.tracegen.schema import MAX_ARRIVAL_S, Trajectory, Turn
 
 logger = logging.getLogger(__name__)
 
@@ -78,53 +81,14 @@ class Replayer:
                                           config.request_timeout_s)  # models: filled when the servers are checked
         self.progress = ReplayProgress(config.method, 0, enabled=False)
 
-    # -- set-up ------------------------------------------------------------------------------
-    def prepare(self) -> tuple[list[Trajectory], list[Trajectory], list[dict[str, Any]], dict[str, Any]]:
-        """Warm-ups, trajectories still to run, records kept from an earlier run, and the config."""
-        cfg = self.config
-        result_dir = cfg.result_dir
-        check_result_dir(result_dir, cfg.resume)
-        existing = read_journal(result_dir)
-        config_path = result_dir / run_files.CONFIG
-        if cfg.resume:
-            run_config = json.loads(config_path.read_text())
-            check_resumable(run_config, cfg)
-        else:
-            run_config = new_run_config(cfg)
-        trajectories = cfg.trace.trajectories
-        warmups = trajectories[: cfg.num_warmups]
-        measured = trajectories[cfg.num_warmups:]
-        if not measured:
-            raise ReplayError(f"nothing to measure: {len(trajectories)} trajectories, {cfg.num_warmups} warm-ups")
-        expected = {t.trajectory_id: len(t.turns) for t in measured}
-        by_trajectory: dict[str, list[dict[str, Any]]] = {}
-        for record in existing:
-            by_trajectory.setdefault(record["trajectory_id"], []).append(record)
-        # A trajectory is done when every turn succeeded (and, under a connector method, its stats
-        # reached the stats journal: a kill between a request's record and the next stats poll loses
-        # them for good, since every run resets the server); others re-run whole (outputs chain).
-        journaled: set[str] = set()
-        if self.method_info.uses_connector:
-            journaled = {e["request_id"] for e in run_files.read_jsonl(result_dir / run_files.METHOD_STATS)
-                         if e.get("kind") == "request"}
-
-        def complete(record: dict[str, Any]) -> bool:
-            has_stats = (not self.method_info.uses_connector or record.get("reused_tokens") is not None
-                         or record["request_id"] in journaled)
-            return bool(record["success"]) and has_stats
-
-        done = {tid for tid, recs in by_trajectory.items()
-                if tid in expected and len(recs) == expected[tid] and all(complete(r) for r in recs)}
-        kept = [r for r in existing if r["trajectory_id"] in done]
-        todo = [t for t in measured if t.trajectory_id not in done]
-        return warmups, todo, kept, run_config
-
     # -- the run -----------------------------------------------------------------------------
     async def run(self) -> ReplayOutcome:
         """The run, or the rest of an interrupted one. SIGINT/SIGTERM stop it cleanly: requests in
         flight are recorded as interrupted, the run's files are closed, then `Interrupted` is raised."""
         cfg = self.config
-        warmups, todo, kept, run_config = self.prepare()
+        start = plan_start(cfg, self.method_info.uses_connector)
+        run_config = start.run_config
+        offsets = self._schedule(start.todo)  # refused before anything is sent or written
         segment = len(run_config["segments"])
         builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
                                 run_id=f"{run_config['run_id']}/s{segment}",
@@ -136,7 +100,7 @@ class Replayer:
             self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self.servers.fetch_stats)
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False)) as session:
-            body = asyncio.create_task(self._run_body(session, warmups, todo, kept, run_config, builder, sampler))
+            body = asyncio.create_task(self._run_body(session, start, offsets, builder, sampler))
 
             def on_signal(signum: int) -> None:
                 if self.interrupted is not None:  # a second signal: stop waiting for a clean finish
@@ -165,18 +129,20 @@ class Replayer:
                               f"{outcome.failed} failed are saved in {cfg.result_dir}; finish it with --resume")
         return outcome
 
-    async def _run_body(self, session: aiohttp.ClientSession, warmups: list[Trajectory], todo: list[Trajectory],
-                        kept: list[dict[str, Any]], run_config: dict[str, Any], builder: PromptBuilder,
-                        sampler: MetricsSampler) -> None:
+    async def _run_body(self, session: aiohttp.ClientSession, start: RunStart, offsets: list[float],
+                        builder: PromptBuilder, sampler: MetricsSampler) -> None:
         cfg = self.config
+        warmups, todo, kept, run_config = start.warmups, start.todo, start.kept, start.run_config
         run_config.update(await self.servers.check(session), server_pids=cfg.server_pids)
         self.servers.refuse_unservable(cfg.trace)  # before anything is sent
         # Only now does the run exist on disk: one that never reached a server leaves nothing
         # that would make the same command refuse to run again.
-        self.writer = ResultsWriter(cfg.result_dir, kept)
+        try:
+            self.writer = ResultsWriter(cfg.result_dir, kept, start.dropped)
+        except OSError as exc:
+            raise ReplayError(self._write_failure(exc, len(kept))) from None
         if self.stats is not None:
             self.stats.load({r["request_id"] for r in kept})
-            self.stats.restart_journal()
         self.segment = {"started": time.time(), "duration_s": 0.0, "trajectories": len(todo), "status": "warm-up",
                         "aborted": None}
         run_config["segments"].append(self.segment)
@@ -189,7 +155,6 @@ class Replayer:
         # Every run starts cold (design: caches are reset between runs), after the warm-ups:
         # they warm kernels and leave no prefix-cache blocks; method state only when asked.
         await self.servers.reset(session, keep_method_state=prime)
-        offsets = self._schedule(todo)
         await sampler.start(session)
         self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.show_progress)
         self.progress.start()
@@ -221,34 +186,58 @@ class Replayer:
                     if not warned:
                         logger.warning("collecting method stats failed (retried every %gs): %s", HEARTBEAT_S, exc)
                     warned = True
+                except OSError as exc:  # its journal cannot be written: the run ends
+                    if self.abort_reason is None:
+                        self.abort_reason = self._write_failure(exc, len(self.writer.records) if self.writer else 0)
 
     async def _finish_segment(self, session: aiohttp.ClientSession, run_config: dict[str, Any],
                               sampler: MetricsSampler, segment: int) -> None:
-        """Close the segment however it ended: its time, the last stats, the files."""
-        assert self.writer is not None
+        """Close the segment however it ended: its time, the last stats, the files. A file that
+        cannot be written (a full disk) ends the run as aborted, what was written kept whole."""
+        writer = self.writer
+        assert writer is not None
         self.progress.stop()
         if self.t0_ns:
             self.segment["duration_s"] = (time.perf_counter_ns() - self.t0_ns) / 1e9
             await sampler.stop(session)
+        try:
+            if self.stats is not None:
+                if self.abort_reason is None:
+                    try:
+                        await asyncio.wait_for(self.stats.poll(segment, self.segment["duration_s"]), FINAL_POLL_TIMEOUT_S)
+                    except (TimeoutError, ServerError) as exc:
+                        logger.warning("the last method-stats poll failed: %s", exc)
+                # successful requests whose stats never came (their server died before reporting)
+                stats_before = [r.get("method_stats") for r in writer.records]
+                self.segment["method_stats_missing"] = self.stats.apply(writer.records)
+                if writer.failure is None:
+                    writer.update([r for r, before in zip(writer.records, stats_before) if r.get("method_stats") != before],
+                                  STATS_FIELDS)
+            writer.close()
+            with open(self.config.result_dir / run_files.SERVER_METRICS, "a") as handle:
+                handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
+        except OSError as exc:
+            self.abort_reason = self.abort_reason or self._write_failure(exc, len(writer.records))
+            with contextlib.suppress(OSError):
+                writer.close()
         self.segment["aborted"] = self.abort_reason
         self.segment["status"] = (f"interrupted by {signal.Signals(self.interrupted).name}" if self.interrupted
                                   else "aborted" if self.abort_reason else "finished")
-        if self.stats is not None:
-            if self.abort_reason is None:
-                try:
-                    await asyncio.wait_for(self.stats.poll(segment, self.segment["duration_s"]), FINAL_POLL_TIMEOUT_S)
-                except (TimeoutError, ServerError) as exc:
-                    logger.warning("the last method-stats poll failed: %s", exc)
-            # successful requests whose stats never came (their server died before reporting)
-            self.segment["method_stats_missing"] = self.stats.apply(self.writer.records)
-            self.writer.rewrite()
-        self.writer.close()
         self._write_config(run_config)
-        with open(self.config.result_dir / run_files.SERVER_METRICS, "a") as handle:
-            handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
+
+    def _write_failure(self, exc: OSError, safe_records: int) -> str:
+        """What a failed write means for the run, in one line: the folder, the error, what is safe."""
+        folder = self.config.result_dir
+        return (f"cannot write to {folder} ({exc.strerror or exc}); the {safe_records} requests recorded before it "
+                f"are safe in {run_files.REQUESTS_JOURNAL} (free space, then `kvbench summarize {folder}`)")
 
     def _write_config(self, run_config: dict[str, Any]) -> None:
-        write_text_atomic(self.config.result_dir / run_files.CONFIG, json.dumps(run_config, indent=2) + "\n")
+        """config.json rewritten; when it cannot be (a full disk), the one on disk stays, and the run ends."""
+        try:
+            write_text_atomic(self.config.result_dir / run_files.CONFIG, json.dumps(run_config, indent=2) + "\n")
+        except OSError as exc:
+            if self.abort_reason is None:
+                self.abort_reason = self._write_failure(exc, len(self.writer.records) if self.writer else 0)
 
     async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
                        builder: PromptBuilder) -> None:
@@ -260,7 +249,11 @@ class Replayer:
         if cfg.use_trace_timestamps:
             first = min((t.arrival_s for t in trajectories), default=0.0)
             return [t.arrival_s - first for t in trajectories]
-        return arrival_times(len(trajectories), cfg.qps, cfg.arrival, cfg.burstiness, seed=cfg.seed)  # type: ignore[arg-type]
+        offsets = arrival_times(len(trajectories), cfg.qps, cfg.arrival, cfg.burstiness, seed=cfg.seed)  # type: ignore[arg-type]
+        if offsets and not (math.isfinite(offsets[-1]) and offsets[-1] <= MAX_ARRIVAL_S):
+            raise ReplayError(f"--qps {cfg.qps:g} schedules the last trajectory {offsets[-1]:g} s after the first, past the "
+                              f"{MAX_ARRIVAL_S:g} s a trace allows: use a larger --qps (0 runs one after another)")
+        return offsets
 
     async def _run_all(self, session: aiohttp.ClientSession, trajectories: list[Trajectory], offsets: list[float],
                        builder: PromptBuilder, writer: ResultsWriter) -> None:
@@ -388,19 +381,14 @@ class Replayer:
     def _record(self, record: RequestRecord, writer: ResultsWriter | None) -> None:
         if writer is None:
             return
-        writer.add(record)
+        try:
+            writer.add(record)
+        except OSError as exc:  # the request re-runs on --resume: its trajectory is incomplete
+            if self.abort_reason is None:
+                self.abort_reason = self._write_failure(exc, len(writer.records))
+            return
         self.progress.add(record.success, record.ttft_ms)
 
-
-
-def check_result_dir(result_dir: Path, resume: bool) -> None:
-    """A fresh run needs a folder without results, a resumed one the run it finishes: checked
-    before any server starts, and again once the run holds the folder's lock."""
-    if resume and not (result_dir / run_files.CONFIG).exists():
-        raise ReplayError(f"--resume: no earlier run in {result_dir} (no {run_files.CONFIG})")
-    if not resume and ((result_dir / run_files.CONFIG).exists() or read_journal(result_dir)):
-        raise ReplayError(f"{result_dir} already holds results; pass --resume to finish that run or "
-                          "choose another --result-dir (nothing is overwritten)")
 
 
 def run_replay(config: ReplayConfig) -> ReplayOutcome:

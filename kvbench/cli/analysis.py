@@ -84,15 +84,20 @@ def profile_command(result_dirs: tuple[Path, ...], out: Path | None) -> None:
 @click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 def summarize_command(result_dirs: tuple[Path, ...]) -> None:
     """Recompute summary.json of runs from their recorded files (each RESULT_DIR is a run, or a
-    sweep holding runs): after a metric definition changed, or for a run whose client was killed."""
+    sweep holding runs): after a metric definition changed, or for a run whose client was killed.
+    The requests journal is the source of truth: requests.parquet is rebuilt from it when it is
+    missing, shorter than it or unreadable (said here)."""
+    from kvbench import run_files
     from kvbench.analysis.summary import write_summary
 
     runs = _run_dirs(result_dirs)
     for run in runs:
         try:
             summary = write_summary(run)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise click.ClickException(f"cannot summarize {run}: {type(exc).__name__}: {exc}") from None
+        if summary["requests_source"] != run_files.REQUESTS:
+            click.echo(f"note: {run}: read the requests from {summary['requests_source']}", err=True)
         click.echo(f"{run}: {summary['completed']} completed, {summary['failed']} failed, "
                    f"p50 TTFT {summary.get('p50_ttft_ms', float('nan')):.1f} ms")
 

@@ -140,6 +140,12 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     trace, tokenizer, model = load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
                                           output_len, seed)
+    from kvbench.tracegen.schema import MAX_ARRIVAL_S
+
+    if qps > 0 and not use_trace_timestamps and len(trace.trajectories) / qps > MAX_ARRIVAL_S:
+        raise click.BadParameter(f"{qps:g} spreads {len(trace.trajectories)} trajectories over about "
+                                 f"{len(trace.trajectories) / qps:g} s, past the {MAX_ARRIVAL_S:g} s a trace allows "
+                                 "(0 runs them one after another)", param_hint="--qps")
     reference = None
     if reference_dir is not None:
         from kvbench.replay.reference import ReferenceRunError, load_reference
@@ -170,7 +176,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     )
     from kvbench.methods.registry import method_class
     from kvbench.replay.result_lock import ResultDirError, result_dir_lock
-    from kvbench.replay.runner import check_result_dir
+    from kvbench.replay.resume import check_result_dir
 
     if method_class(method).needs_adapters and not config.trace.header.adapters:
         raise click.UsageError(f"--method {method} rebuilds each agent's values from its LoRA adapter, and this "

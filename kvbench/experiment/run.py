@@ -44,9 +44,11 @@ def replay_and_summarize(config: ReplayConfig) -> dict[str, Any]:
     try:
         run_replay(config)
     except BaseException:
-        if (config.result_dir / run_files.REQUESTS).exists():
+        if (config.result_dir / run_files.REQUESTS_JOURNAL).exists():
             try:
                 _score_and_summarize(config)
+            except OSError as exc:  # a full disk: the replay's error says what is safe
+                logger.warning("the stopped run in %s is not summarized (%s)", config.result_dir, exc.strerror or exc)
             except Exception:  # the replay's own error is the one to report
                 logger.exception("summarizing the stopped run in %s failed", config.result_dir)
         raise
