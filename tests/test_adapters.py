@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from peft_folders import v_only_peft
 
 from kvbench.cli import main
 from kvbench.replay.server import ServerError, lora_args
@@ -14,10 +15,7 @@ from kvbench.tracegen.trace_files import read_trace
 
 
 def _peft(folder: Path, rank: int = 8) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 16, "peft_type": "LORA",
-                                                            "target_modules": ["v_proj"]}))
-    return folder
+    return v_only_peft(folder, rank)
 
 
 def _trace(tmp_path: Path, *adapters: str) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from peft_folders import v_only_peft
 
 from kvbench.cli import main
 from kvbench.tracegen.trace_files import read_trace
@@ -97,9 +98,7 @@ def test_from_run_times_turns_when_the_run_sent_them_and_fills_its_outputs(tmp_p
 def test_a_precache_csv_becomes_one_growing_stream_per_trajectory(tmp_path: Path) -> None:
     csv_path, out = tmp_path / "react.csv", tmp_path / "trace.jsonl"
     csv_path.write_text("agent,prefill_len,decode_len\nplan,300,40\naction,120,30\nreflect,80,20\n")
-    adapter = tmp_path / "plan-adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["v_proj"]}))
+    adapter = v_only_peft(tmp_path / "plan-adapter")
     _run("trace", "import", str(csv_path), "--format", "precache-csv", "--repeats", "2", "-o", str(out),
          "--adapter", f"plan={adapter}")
     trace = read_trace(out)

@@ -33,8 +33,13 @@ def peft_rank(path: str | Path) -> int:
 
 
 def check_peft_folder(path: str | Path) -> Path:
-    """The folder, resolved, if it holds a PEFT LoRA adapter (adapter_config.json with a rank)."""
+    """The folder, resolved, if it holds an adapter kvbench can serve: a PEFT LoRA adapter with
+    readable weights, V-only, of the rank its config declares (kvbench.model.adapters)."""
+    from kvbench.model.adapters import adapter_problems
+
     peft_rank(path)
+    if problems := adapter_problems(path):
+        raise ValueError(f"--adapter {path}: " + "; ".join(problems))
     return Path(path).resolve()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +67,58 @@ def v_lora_tensors(layer: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> di
 
 def read_v_lora(folder: str | Path, num_layers: int) -> tuple[int, float, list[tuple[torch.Tensor, torch.Tensor] | None]]:
     """A PEFT adapter's rank, scaling (alpha / r) and each layer's v_proj (A, B), None where it
-    leaves the layer alone. Raises OSError/ValueError for a folder it cannot read."""
+    leaves the layer alone. Raises OSError/ValueError for a folder it cannot read, or whose
+    tensors' rank is not its config's."""
     folder = Path(folder)
-    config = json.loads((folder / PEFT_CONFIG).read_text())
-    tensors = load_file(str(folder / PEFT_WEIGHTS))
+    rank, alpha = _declared_rank(folder)
+    tensors = _load_weights(folder)
     layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for layer in range(num_layers):
         name_a, name_b = _v_lora_names(layer)
         layers.append((tensors[name_a], tensors[name_b]) if name_a in tensors and name_b in tensors else None)
-    return int(config["r"]), float(config["lora_alpha"]) / float(config["r"]), layers
+    for layer, weights in enumerate(layers):
+        if weights is not None and (weights[0].shape[0] != rank or weights[1].shape[-1] != rank):
+            raise ValueError(f"{folder}: layer {layer}'s v_proj A {tuple(weights[0].shape)} / B {tuple(weights[1].shape)} "
+                             f"are not of the rank r={rank} its {PEFT_CONFIG} declares")
+    return rank, alpha / rank, layers
+
+
+def _declared_rank(folder: Path) -> tuple[int, float]:
+    """The config's rank r and lora_alpha; ValueError when missing or not numbers."""
+    try:
+        config = json.loads((folder / PEFT_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder}: no readable {PEFT_CONFIG} ({exc})") from None
+    rank, alpha = (config.get("r"), config.get("lora_alpha")) if isinstance(config, dict) else (None, None)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{folder / PEFT_CONFIG}: r must be a rank >= 1, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"{folder / PEFT_CONFIG}: lora_alpha must be a number > 0, got {alpha!r}")
+    return rank, float(alpha)
+
+
+def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(folder / PEFT_WEIGHTS))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+        raise ValueError(f"{folder / PEFT_WEIGHTS}: not readable safetensors ({exc})") from None
+
+
+def adapter_problems(folder: str | Path) -> list[str]:
+    """Why kvbench cannot serve the PEFT folder as an agent's adapter: its config or weights
+    unreadable, not V-only (PReCache's rule, which kvbench's connector also needs), no v_proj
+    weights, or tensors of another rank than the config declares."""
+    folder = Path(folder)
+    try:
+        names = list(_load_weights(folder))
+        layers = [int(m.group(1)) for name in names if (m := re.search(r"\.layers\.(\d+)\.", name))]
+        read_v_lora(folder, max(layers, default=-1) + 1)
+        problems = v_only_problems(folder)
+    except (OSError, ValueError) as exc:
+        return [str(exc)]
+    if not any(name.endswith(".lora_A.weight") and f".{V_PROJ}." in name for name in names):
+        problems.append(f"{folder}: no {V_PROJ} LoRA weights")
+    return problems
 
 
 def write_peft_adapter(out_dir: Path, tensors: dict[str, torch.Tensor], rank: int, alpha: int, model_dir: Path,
@@ -114,7 +158,7 @@ def v_only_problems(folder: str | Path) -> list[str]:
         problems.append(f"{folder}: target_modules {targets} (PReCache needs exactly ['{V_PROJ}'])")
     weights = folder / PEFT_WEIGHTS
     if weights.exists():
-        others = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in load_file(str(weights))} - {V_PROJ})
+        others = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in _load_weights(folder)} - {V_PROJ})
         if others:
             problems.append(f"{folder}: weights for {', '.join(others)} (only {V_PROJ} is allowed)")
     return problems
