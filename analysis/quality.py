@@ -255,12 +255,10 @@ def reference_has_logprobs(reference_dir: Path) -> bool:
 
 
 def _read_requests(run_dir: Path) -> pd.DataFrame:
-    """The columns a comparison reads (runs recorded before first-token logprobs lack that one)."""
-    import pyarrow.parquet as pq
-
-    path = run_dir / run_files.REQUESTS
-    present = set(pq.read_schema(path).names)
-    return pd.read_parquet(path, columns=[c for c in READ_COLUMNS if c in present])
+    """The columns a comparison reads (runs recorded before first-token logprobs lack that one),
+    from the journal where requests.parquet falls short of it (run_files.load_requests)."""
+    requests = run_files.load_requests(run_dir, rebuild=False).frame
+    return requests[[c for c in READ_COLUMNS if c in requests.columns]]
 
 
 def renamed_pgr_keys(figures: dict[str, Any]) -> dict[str, Any]:
