@@ -92,6 +92,47 @@ def test_an_exact_prefix_is_the_longest_whole_blocks_of_the_same_tokens_inside_a
     assert exact_prefix(store, spec, torch.tensor(tokens), block_size=16) == (None, 0)
 
 
+def test_an_exact_prefix_is_copied_only_from_a_cache_written_under_the_readers_adapter() -> None:
+    """Two caches hold the reader's first rows: the one written under another adapter holds more of
+    them, but its values are that adapter's, so the copy comes from the reader's own; and the
+    rows copied are the source's own K/V, every layer, in the request's slots."""
+    from kvbench.methods.connector.materialize import copy_exact_rows, exact_prefix
+
+    store = SegmentStore(1 << 20)
+    generator = torch.Generator().manual_seed(0)
+
+    def cache(tokens: list[int]) -> SavedKV:
+        n = len(tokens)
+        entry = SavedKV(torch.tensor(tokens), torch.randn(LAYERS, n, HEADS, HEAD_DIM, generator=generator),
+                        torch.randn(LAYERS, n, HEADS, HEAD_DIM, generator=generator))
+        entry.exact_rows = n
+        return entry
+
+    store.put("mine", cache(list(range(8)) + [90, 91]))  # 8 rows in common, under the reader's adapter
+    store.put("theirs", cache(list(range(12))))  # 12 in common, under another adapter
+    tokens = list(range(12)) + [50]
+    segments = (PlanSegment("ph", "q", 0, 8, source="mine", source_start=0, source_adapter="a"),
+                PlanSegment("ph", "r", 8, 4, source="theirs", source_start=8, source_adapter="b"))
+    spec = LoadSpec("req", tokens + [0], [], 0, len(tokens),
+                    Plan("t", "A1.r1", "A1", "run/t/A1.r1", segments, adapter="a"))
+    source, stop = exact_prefix(store, spec, torch.tensor(tokens), block_size=4)
+    assert source is store.get("mine") and stop == 8
+    caches = {f"layer{i}": torch.zeros(32, 2, HEADS, HEAD_DIM) for i in range(LAYERS)}
+
+    class Layout:
+        def write(self, kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            kv[slots, 0], kv[slots, 1] = k, v
+
+    worker = SimpleNamespace(forward=SimpleNamespace(layer_names=list(caches)), layouts=dict.fromkeys(caches, Layout()),
+                             kv_caches=caches)
+    slots = torch.arange(16, 16 + len(tokens))
+    copy_exact_rows(worker, source, 0, stop, slots)  # type: ignore[arg-type]
+    for index, name in enumerate(caches):
+        assert torch.equal(caches[name][16:24, 0], source.k[index, :8])
+        assert torch.equal(caches[name][16:24, 1], source.v[index, :8])
+        assert not caches[name][24:].any() and not caches[name][:16].any()  # nothing past the copied rows
+
+
 def test_store_evicts_the_least_recently_used_first() -> None:
     one = _saved([1, 2, 3]).nbytes
     store = SegmentStore(2 * one)

@@ -38,9 +38,14 @@ def test_humaneval_items_keep_their_tests_from_a_gzipped_file(tmp_path: Path) ->
 
 def test_limit_takes_the_first_items_or_a_seeded_sample_in_file_order() -> None:
     assert [i.gold for i in read_items("gsm8k", DATA / "gsm8k-sample.jsonl", limit=2)] == ["22", "120"]
-    sample = [i.item_id for i in read_items("gsm8k", DATA / "gsm8k-sample.jsonl", limit=2, seed=3)]
-    assert sample == [i.item_id for i in read_items("gsm8k", DATA / "gsm8k-sample.jsonl", limit=2, seed=3)]
-    assert sample == sorted(sample, key=lambda item_id: int(item_id.split("-")[1]))
+    first = [i.item_id for i in read_items("gsm8k", DATA / "gsm8k-sample.jsonl", limit=2)]
+    samples = {seed: [i.item_id for i in read_items("gsm8k", DATA / "gsm8k-sample.jsonl", limit=2, seed=seed)]
+               for seed in range(6)}
+    assert samples[3] == [i.item_id for i in read_items("gsm8k", DATA / "gsm8k-sample.jsonl", limit=2, seed=3)]
+    assert len({tuple(s) for s in samples.values()}) > 1  # the seed changes the sample
+    assert any(sample != first for sample in samples.values())  # a sample, not the first items
+    for sample in samples.values():
+        assert sample == sorted(sample, key=lambda item_id: int(item_id.split("-")[1]))  # in file order
 
 
 @pytest.mark.parametrize("task, row, message", [

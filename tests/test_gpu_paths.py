@@ -1,7 +1,9 @@
 """The correction path's tensor code gives the same results on a CUDA device as on the CPU.
 
-Skipped without a GPU (CI has none); run on a lent GPU with
-`python -m pytest --noconftest tests/test_gpu_paths.py` (no vLLM needed)."""
+The comparisons need a GPU and are skipped without one (CI has none); the parts that hold on any
+device (a layout's round trip, a delta method accepting a content it has seen, a zero rotation)
+run on the CPU in every tier. On a lent GPU: `python -m pytest --noconftest tests/test_gpu_paths.py`
+(no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from kvbench.methods.delta.anchors import Anchor, anchor_distances, gate_from_di
 from kvbench.methods.delta.stored import EXACT_EIGH_MAX_FEATURES, LowRank
 from kvbench.methods.registry import method_class
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 LAYERS, TOKENS, HEADS, HEAD_DIM, RANK = 3, 200, 4, 64, 8
 D = HEADS * HEAD_DIM
@@ -45,6 +48,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
 
 
+@needs_cuda
 @pytest.mark.parametrize("features", [D, 1024])  # full eigensolve; subspace iteration (Llama-3.1-8B's D)
 def test_low_rank_reconstruction_matches_cpu(features: int) -> None:
     g = torch.Generator().manual_seed(5)
@@ -62,6 +66,7 @@ def test_low_rank_reconstruction_matches_cpu(features: int) -> None:
         assert relative(on_gpu.rows(1200), on_cpu.rows(1200)) < 1e-4
 
 
+@needs_cuda
 def test_distances_gate_and_interpolated_delta_match_cpu() -> None:
     cpu_pool, gpu_pool = pool_on("cpu"), pool_on("cuda")
     current_k, current_v = caches(6, 2)
@@ -80,6 +85,7 @@ def test_distances_gate_and_interpolated_delta_match_cpu() -> None:
     assert relative(g_dk, c_dk) < 2e-2 and relative(g_dv, c_dv) < 2e-2
 
 
+@needs_cuda
 @pytest.mark.parametrize("rank", [8, 24, 32])  # padded to tl.dot's 16 and to a power of two
 def test_fused_distances_equal_the_torch_paths(rank: int) -> None:
     g = torch.Generator().manual_seed(7)
@@ -98,6 +104,7 @@ def test_fused_distances_equal_the_torch_paths(rank: int) -> None:
     assert torch.equal(anchor_distances(current, stored, n)[0], fused)  # the default path on CUDA is the fused one
 
 
+@needs_cuda
 @pytest.mark.parametrize("exact", [True, False])
 def test_rotation_matches_cpu(exact: bool) -> None:
     keys = torch.randn(TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16)
@@ -110,18 +117,26 @@ def test_rotation_matches_cpu(exact: bool) -> None:
     assert relative(per_row[0], keys[0]) < 1e-2  # a shift of zero positions leaves the row as it was
 
 
-def test_plain_layout_round_trip_on_cuda() -> None:
-    """vLLM's GPU cache layout [2, blocks, block_size, heads, head_dim]: rows written to slots read
-    back in block order."""
+def test_a_zero_shift_leaves_keys_as_they_were() -> None:
+    keys = torch.randn(TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    aligner = RopeAligner.from_theta(HEAD_DIM, 4096, 500000.0)
+    for exact in (True, False):
+        assert relative(aligner.rotate(keys, 0, exact=exact), keys) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_layout_round_trip(device: str) -> None:
+    """The plain layout [2, blocks, block_size, heads, head_dim]: rows written to slots read back
+    in block order, on either device."""
     blocks, block_size = 8, 16
-    kv_cache = torch.zeros(2, blocks, block_size, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    kv_cache = torch.zeros(2, blocks, block_size, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     block_ids = torch.tensor([5, 2, 7])
     n = 40
     slots = torch.cat([b * block_size + torch.arange(block_size) for b in block_ids.tolist()])[:n]
     k = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
     v = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
     layout = PlainLayout()
-    layout.write(kv_cache, slots, k.cuda(), v.cuda())
+    layout.write(kv_cache, slots, k.to(device), v.to(device))
     read_k, read_v = layout.read(kv_cache, block_ids, n)
     assert torch.equal(read_k.cpu(), k) and torch.equal(read_v.cpu(), v)
     assert int((kv_cache != 0).any(dim=(0, 2, 3, 4)).sum()) == 3  # only the three named blocks
@@ -168,29 +183,44 @@ def _load(device: str, seed: int, scattered: bool) -> tuple[LoadContext, Segment
             SegmentReuse(segment, source, dst, src))
 
 
+def _seen_content_corrected(name: str, scattered: bool, device: str) -> tuple[torch.Tensor, torch.Tensor, str, int]:
+    """Dense fallbacks build anchors (factorized on the device), then a content seen before is
+    accepted and corrected: the corrected rows of layer 2, the decision and the pool's bytes."""
+    method = method_class(name)({})
+    method.bind(_Core(device))
+    for seed in (1, 2, 3):  # three contents, each computed densely and kept as an anchor
+        ctx, _ = _load(device, seed, scattered)  # (GraphFlow: the first calibrates its relation)
+        assert (method.select(ctx) == []) == (seed == 1 or name != "graphflow")
+        method.after_load(ctx)
+        method.run_deferred()
+    ctx, _ = _load(device, 2, scattered)  # content seen before
+    chosen = method.select(ctx)
+    decision = ctx.stats["decisions"][0]
+    assert len(chosen) == 1, decision
+    reuse = chosen[0]
+    index = reuse.src.to(reuse.source.k.device)
+    keys, values = method.correct(2, reuse, reuse.source.k[2, index].clone(), reuse.source.v[2, index].clone())
+    assert keys.device.type == device and values.device.type == device
+    return keys, values, decision["decision"], method.state_bytes()["anchor_pool"]
+
+
+DELTA_METHODS = ["kvcmas", "kvcmas-nonchained", "kvcomm", "graphflow"]
+
+
 @pytest.mark.parametrize("scattered", [False, True])
-@pytest.mark.parametrize("name", ["kvcmas", "kvcmas-nonchained", "kvcomm", "graphflow"])
+@pytest.mark.parametrize("name", DELTA_METHODS)
+def test_delta_methods_accept_and_correct_a_content_they_have_seen(name: str, scattered: bool) -> None:
+    keys, values, decision, pool_bytes = _seen_content_corrected(name, scattered, "cpu")
+    assert decision == "accepted" and pool_bytes > 0
+    assert keys.shape == values.shape == (96, HEADS, HEAD_DIM) and torch.isfinite(keys.float()).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("name", DELTA_METHODS)
 def test_delta_methods_run_on_cuda_as_on_cpu(name: str, scattered: bool) -> None:
-    """Dense fallbacks build anchors (factorized on the device), then a seen content is accepted
-    and corrected: the decisions match the CPU run's and the corrected rows agree in bf16."""
-    corrected = {}
-    for device in ("cpu", "cuda"):
-        method = method_class(name)({})
-        method.bind(_Core(device))
-        for seed in (1, 2, 3):  # three contents, each computed densely and kept as an anchor
-            ctx, _ = _load(device, seed, scattered)  # (GraphFlow: the first calibrates its relation)
-            assert (method.select(ctx) == []) == (seed == 1 or name != "graphflow")
-            method.after_load(ctx)
-            method.run_deferred()
-        ctx, _ = _load(device, 2, scattered)  # content seen before
-        chosen = method.select(ctx)
-        decision = ctx.stats["decisions"][0]
-        assert len(chosen) == 1, decision
-        reuse = chosen[0]
-        index = reuse.src.to(reuse.source.k.device)
-        keys, values = method.correct(2, reuse, reuse.source.k[2, index].clone(), reuse.source.v[2, index].clone())
-        assert keys.device.type == device and values.device.type == device
-        corrected[device] = (keys, values, decision["decision"], method.state_bytes()["anchor_pool"])
+    """The decisions match the CPU run's and the corrected rows agree in bf16."""
+    corrected = {device: _seen_content_corrected(name, scattered, device) for device in ("cpu", "cuda")}
     (cpu_k, cpu_v, cpu_decision, cpu_bytes), (gpu_k, gpu_v, gpu_decision, gpu_bytes) = corrected["cpu"], corrected["cuda"]
     assert gpu_decision == cpu_decision == "accepted" and gpu_bytes == cpu_bytes > 0
     assert relative(gpu_k, cpu_k) < 2e-2 and relative(gpu_v, cpu_v) < 2e-2

@@ -10,11 +10,13 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from kvbench import run_files
 from kvbench.replay.stub import StubServer
 
 KILL_POINTS = int(os.environ.get("KVBENCH_KILL_POINTS", "20"))
@@ -28,6 +30,27 @@ def trace(small_trace) -> Path:
 def _replay(trace: Path, base_url: str, run: Path, resume: bool) -> list[str]:
     return [sys.executable, "-m", "kvbench.cli", "replay", "--trace", str(trace), "--method", "fullshared",
             "--base-url", base_url, "--qps", "0", "--result-dir", str(run), *(["--resume"] if resume else [])]
+
+
+def _partial_trajectories(run: Path, turns: int) -> list[str]:
+    """Trajectories the journal holds some but not all turns of: a kill now lands mid-trajectory."""
+    records = run_files.read_requests_journal(run / run_files.REQUESTS_JOURNAL)
+    counts = Counter(r["trajectory_id"] for r in records)
+    return [t for t, n in counts.items() if 0 < n < turns]
+
+
+def _kill_mid_trajectory(command: list[str], run: Path, turns: int) -> list[str]:
+    """Start `command`, SIGKILL it as soon as a trajectory is partly recorded; returns those."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _partial_trajectories(run, turns):
+        assert process.poll() is None, "the run ended before any trajectory was partly recorded"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.kill()
+    _, stderr = process.communicate()
+    assert process.returncode == -9 and "Traceback" not in stderr, stderr
+    return _partial_trajectories(run, turns)
 
 
 def _by_turn(run: Path) -> pd.DataFrame:
@@ -44,8 +67,11 @@ def test_a_replay_killed_and_resumed_again_and_again_ends_whole(trace: Path, tmp
                                text=True, timeout=300)
         assert whole.returncode == 0, whole.stderr
         run = tmp_path / "killed"
-        killed_at = []
-        for _ in range(kills):
+        turns = int(_by_turn(tmp_path / "whole").groupby(level="trajectory_id").size().max())
+        # the first kill lands mid-trajectory, by construction: its records are void on resume
+        assert _kill_mid_trajectory(_replay(trace, stub.base_url, run, False), run, turns)
+        killed_at = [-9]
+        for _ in range(kills - 1):
             process = subprocess.Popen(_replay(trace, stub.base_url, run, (run / "config.json").exists()),
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             time.sleep(rng.uniform(0.5, 6.0))  # start-up, trace loading, sending, writing: anywhere
