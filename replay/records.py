@@ -12,6 +12,7 @@ and a write that fails leaves no temp file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,8 @@ from kvbench import run_files
 
 if TYPE_CHECKING:
     from kvbench.replay.backend import CompletionResult
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,15 +114,17 @@ class ResultsWriter:
 
     The journal is only ever appended to (run_files: a resumed run appends a `drop` line for the
     trajectories it re-runs, the end of a segment `update` lines for the stats it copied in), so
-    finishing a run needs no more free space than the lines it adds. The first write that fails
-    (a full disk) is kept in `failure` and the writer stops writing; what it wrote stays whole."""
+    finishing a run needs no more free space than the lines it adds. The first journal write that
+    fails (a full disk) is kept in `failure` and the writer stops writing; what it wrote stays
+    whole. A Parquet snapshot that fails is only skipped."""
 
     def __init__(self, result_dir: Path, kept: list[dict[str, Any]] | None = None,
                  dropped_trajectories: list[str] | None = None, snapshot_every_s: float = 5.0) -> None:
         self.result_dir = result_dir
         self.records: list[dict[str, Any]] = list(kept or [])
         self.snapshot_every_s = snapshot_every_s
-        self.failure: OSError | None = None
+        self.failure: OSError | None = None  # a journal write failed: nothing more is recorded
+        self.snapshot_failed = False
         self._last_snapshot = time.monotonic()
         result_dir.mkdir(parents=True, exist_ok=True)
         journal = result_dir / run_files.REQUESTS_JOURNAL
@@ -165,14 +170,19 @@ class ResultsWriter:
         self._last_fsync = time.monotonic()
 
     def snapshot(self) -> None:
+        """requests.parquet from the records so far. A snapshot that cannot be written (it needs
+        its whole size free) is skipped with a warning, not the run's end: the journal holds
+        every record, and readers rebuild the table from it (run_files.load_requests)."""
+        self._last_snapshot = time.monotonic()
         if self.failure is not None:
-            raise self.failure
+            return
         try:
             run_files.write_requests_parquet(self.records, self.result_dir / run_files.REQUESTS)
         except OSError as exc:
-            self.failure = exc
-            raise
-        self._last_snapshot = time.monotonic()
+            if not self.snapshot_failed:
+                logger.warning("requests.parquet not updated (%s); requests.jsonl holds every record",
+                               exc.strerror or exc)
+            self.snapshot_failed = True
 
     def close(self) -> None:
         """The last snapshot, then the journal closed; raises the writer's failure, if any."""
