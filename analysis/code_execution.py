@@ -198,14 +198,20 @@ def _check_one(check: CodeCheck, timeout_s: float, limits: SandboxLimits, uid: i
     cpu_s = int(timeout_s) + 5
     env = _sandbox_env(uid)
     with tempfile.TemporaryFile() as candidate_errors:
-        candidate = subprocess.Popen(_bwrap_command(limits, "candidate"), stdin=calls_read, stdout=answers_write,
-                                     stderr=candidate_errors, env=env, start_new_session=True,
-                                     preexec_fn=_limiter(limits, cpu_s, processes))
-        tests = subprocess.Popen(_bwrap_command(limits, "tests"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, env=env, start_new_session=True, pass_fds=(calls_write, answers_read),
-                                 preexec_fn=_limiter(limits, cpu_s, processes))
-        for fd in (calls_read, calls_write, answers_read, answers_write):
-            os.close(fd)  # each end now lives only in the sandbox that uses it
+        try:
+            candidate = subprocess.Popen(_bwrap_command(limits, "candidate"), stdin=calls_read, stdout=answers_write,
+                                         stderr=candidate_errors, env=env, start_new_session=True,
+                                         preexec_fn=_limiter(limits, cpu_s, processes))
+            try:
+                tests = subprocess.Popen(_bwrap_command(limits, "tests"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, env=env, start_new_session=True,
+                                         pass_fds=(calls_write, answers_read), preexec_fn=_limiter(limits, cpu_s, processes))
+            except BaseException:
+                _kill(candidate)
+                raise
+        finally:
+            for fd in (calls_read, calls_write, answers_read, answers_write):
+                os.close(fd)  # each end now lives only in the sandbox that uses it
         job = {"program": check.prompt + check.completion, "prompt": check.prompt, "test": check.test,
                "entry_point": check.entry_point, "timeout_s": timeout_s, "calls_fd": calls_write,
                "answers_fd": answers_read}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,15 @@ def _tracked() -> list[tuple[str, str]]:
     return entries
 
 
+# folders every machine has, which a checkout may lie in without its siblings being this machine's
+SHARED_PARENTS = {"/", "/tmp", "/var/tmp", "/home", "/Users", "/mnt", "/opt", "/srv", tempfile.gettempdir()}
+
+
 def machine_paths() -> re.Pattern[str]:
     """Absolute paths that exist only on the machine running this: the checkout, the folder it
-    lies in, the home folder, and any user's home folder."""
+    lies in (its siblings: another venv, a results folder), the home folder, and any user's home."""
     folders = {str(ROOT), str(Path.home())}
-    if ROOT.parent != Path("/"):
+    if str(ROOT.parent) not in SHARED_PARENTS:
         folders.add(str(ROOT.parent))
     mine = [re.escape(f.rstrip("/") + "/") for f in folders if f not in ("/", "")]
     return re.compile("|".join([*mine, r"/(?:home|Users)/[A-Za-z0-9_.-]+/"]))

@@ -202,7 +202,9 @@ def shared_spans(texts: Sequence[str], owners: Sequence[int], tokenizer: TraceTo
         first_index, first_start = places[0]
         first = items[first_index]
         # cut candidates: the first holder's token starts inside the region, relative to it
-        inner = [s - first_start for s in first.starts if first_start <= s < first_start + len(region)] + [len(region)]
+        inside = first.starts[bisect.bisect_left(first.starts, first_start):
+                              bisect.bisect_left(first.starts, first_start + len(region))]
+        inner = [s - first_start for s in inside] + [len(region)]
 
         def stable_everywhere(relative: int, places: list[tuple[int, int]]) -> bool:
             return all(stability.stable(i, items[i], start + relative) for i, start in places)
