@@ -82,17 +82,18 @@ JOURNAL_CONTROL = "journal"
 def read_requests_journal(path: Path) -> list[dict[str, Any]]:
     """The journal's records in order, its control lines applied (a torn line is skipped)."""
     records: list[dict[str, Any]] = []
+    by_id: dict[Any, dict[str, Any]] = {}
     for entry in read_jsonl(path):
         control = entry.get(JOURNAL_CONTROL)
         if control is None:
             records.append(entry)
+            by_id[entry.get("request_id")] = entry
         elif control == "drop":
             dropped = set(entry.get("trajectory_ids") or ())
             records = [r for r in records if r.get("trajectory_id") not in dropped]
-        elif control == "update":
-            for record in records:
-                if record.get("request_id") == entry.get("request_id"):
-                    record.update(entry.get("fields") or {})
+            by_id = {r.get("request_id"): r for r in records}
+        elif control == "update" and (record := by_id.get(entry.get("request_id"))) is not None:
+            record.update(entry.get("fields") or {})
     return records
 
 
