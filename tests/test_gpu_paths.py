@@ -14,7 +14,7 @@ import torch
 
 from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.base import LoadContext, SegmentReuse
-from kvbench.methods.connector.paged import PlainLayout
+from kvbench.methods.connector.paged import KVHalvesLayout
 from kvbench.methods.connector.rope import RopeAligner
 from kvbench.methods.connector.store import SavedKV
 from kvbench.methods.delta.anchors import Anchor, anchor_distances, gate_from_distances, interpolated_delta
@@ -125,21 +125,26 @@ def test_a_zero_shift_leaves_keys_as_they_were() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_plain_layout_round_trip(device: str) -> None:
-    """The plain layout [2, blocks, block_size, heads, head_dim]: rows written to slots read back
-    in block order, on either device."""
+@pytest.mark.parametrize("physical", [(0, 1, 2, 3), (0, 2, 1, 3), (1, 0, 2, 3)])  # HND, NHD, heads outermost
+def test_halves_layout_round_trip(device: str, physical: tuple[int, ...]) -> None:
+    """vLLM 0.32's GPU cache [blocks, heads, block_size, 2 x head_dim] stored in several physical
+    orders (tests/test_kv_layouts.py covers every KVCacheLayout through vLLM's own allocator):
+    rows written to slots read back in block order, on either device."""
     blocks, block_size = 8, 16
-    kv_cache = torch.zeros(2, blocks, block_size, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    logical = (blocks, HEADS, block_size, 2 * HEAD_DIM)
+    storage = torch.zeros([logical[i] for i in physical], dtype=torch.bfloat16, device=device)
+    kv_cache = storage.permute(*[physical.index(i) for i in range(4)])
+    assert tuple(kv_cache.shape) == logical
     block_ids = torch.tensor([5, 2, 7])
     n = 40
     slots = torch.cat([b * block_size + torch.arange(block_size) for b in block_ids.tolist()])[:n]
     k = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
     v = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    layout = PlainLayout()
+    layout = KVHalvesLayout(HEAD_DIM)
     layout.write(kv_cache, slots, k.to(device), v.to(device))
     read_k, read_v = layout.read(kv_cache, block_ids, n)
     assert torch.equal(read_k.cpu(), k) and torch.equal(read_v.cpu(), v)
-    assert int((kv_cache != 0).any(dim=(0, 2, 3, 4)).sum()) == 3  # only the three named blocks
+    assert int((kv_cache != 0).any(dim=(1, 2, 3)).sum()) == 3  # only the three named blocks
 
 
 class _Core:

@@ -93,32 +93,60 @@ class CpuPackedLayout:
         ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), k_half, v_half, slots, self.isa)
 
 
-class PlainLayout:
-    """GPU (FlashAttention-style) layout: [2, num_blocks, block_size, Hkv, hd], K then V."""
+class KVHalvesLayout:
+    """vLLM 0.32's GPU attention backends (FlashAttention, Triton, FlashInfer): each layer's cache
+    is a view of logical shape [blocks, Hkv, block_size, 2 * head_size], keys then values in the
+    last dimension (what their forward reads as `kv_cache.transpose(1, 2).split(head_size, -1)`),
+    whose strides are the permutation of `vllm.v1.kv_cache_layout.KVCacheLayout` vLLM chose
+    (several layers may interleave in one buffer). Read and written through the logical view, so
+    every permutation is served alike; the physical order is vLLM's business."""
+
+    def __init__(self, head_size: int) -> None:
+        self.head_size = head_size
 
     def read(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, _, bs, heads, hd = kv_cache.shape
+        _, heads, bs, _ = kv_cache.shape
         num_blocks = (n + bs - 1) // bs
-        rows = kv_cache[:, block_ids[:num_blocks].to(kv_cache.device)].reshape(2, num_blocks * bs, heads, hd)
-        return rows[0, :n], rows[1, :n]
+        blocks = kv_cache.index_select(0, block_ids[:num_blocks].to(kv_cache.device))  # [nb, H, bs, 2hd], one copy
+        rows = blocks.transpose(1, 2).reshape(num_blocks * bs, heads, 2 * self.head_size)[:n]
+        return rows[..., :self.head_size], rows[..., self.head_size:]
 
     def write(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if len(slots) == 0:
             return
-        _, nb, bs, heads, hd = kv_cache.shape
-        flat = kv_cache.view(2, nb * bs, heads, hd)
         slots = slots.to(kv_cache.device)
-        flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+        bs = kv_cache.shape[2]
+        blocks, offsets = slots // bs, slots % bs
+        # advanced indices on blocks and offsets, apart: the result is [m, Hkv, head_size]
+        kv_cache[blocks, :, offsets, :self.head_size] = k.to(kv_cache.dtype)
+        kv_cache[blocks, :, offsets, self.head_size:] = v.to(kv_cache.dtype)
 
 
-def layout_for(kv_cache: torch.Tensor, isa: str | None) -> PagedLayout:
-    """The layout of one layer's cache tensor as vLLM allocated it."""
+# dtypes vLLM stores quantized caches in: rows written here would need the layer's scales
+QUANTIZED_CACHE_DTYPES = {torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+class UnsupportedCacheError(ValueError):
+    """A layer's cache kvbench's connector cannot read or write (refused when the caches are registered)."""
+
+
+def layout_for(kv_cache: torch.Tensor, isa: str | None, backend: str = "?") -> PagedLayout:
+    """The layout of one layer's cache tensor as vLLM allocated it; UnsupportedCacheError naming
+    the backend and the shape for any other (MLA's latent cache, a hybrid model's state, fp8)."""
+    shape = tuple(kv_cache.shape)
+    if kv_cache.dtype in QUANTIZED_CACHE_DTYPES:
+        raise UnsupportedCacheError(
+            f"the {backend} attention backend stores this layer's KV cache as {kv_cache.dtype} (a quantized "
+            "--kv-cache-dtype): kvbench's connector writes rows at the model's precision and would need the "
+            "layer's scales; serve with --kv-cache-dtype auto")
+    if kv_cache.dim() != 4 or shape[3] % 2:
+        raise UnsupportedCacheError(
+            f"the {backend} attention backend hands kvbench a KV cache of shape {shape}; kvbench's connector "
+            "reads [blocks, kv heads, block size, 2 x head size] caches (vLLM 0.32's FlashAttention, Triton and "
+            "FlashInfer backends, and its CPU backend), not an MLA latent cache or a hybrid model's state")
     if kv_cache.device.type == "cpu":
         if isa is None:
-            raise RuntimeError("the CPU attention layer has no ISA set; is this the CPU_ATTN backend?")
-        _, _, bs, two_hd = kv_cache.shape
-        return CpuPackedLayout(isa, bs, two_hd // 2, kv_cache.dtype)
-    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
-        return PlainLayout()
-    raise NotImplementedError(f"unsupported KV cache layout {tuple(kv_cache.shape)} on {kv_cache.device}")
+            raise UnsupportedCacheError(f"the CPU attention layer ({backend}) has no ISA set; is this the CPU_ATTN "
+                                        "backend?")
+        return CpuPackedLayout(isa, shape[2], shape[3] // 2, kv_cache.dtype)
+    return KVHalvesLayout(shape[3] // 2)

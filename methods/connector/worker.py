@@ -74,10 +74,13 @@ class ConnectorWorker:
         self.kv_caches = kv_caches
         by_kind: dict[tuple, Any] = {}
         for name, cache in kv_caches.items():
-            isa = getattr(self._forward_context[name], "isa", None)
+            layer = self._forward_context[name]
+            isa = getattr(layer, "isa", None)
+            backend = getattr(layer, "attn_backend", None)
+            backend_name = backend.get_name() if backend is not None and hasattr(backend, "get_name") else type(layer).__name__
             kind = (cache.device.type, isa, tuple(cache.shape[1:]), cache.dtype)
             if kind not in by_kind:
-                by_kind[kind] = layout_for(cache, isa)
+                by_kind[kind] = layout_for(cache, isa, backend_name)  # refused here, at start, if unsupported
             self.layouts[name] = by_kind[kind]
 
     def attach_model(self, model: torch.nn.Module) -> None:
