@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,16 +58,21 @@ def replace_durably(tmp: Path, path: Path) -> None:
     _fsync_path(path.parent)  # the rename itself is a change to the folder
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` whole (temp file + rename): a reader or a crash never sees half of it; a
-    write that fails (a full disk) leaves `path` as it was and no temp file."""
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Replace `path` whole: `write` fills a temp file beside it (and may check it), which is then
+    renamed over `path`; a reader or a crash never sees half of it, and a write or check that
+    fails (a full disk, a refusal) leaves `path` as it was and no temp file."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        write(tmp)
         replace_durably(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 # -- the requests journal ----------------------------------------------------------------------
@@ -127,13 +133,7 @@ def write_requests_parquet(records: list[dict[str, Any]], path: Path) -> None:
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pylist(records, schema=requests_schema())
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        pq.write_table(table, tmp)
-        replace_durably(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,7 @@ class RequestsRead:
     """A run's request records and where they came from."""
 
     frame: Any  # pandas.DataFrame, columns as requests_schema()
-    source: str  # "requests.parquet", or why the journal was read instead
-    rebuilt: bool = False  # requests.parquet was rewritten from the journal
+    source: str  # "requests.parquet", or why the journal was read instead (and whether it was rebuilt)
 
 
 def _parquet_rows(path: Path) -> tuple[Any, str | None]:
@@ -180,14 +179,12 @@ def load_requests(result_dir: Path, rebuild: bool = True) -> RequestsRead:
         return RequestsRead(table.to_pandas(), REQUESTS)
     why = problem or f"held {table.num_rows} of the journal's {len(journal)} records"
     frame = pa.Table.from_pylist(journal, schema=requests_schema()).to_pandas()
-    rebuilt = False
     if rebuild:
         try:
             if parquet_path.is_dir():
                 raise IsADirectoryError(f"{parquet_path} is a directory")
             write_requests_parquet(journal, parquet_path)
-            rebuilt = True
             why += "; rebuilt from the journal"
         except OSError as exc:
             why += f"; not rewritten: {exc.strerror or exc}"
-    return RequestsRead(frame, f"{REQUESTS_JOURNAL} ({REQUESTS}: {why})", rebuilt)
+    return RequestsRead(frame, f"{REQUESTS_JOURNAL} ({REQUESTS}: {why})")

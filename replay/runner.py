@@ -140,7 +140,7 @@ class Replayer:
         try:
             self.writer = ResultsWriter(cfg.result_dir, kept, start.dropped)
         except OSError as exc:
-            raise ReplayError(self._write_failure(exc, len(kept))) from None
+            raise ReplayError(self._write_failure(exc, kept)) from None
         if self.stats is not None:
             self.stats.load({r["request_id"] for r in kept})
         self.segment = {"started": time.time(), "duration_s": 0.0, "trajectories": len(todo), "status": "warm-up",
@@ -187,8 +187,7 @@ class Replayer:
                         logger.warning("collecting method stats failed (retried every %gs): %s", HEARTBEAT_S, exc)
                     warned = True
                 except OSError as exc:  # its journal cannot be written: the run ends
-                    if self.abort_reason is None:
-                        self.abort_reason = self._write_failure(exc, len(self.writer.records) if self.writer else 0)
+                    self._abort_on_write_failure(exc)
 
     async def _finish_segment(self, session: aiohttp.ClientSession, run_config: dict[str, Any],
                               sampler: MetricsSampler, segment: int) -> None:
@@ -217,7 +216,7 @@ class Replayer:
             with open(self.config.result_dir / run_files.SERVER_METRICS, "a") as handle:
                 handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
         except OSError as exc:
-            self.abort_reason = self.abort_reason or self._write_failure(exc, len(writer.records))
+            self._abort_on_write_failure(exc)
             with contextlib.suppress(OSError):
                 writer.close()
         self.segment["aborted"] = self.abort_reason
@@ -225,19 +224,23 @@ class Replayer:
                                   else "aborted" if self.abort_reason else "finished")
         self._write_config(run_config)
 
-    def _write_failure(self, exc: OSError, safe_records: int) -> str:
+    def _write_failure(self, exc: OSError, recorded: list[dict[str, Any]]) -> str:
         """What a failed write means for the run, in one line: the folder, the error, what is safe."""
         folder = self.config.result_dir
-        return (f"cannot write to {folder} ({exc.strerror or exc}); the {safe_records} requests recorded before it "
+        return (f"cannot write to {folder} ({exc.strerror or exc}); the {len(recorded)} requests recorded before it "
                 f"are safe in {run_files.REQUESTS_JOURNAL} (free space, then `kvbench summarize {folder}`)")
+
+    def _abort_on_write_failure(self, exc: OSError) -> None:
+        """The first failed write ends the run (a later one says nothing new)."""
+        if self.abort_reason is None:
+            self.abort_reason = self._write_failure(exc, self.writer.records if self.writer else [])
 
     def _write_config(self, run_config: dict[str, Any]) -> None:
         """config.json rewritten; when it cannot be (a full disk), the one on disk stays, and the run ends."""
         try:
             write_text_atomic(self.config.result_dir / run_files.CONFIG, json.dumps(run_config, indent=2) + "\n")
         except OSError as exc:
-            if self.abort_reason is None:
-                self.abort_reason = self._write_failure(exc, len(self.writer.records) if self.writer else 0)
+            self._abort_on_write_failure(exc)
 
     async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
                        builder: PromptBuilder) -> None:
@@ -384,8 +387,7 @@ class Replayer:
         try:
             writer.add(record)
         except OSError as exc:  # the request re-runs on --resume: its trajectory is incomplete
-            if self.abort_reason is None:
-                self.abort_reason = self._write_failure(exc, len(writer.records))
+            self._abort_on_write_failure(exc)
             return
         self.progress.add(record.success, record.ttft_ms)
 

@@ -91,6 +91,8 @@ def test_the_cli_writes_a_valid_trace_and_stats_show_the_edges(tmp_path: Path) -
     ('{"messages": [{"role": "user", "content": 3}], "response": "x"}', "messages[0]: content must be text"),
     ('{"messages": [{"role": "user", "content": "x"}], "response": " "}', "response: empty"),
     ('{"messages": [{"role": "user", "content": "x"}], "response": "x", "agnet": "a"}', "agnet: unknown field"),
+    ('{"messages": [{"role": "user", "content": "x"}], "response": "x", "response": "y"}',
+     "line 1: duplicate key 'response' in one object"),
     ('{"messages": [{"role": "user", "content": "x"}], "response": "x", "timestamp": -1}', "timestamp: must be"),
     ('{"messages": [{"role": "user", "content": "x"}], "response": "x", "parent_ids": ["r9"]}',
      "parent_ids: 'r9' is no earlier request's id"),

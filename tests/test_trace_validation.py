@@ -237,6 +237,12 @@ def test_deeply_nested_json_is_a_clear_error(tmp_path: Path) -> None:
     _fails_cleanly(_validate(path), "line 2: not JSON this reader accepts (nested too deeply)")
 
 
+def test_a_number_of_more_digits_than_python_converts_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    _write(path, [HEADER, json.dumps(_trajectory()).replace('"arrival_s": 0.0', '"arrival_s": ' + "9" * 5000)])
+    _fails_cleanly(_validate(path), "line 2: not JSON this reader accepts (Exceeds the limit")
+
+
 def _chain(length: int, cycle: bool = False) -> dict:
     """A trajectory of `length` turns, each after the previous and reading its output, listed
     last turn first."""

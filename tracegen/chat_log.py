@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.tracegen.schema import MAX_ARRIVAL_S, TraceError, max_text_bytes
-from kvbench.tracegen.trace_files import LineTooLong, bounded_lines
+from kvbench.tracegen.trace_files import load_json_line, readable_lines
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 LOG = "openai-chat log"  # what TraceError calls the file
@@ -152,29 +152,13 @@ def _record(raw: Any, line: int, problems: list[str]) -> ChatRecord | None:
 MAX_PROBLEMS = 200  # a log that is not one stops being read here
 
 
-def _parse(text: str) -> tuple[Any, str | None]:
-    """The line's JSON value, or why it is none (as one line: never a traceback)."""
-    try:
-        return json.loads(text), None
-    except json.JSONDecodeError as exc:
-        return None, f"not JSON ({exc.msg} at column {exc.colno})"
-    except RecursionError:
-        return None, "not JSON this reader accepts (nested too deeply)"
-    except ValueError as exc:  # e.g. an integer of more digits than Python converts
-        return None, f"not JSON this reader accepts ({exc})"
-
-
 def read_chat_log(path: str | Path) -> list[ChatRecord]:
     """The log's requests in file order; TraceError naming every problem by line and field."""
     problems: list[str] = []
     records: list[ChatRecord] = []
-    for number, text in bounded_lines(path, LOG):
-        if isinstance(text, LineTooLong):
-            problems.append(f"line {number}: longer than the trace line limit (KVBENCH_MAX_TRACE_LINE_BYTES raises it)")
-        elif text is None:
-            problems.append(f"line {number}: not UTF-8 text")
-        elif text.strip():
-            raw, error = _parse(text)
+    for number, text in readable_lines(path, LOG, problems):
+        if text.strip():
+            raw, error = load_json_line(text)
             if error is not None:
                 problems.append(f"line {number}: {error}")
             elif (record := _record(raw, number, problems)) is not None:

@@ -40,7 +40,7 @@ from kvbench.tracegen.schema import (
     max_text_bytes,
 )
 from kvbench.tracegen.tokenizer import TraceTokenizer
-from kvbench.tracegen.trace_files import LineTooLong, bounded_lines
+from kvbench.tracegen.trace_files import readable_lines
 
 COLUMNS = ("agent", "prefill_len", "decode_len")
 LOG = "precache-csv trace"
@@ -50,16 +50,9 @@ SEGMENT_JSON_BYTES = 24  # a segment reference in a trace line ({"ph":"p12"},), 
 
 def _csv_lines(path: str | Path, problems: list[str]) -> list[str]:
     """The file's lines, read as a trace is: a regular file, each line under the limit, UTF-8."""
-    lines = []
-    for number, text in bounded_lines(path, LOG):
-        if isinstance(text, LineTooLong):
-            problems.append(f"line {number}: longer than the trace line limit (KVBENCH_MAX_TRACE_LINE_BYTES raises it)")
-        elif text is None:
-            problems.append(f"line {number}: not UTF-8 text")
-        else:
-            lines.append(text)
-            continue
-        lines.append("")  # keeps line numbers
+    lines: list[str] = []
+    for number, text in readable_lines(path, LOG, problems):
+        lines += [""] * (number - 1 - len(lines)) + [text]  # a blank for each line refused: numbers kept
     return lines
 
 

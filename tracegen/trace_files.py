@@ -49,8 +49,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def _load_json(line: str) -> tuple[Any, str | None]:
-    """The parsed line, or None and why it is not JSON (or JSON with a key given twice)."""
+def load_json_line(line: str) -> tuple[Any, str | None]:
+    """The parsed line, or None and why it is not JSON this reader accepts (a key given twice,
+    nesting too deep, an integer of more digits than Python converts): one line, never a traceback."""
     try:
         return json.loads(line, object_pairs_hook=_unique_keys), None
     except json.JSONDecodeError as exc:
@@ -59,10 +60,12 @@ def _load_json(line: str) -> tuple[Any, str | None]:
         return None, f"duplicate key {exc.args[0]!r} in one object (JSON readers disagree on which wins)"
     except RecursionError:
         return None, "not JSON this reader accepts (nested too deeply)"
+    except ValueError as exc:
+        return None, f"not JSON this reader accepts ({exc})"
 
 
 def parse_header(line: str, path: str | Path = "<trace>") -> TraceHeader:
-    obj, error = _load_json(line)
+    obj, error = load_json_line(line)
     if error is not None:
         raise TraceError(path, [f"line 1: {error}"])
     if not isinstance(obj, dict) or obj.get("format") != TRACE_FORMAT:
@@ -120,6 +123,18 @@ def bounded_lines(path: str | Path, what: str = "trace") -> Iterator[tuple[int, 
                 yield number, None
 
 
+def readable_lines(path: str | Path, what: str, problems: list[str]) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line `bounded_lines` could read; a line over the limit or not
+    UTF-8 becomes a problem by its number instead (an importer's reading, as a trace's)."""
+    for number, text in bounded_lines(path, what):
+        if isinstance(text, LineTooLong):
+            problems.append(f"line {number}: longer than the trace line limit ({MAX_LINE_BYTES_ENV} raises it)")
+        elif text is None:
+            problems.append(f"line {number}: not UTF-8 text")
+        else:
+            yield number, text
+
+
 def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int, TraceHeader | Trajectory]]:
     """Yield (line, header), then (line, trajectory) for each; raise one TraceError listing every
     problem found (up to `max_problems`)."""
@@ -147,7 +162,7 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int,
             adapters = set(header.adapters or {})
             yield number, header
             continue
-        obj, error = _load_json(line)
+        obj, error = load_json_line(line)
         if error is not None:
             problems.append(f"line {number}: {error}")
             continue

@@ -8,11 +8,10 @@ and `kvbench replay` run the same checks, so a trace that validates replays.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvbench.run_files import write_atomic
 from kvbench.tracegen.schema import Trace, TraceError, TraceHeader, Trajectory
 from kvbench.tracegen.tokenizer import TraceTokenizer, load_tokenizer
 from kvbench.tracegen.trace_files import read_trace, write_trace
@@ -118,13 +117,11 @@ def write_validated_trace(path: str | Path, header: TraceHeader, trajectories: l
     beside `path`, read back, checked, then moved into place; on any problem nothing is left
     (TraceError names it). Returns its size in bytes."""
     target = Path(path)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
-    os.close(handle)
-    try:
-        size = write_trace(temporary, header, trajectories)
+    sizes: list[int] = []
+
+    def write_checked(temporary: Path) -> None:
+        sizes.append(write_trace(temporary, header, trajectories))
         check_trace(read_trace(temporary), tokenizer, str(target))
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return size
+
+    write_atomic(target, write_checked)
+    return sizes[0]
