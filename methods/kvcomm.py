@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 
 from kvbench.methods.base import MethodParams
 from kvbench.methods.delta.correction import DeltaCorrection
+from kvbench.methods.delta.params import APPLY_CORRECTIONS_FIELD, GATE_FIELD, GateMode
 from kvbench.methods.registry import register_method
 
 
@@ -19,6 +20,9 @@ class KVCommParams(MethodParams):
     gate_tokens: int = Field(0, ge=0, description="tokens of a segment matched against anchors (0: all)")
     base_codec: str = Field("none", description="a KV codec keeping the full-size anchor bases compressed (e.g. "
                             "polykv, as `store_codec`): they only serve matching; corrections stay bf16")
+
+    gate: GateMode = GATE_FIELD
+    apply_corrections: bool = APPLY_CORRECTIONS_FIELD
 
     @field_validator("base_codec")
     @classmethod

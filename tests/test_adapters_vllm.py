@@ -10,13 +10,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from vllm_helpers import all_request_stats, replay_turns
+from vllm_helpers import all_passed, method_check, replay_turns
 
 from kvbench.cli import main
+from kvbench.experiment.check_requests import ADAPTER_PREFIX
 from kvbench.model.adapters import build_random_adapter
 from kvbench.replay.server import VLLMServer, method_server_config
-from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.tokenizer import load_tokenizer
 from kvbench.tracegen.trace_files import read_trace
 
 pytestmark = pytest.mark.engine
@@ -29,7 +28,9 @@ def adapters(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> di
     folders = {"reader-random": build_random_adapter(default_model, root / "reader-random", seed=1),
                "reader-zero": build_random_adapter(default_model, root / "reader-zero", zero=True),
                **{f"zero-{i}": build_random_adapter(default_model, root / f"zero-{i}", zero=True)
-                  for i in range(AGENTS)}}
+                  for i in range(AGENTS)},
+               **{f"{ADAPTER_PREFIX}{i}": build_random_adapter(default_model, root / f"check-{i}", zero=True)
+                  for i in range(2)}}
     return {name: str(path) for name, path in folders.items()}
 
 
@@ -82,19 +83,8 @@ def test_adapters_load_change_outputs_and_run_beside_the_connector(rebase_server
     assert (changed["reused_tokens"] > 0).any()  # later agents reused the adapter agent's cache
 
 
-def test_rebase_with_identity_adapters_gives_vllms_own_outputs(rebase_server: VLLMServer) -> None:
-    tokenizer = load_tokenizer(None)
-    _, (trajectory,) = generate_trace(TraceSpec(task="recall", shared_tokens=512, output_len=8, num_trajectories=1,
-                                                seed=2), tokenizer)
-    # one system prompt for every agent: the shared table's rows see the same context in every
-    # prompt, so its adapter-free rows are what each agent's own prefill computes (an agent's
-    # output follows other text in its writer's cache than in its readers' prompts: not reused here)
-    system = next(iter(trajectory.agents.values())).system
-    trajectory = trajectory.model_copy(update={"agents": {
-        name: agent.model_copy(update={"system": system}) for name, agent in trajectory.agents.items()}})
-    adapter_of = {name: f"zero-{i}" for i, name in enumerate(trajectory.agents)}  # one each: no exact copies
-    dense = replay_turns(rebase_server, trajectory, 8, adapter_of, plan_update={"claim": "none"})
-    before = sum(s.get("reused_tokens", 0) for s in all_request_stats(rebase_server))
-    reused = replay_turns(rebase_server, trajectory, 8, adapter_of, only_q=True)
-    assert sum(s.get("reused_tokens", 0) for s in all_request_stats(rebase_server)) > before
-    assert reused == dense
+def test_rebase_with_identity_adapters_gives_the_base_models_outputs(rebase_server: VLLMServer, tmp_path: Path) -> None:
+    """`kvbench check`: one system prompt for every agent (the table's rows see the same context in
+    every prompt, so their adapter-free rows are what each agent's own prefill computes), one
+    identity adapter per agent (no exact copies), the table reused: the base model's outputs."""
+    assert all_passed(method_check(tmp_path, "precache-rebase", rebase_server))

@@ -424,7 +424,7 @@ def test_method_parameters_are_validated() -> None:
     with pytest.raises(MethodConfigError, match="deviation: Input should be 'value' or 'key'"):
         method_class("cacheblend")({"deviation": "norm"})
     assert method_class("kvcomm")({}).params == {"V": 20, "gamma": 0.3, "gate_tokens": 0, "base_codec": "none",
-                                                 "store_codec": "none"}
+                                                 "gate": "entropy", "apply_corrections": True, "store_codec": "none"}
     assert math.isclose(method_class("kvcmas")({"tau": 0.5}).threshold(), 0.5)
 
 

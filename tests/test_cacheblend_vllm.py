@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 from conftest import method_server
-from vllm_helpers import complete, dense_prefill, kv_error, new_key, request_stats, reuse_q, set_params, small_replay
+from vllm_helpers import (
+    all_passed,
+    complete,
+    dense_prefill,
+    kv_error,
+    method_check,
+    new_key,
+    request_stats,
+    reuse_q,
+    set_params,
+    small_replay,
+)
 
 from kvbench.model.store import first_context_layer
 from kvbench.replay.server import ServerError, VLLMServer
@@ -100,3 +111,27 @@ def test_gradual_filtering_narrows_layer_by_layer(server: VLLMServer, prompts: d
     after = errors[1][check_layer + 1]["v_rel"], errors[0][check_layer + 1]["v_rel"]
     assert after[0] < after[1], errors
     set_params(server, filter_ratios=[])
+
+
+def test_kvbench_check_passes(server: VLLMServer, tmp_path: Path) -> None:
+    """Recompute ratio 1: NonShared's outputs and K/V."""
+    assert all_passed(method_check(tmp_path, "cacheblend", server))
+
+
+def test_kvbench_check_fails_a_method_broken_on_purpose(server: VLLMServer, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: CacheBlend's "recompute everything" setting recomputes no reused token after the
+    check layer (ratio 0), so its reused rows keep the other agent's context: exit 1, with the
+    layer whose K/V left the dense prefill's."""
+    from dataclasses import replace
+
+    from kvbench.experiment import invariants
+
+    planted = tuple(replace(i, params=lambda facts: {"recompute_ratio": 0.0}) if i.method == "cacheblend" else i
+                    for i in invariants.INVARIANTS)
+    monkeypatch.setattr(invariants, "INVARIANTS", planted)
+    report = method_check(tmp_path, "cacheblend", server, expect_exit=1)
+    (outcome,) = report["outcomes"]
+    assert outcome["status"] == "fail" and not report["passed"]
+    assert "K/V off the dense prefill" in outcome["evidence"] or "NonShared's" in outcome["evidence"], outcome
+    assert set_params(server)["recompute_ratio"] == 0.15  # the server is left with its own parameters

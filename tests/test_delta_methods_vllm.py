@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from vllm_helpers import all_passed, method_check
 
 from kvbench.cli import main
 from kvbench.replay.server import VLLMServer, method_server_config
@@ -170,3 +171,17 @@ def test_prematch_decides_alike_from_distances_kept_at_the_source(method_server:
     # (A1 reads it from A0, which reused nothing: vLLM prefilled A0 and nothing matched it ahead.)
     queries = [d for _, turn, d in on if d["id"] == "q" and "entropy" in d and turn != "A1.r0"]
     assert queries and all(d["memo_anchors"] == d["anchors"] and d["rows_s"] == 0 for d in queries)
+
+
+def test_kvbench_check_passes(method_server: tuple[str, VLLMServer], fullshared_server: VLLMServer,
+                              tmp_path: Path) -> None:
+    """Gate forced dense: NonShared's outputs and K/V; KVCMAS accepting matches with no correction
+    added: FullShared's placed K/V, bit for bit."""
+    method, server = method_server
+    if method not in ("kvcmas", "kvcomm"):
+        pytest.skip(f"kvbench check has no invariant for {method}")
+    report = method_check(tmp_path, method, server, fullshared_server)
+    assert all_passed(report), report["outcomes"]
+    if method == "kvcmas":
+        zero = next(o for o in report["outcomes"] if o["invariant"] == "zero-deltas")
+        assert zero["details"]["max_relative_difference"] == 0.0

@@ -11,7 +11,18 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import method_server
-from vllm_helpers import complete, dense_prefill, kv_error, new_key, request_stats, reuse_q, set_params, small_replay
+from vllm_helpers import (
+    all_passed,
+    complete,
+    dense_prefill,
+    kv_error,
+    method_check,
+    new_key,
+    request_stats,
+    reuse_q,
+    set_params,
+    small_replay,
+)
 
 from kvbench.cli import main
 from kvbench.model.store import first_context_layer
@@ -115,3 +126,8 @@ def test_calibrate_profiles_the_layer_group(server: VLLMServer, model_layers: in
     assert stop - start == round(0.5 * model_layers)
     assert set_params(server, reuse_ratio=0.8)["layers"] == [start, stop]  # the profile's group is in force
     set_params(server, layers=None)
+
+
+def test_kvbench_check_passes(server: VLLMServer, tmp_path: Path) -> None:
+    """Every layer recomputed: NonShared's outputs and K/V."""
+    assert all_passed(method_check(tmp_path, "droidspeak", server))

@@ -1,4 +1,5 @@
-"""PolyKV inside vLLM on the embedded model: end to end, and with an identity codec equal to FullShared."""
+"""PolyKV inside vLLM on the embedded model: end to end, and with an identity codec equal to FullShared
+(`kvbench check`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from vllm_helpers import all_passed, method_check
 
 from kvbench.cli import main
 from kvbench.replay.server import VLLMServer, method_server_config
@@ -46,14 +48,10 @@ def test_polykv_replays_from_a_compressed_store(polykv_server: VLLMServer, defau
     assert summary["store_decode_ms_per_1k_tokens"] > 0 and summary["store_encode_ms_per_1k_tokens"] > 0
 
 
-def test_with_an_identity_codec_it_is_fullshared(polykv_server: VLLMServer, fullshared_server: VLLMServer,
-                                                 tmp_path: Path) -> None:
-    WorkerClient(polykv_server.base_url).set_params({"store_codec": "identity"})
-    try:
-        identity, _ = _replay(polykv_server, "polykv", tmp_path / "identity")
-    finally:
-        WorkerClient(polykv_server.base_url).set_params({"store_codec": "polykv"})
-    fullshared, _ = _replay(fullshared_server, "fullshared", tmp_path / "fullshared")
-    key = ["trajectory_id", "turn_id"]
-    a, b = identity.set_index(key).sort_index(), fullshared.set_index(key).sort_index()
-    assert [list(x) for x in a["output_token_ids"]] == [list(x) for x in b["output_token_ids"]]
+def test_with_an_identity_codec_it_places_fullshareds_kv(polykv_server: VLLMServer, fullshared_server: VLLMServer,
+                                                         tmp_path: Path) -> None:
+    """`kvbench check`: the identity codec gives FullShared's placed K/V bit for bit, and its outputs."""
+    report = method_check(tmp_path, "polykv", polykv_server, fullshared_server)
+    assert all_passed(report), report["outcomes"]
+    assert report["outcomes"][0]["details"]["max_relative_difference"] == 0.0
+    assert WorkerClient(polykv_server.base_url).info()[0].params["store_codec"] == "polykv"  # left as it was

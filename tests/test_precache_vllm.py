@@ -10,10 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_helpers import all_request_stats, replay_turns
+from vllm_helpers import all_passed, all_request_stats, method_check, replay_turns
 
 from kvbench.contracts import WorkerRpc
+from kvbench.experiment.check_requests import ADAPTER_PREFIX
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
+from kvbench.model.adapters import build_random_adapter
 from kvbench.model.resolve import resolve_model
 from kvbench.model.role_adapters import build_route_adapter
 from kvbench.replay.server import ServerConfig, VLLMServer
@@ -30,6 +32,8 @@ def route_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     root = Path(tmp_path_factory.mktemp(request.param))
     model = resolve_model("kvbench:roles-adapter")
     adapters = {f"route-{r}": str(build_route_adapter(model, root / f"route-{r}", r)) for r in (0, 1)}
+    adapters.update({f"{ADAPTER_PREFIX}{i}": str(build_random_adapter(model, root / f"check-{i}", zero=True))
+                     for i in range(2)})
     config = ServerConfig(model=model, log_path=root / "server.log", max_model_len=4096,
                           kv_transfer_config=kv_transfer_config(request.param), worker_extension_cls=WORKER_EXTENSION,
                           post_start_rpcs=[WorkerRpc.ATTACH_MODEL], lora_modules=adapters, extra_args=["--enforce-eager"])
@@ -54,3 +58,9 @@ def test_both_variants_answer_every_reuse_turn_along_the_readers_route(route_ser
     assert len(stats) >= 3  # A1..A3 reused A0's (or each other's) cache
     # the LR cache, counted from its tensors: r = 8 values per layer (8) in bf16, per token and adapter
     assert all(s["lr_cache_bytes_per_token_adapter"] == 2 * 8 * 8 for s in stats)
+
+
+def test_kvbench_check_passes(route_server, tmp_path: Path) -> None:
+    """Identity adapters (served beside the route adapters): the base model's outputs."""
+    method, server = route_server
+    assert all_passed(method_check(tmp_path, method, server, model=server.config.model))

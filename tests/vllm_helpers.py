@@ -119,3 +119,19 @@ def replay_turns(server: VLLMServer, trajectory, steps: int, adapter_of: dict[st
 def all_request_stats(server: VLLMServer) -> list[dict]:
     """Every request's load stats the (first) worker holds."""
     return [dict(s) for s in WorkerClient(server.base_url).stats()[0].requests.values()]
+
+
+def method_check(tmp_path: Path, methods: str, *servers: VLLMServer, expect_exit: int = 0, model: str | None = None) -> dict:
+    """`kvbench check` of `methods` on running servers (small settings: three two-agent trajectories
+    of 256 shared tokens, 8 generated), its check.json."""
+    out = tmp_path / "check.json"
+    result = CliRunner().invoke(main, ["check", "--methods", methods, *[a for s in servers for a in ("--base-url", s.base_url)],
+                                       "--num-trajectories", "3", "--shared-tokens", "256", "--output-len", "8",
+                                       "--output", str(out), *(("--model", model) if model else ())], prog_name="kvbench")
+    assert result.exit_code == expect_exit, result.output
+    return json.loads(out.read_text())
+
+
+def all_passed(report: dict) -> bool:
+    """Every invariant passed, each on at least one compared turn."""
+    return report["passed"] and all(o["status"] == "pass" and o["turns"] > 0 for o in report["outcomes"])

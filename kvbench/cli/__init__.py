@@ -15,6 +15,7 @@ from kvbench.cli.analysis import (
     summarize_command,
 )
 from kvbench.cli.calibrate import calibrate_command
+from kvbench.cli.check import check_command
 from kvbench.cli.model import model_group
 from kvbench.cli.quickstart import quickstart_command
 from kvbench.cli.replay import replay_command
@@ -56,6 +57,7 @@ main.add_command(replay_command)
 main.add_command(serve_command)
 main.add_command(methods_command)
 main.add_command(calibrate_command)
+main.add_command(check_command)
 main.add_command(quickstart_command)
 main.add_command(report_command)
 main.add_command(quality_command)

@@ -27,7 +27,13 @@ V_PROJ = "v_proj"
 
 
 def _config(model_dir: Path) -> dict[str, Any]:
-    return dict(json.loads((model_dir / "config.json").read_text()))
+    """The model's config.json: from its folder, else through transformers (a hub name)."""
+    if (model_dir / "config.json").is_file():
+        return dict(json.loads((model_dir / "config.json").read_text()))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return dict((getattr(config, "text_config", None) or config).to_dict())
 
 
 def build_random_adapter(model_dir: str | Path, out_dir: str | Path, *, rank: int = 8, seed: int = 0,

@@ -107,6 +107,14 @@ class PolyKVCodec(KVCodec):
         self.key_scale, self.pack, self.norm_dtype = key_scale, pack, norm_dtype
         self.name = f"polykv-{key_scale}{'-packed' if pack else ''}{'-fp16norm' if norm_dtype == torch.float16 else ''}"
         self.centroids = torch.tensor(LLOYD_MAX_3BIT)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (centroids, boundaries)
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The centroids and the boundaries between them on `device`, copied there once."""
+        if device not in self._tables:
+            centroids = self.centroids.to(device)
+            self._tables[device] = centroids, (centroids[1:] + centroids[:-1]) / 2
+        return self._tables[device]
 
     # ---------------------------------------------------------------- keys: int8
     def _key_reduce_dims(self, k: torch.Tensor) -> tuple[int, ...]:
@@ -128,8 +136,7 @@ class PolyKVCodec(KVCodec):
     # ---------------------------------------------------------------- values: FWHT + 3-bit Lloyd-Max
     def quantize_rotated(self, z: torch.Tensor) -> torch.Tensor:
         """Index of the nearest centroid of each coordinate (about N(0, 1))."""
-        boundaries = (self.centroids[1:] + self.centroids[:-1]) / 2
-        return torch.bucketize(z.contiguous(), boundaries.to(z.device)).to(torch.uint8)
+        return torch.bucketize(z.contiguous(), self.tables(z.device)[1]).to(torch.uint8)
 
     def encode_values(self, v: torch.Tensor) -> Encoded:
         d = v.shape[-1]
@@ -149,7 +156,7 @@ class PolyKVCodec(KVCodec):
         stored = encoded.tensors["v_index"]
         indices = unpack_3bit(stored) if encoded.meta.get("packed") else stored.to(torch.uint8)
         d = encoded.shape[-1]
-        rotated = self.centroids.to(stored.device)[indices.long()]
+        rotated = self.tables(stored.device)[0][indices.long()]
         # back: divide by sqrt(d), inverse normalized FWHT (itself), times the norm
         unit = fwht(rotated / math.sqrt(d)) / math.sqrt(d)
         return (unit * encoded.tensors["v_norm"].float()).to(encoded.dtype)

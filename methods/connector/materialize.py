@@ -133,6 +133,13 @@ class Placement:
         self.at_check: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.seconds = 0.0  # building the placed rows, every layer: gathering, RoPE, correction, checks
         self.rope_seconds = 0.0  # of which re-rotating keys to their new positions
+        self.nonfinite: torch.Tensor | None = None  # non-finite placed values so far (on the cache's device)
+
+    def raise_if_nonfinite(self) -> None:
+        """Summed over tensor-parallel ranks (each holds other heads), so that all of them raise
+        together: a rank falling back alone would leave the others waiting in a collective."""
+        if self.nonfinite is not None and float(self.worker.sum_over_ranks(self.nonfinite.float().reshape(1))) > 0:
+            raise FloatingPointError(f"non-finite K/V placed by method {self.method.name}")
 
     def all_computed(self, layer: int) -> bool:
         """Every reused row is computed in this layer (so none is placed)."""
@@ -159,11 +166,11 @@ class Placement:
         k_all, v_all = torch.cat(ks), torch.cat(vs)
         if self.poison:
             k_all.view(-1)[0] = float("nan")
-        # Summed over tensor-parallel ranks (each holds other heads), so that all of them raise
-        # together: a rank falling back alone would leave the others waiting in a collective.
+        # Counted on the device and read once, after the last layer (`raise_if_nonfinite`): a
+        # read per layer would stall a GPU's queue every layer. Rows placed before then are the
+        # request's own and vLLM computes them again when the load falls back.
         bad = (~torch.isfinite(k_all)).sum() + (~torch.isfinite(v_all)).sum()
-        if float(self.worker.sum_over_ranks(bad.float().reshape(1))) > 0:
-            raise FloatingPointError(f"non-finite K/V from method {self.method.name} at layer {layer}")
+        self.nonfinite = bad if self.nonfinite is None else self.nonfinite + bad
         if layer in self.check_layers:  # written, then overwritten by the fresh rows: kept for the comparison
             self.at_check[layer] = (k_all, v_all)
         self.seconds += time.perf_counter() - started
@@ -291,6 +298,7 @@ def materialize_steps(worker: LoadServices, spec: LoadSpec,
     started = time.perf_counter()
     forward = yield from worker.forward.steps(tokens, block_ids, slots, compute, placement, narrowing, group, capture,
                                               worker.adapter(spec.plan.adapter))
+    placement.raise_if_nonfinite()
     if capture is not None and forward.captured is not None:
         keep_hidden(str(spec.plan.saved_key), (*forward.captured, capture))
     stages = narrowing.stages if narrowing else []

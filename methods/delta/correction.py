@@ -15,7 +15,6 @@ from collections.abc import Callable, Generator
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
 
 from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
@@ -37,22 +36,13 @@ from kvbench.methods.delta.jobs import (
     Rows,
 )
 from kvbench.methods.delta.match_memo import MatchMemo, SegmentDistances, memoized_distances
+from kvbench.methods.delta.params import DeltaParams
 from kvbench.methods.delta.references import ContextFreeReferences, content_key
 from kvbench.methods.delta.stored import BaseCodec
 
 OUTPUT_SEGMENT_PREFIX = "out:"  # an agent's output segment (kvbench.tracegen.schema.OUT_PREFIX)
 
 logger = logging.getLogger("kvbench.methods.delta.correction")
-
-
-class DeltaParams(MethodParams):
-    V: int = Field(10, ge=1, description="anchors kept per shared slot (online pool, LFU eviction)")
-    tau: float = Field(0.3, ge=0, le=1, description="gate: dense when the match entropy > tau * log2(anchors)")
-    r_c: int = Field(32, ge=1, description="rank of an anchor's base cache (truncated SVD)")
-    r_delta: int = Field(32, ge=1, description="rank of an anchor's correction")
-    gate_tokens: int = Field(0, ge=0, description="tokens of a segment matched against anchors (0: all)")
-    prematch: bool = Field(False, description="match a saved source's segments right after its first token, "
-                           "outside the consumers' TTFT (chained only)")
 
 
 class DeltaCorrection(SharingMethod):
@@ -228,6 +218,9 @@ class DeltaCorrection(SharingMethod):
         capacity = int(self.params.get("V", 1))
         pool = self.pools.setdefault(slot, AnchorPool(capacity))
         compatible = pool.compatible(edge, min_length=1)
+        gate_mode = self.params.get("gate", "entropy")
+        if gate_mode == "dense":
+            return {"accept": False, "decision": "dense_forced", "anchors": len(compatible)}
         # The gate needs two anchors; a pool of one (V = 1) bypasses it and applies its sole
         # anchor (the paper's appendix on V). The correction covers the longest prefix that
         # enough anchors hold: all n rows where they cover the segment, else the prefix the
@@ -264,7 +257,7 @@ class DeltaCorrection(SharingMethod):
                 summed[value_distances.numel():]
         gate = gate_from_distances(value_squares, self.threshold())
         gate_s = time.perf_counter() - started
-        if not gate.accept:
+        if not gate.accept and gate_mode != "accept":
             return {"accept": False, "decision": "dense_gate", "entropy": gate.normalized_entropy,
                     "anchors": len(eligible), "gate_s": gate_s, "memo_anchors": kept}
         key_distances, _, kept_keys = memoized_distances(eligible, covered, rows, memo, keys=True)
@@ -287,7 +280,7 @@ class DeltaCorrection(SharingMethod):
     def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self._corrections.get(id(reuse))
-        if entry is None or (layer == 0 and not self.correct_layer0):
+        if entry is None or (layer == 0 and not self.correct_layer0) or not self.params.get("apply_corrections", True):
             return keys, values
         started = time.perf_counter()
         heads, head_dim = keys.shape[1], keys.shape[2]

@@ -1,0 +1,33 @@
+"""The parameters the delta methods share (their pydantic models; kvbench.methods.params)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvbench.methods.params import MethodParams
+
+GateMode = Literal["entropy", "dense", "accept"]
+
+# Two switches every matching delta method takes after its own parameters. Off their defaults the
+# method is a known one exactly (`kvbench check`): every segment dense is NonShared, every match
+# accepted with no correction added is FullShared. (Fields, not a base class: a base's fields
+# would come first in `kvbench methods` and the docs.)
+GATE_FIELD = Field("entropy", description="entropy: the method's gate; dense: every shared segment prefilled "
+                   "densely (and kept as an anchor); accept: every match of enough anchors taken, whatever its "
+                   "entropy (kvbench check)")
+APPLY_CORRECTIONS_FIELD = Field(True, description="add the interpolated corrections; false: an accepted segment "
+                                "keeps the re-aligned source rows FullShared places (kvbench check)")
+
+
+class DeltaParams(MethodParams):
+    V: int = Field(10, ge=1, description="anchors kept per shared slot (online pool, LFU eviction)")
+    tau: float = Field(0.3, ge=0, le=1, description="gate: dense when the match entropy > tau * log2(anchors)")
+    r_c: int = Field(32, ge=1, description="rank of an anchor's base cache (truncated SVD)")
+    r_delta: int = Field(32, ge=1, description="rank of an anchor's correction")
+    gate_tokens: int = Field(0, ge=0, description="tokens of a segment matched against anchors (0: all)")
+    prematch: bool = Field(False, description="match a saved source's segments right after its first token, "
+                           "outside the consumers' TTFT (chained only)")
+    gate: GateMode = GATE_FIELD
+    apply_corrections: bool = APPLY_CORRECTIONS_FIELD
