@@ -27,7 +27,9 @@ from kvbench.cli.server_options import ServerOptions, server_options
               help="Two-agent trajectories per invariant (KVCMAS accepts its first match in the third).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("kvbench-check.json"), show_default=True, help="Where the verdicts go (JSON).")
+              default=Path("kvbench-check.json"), show_default=True,
+              help="Where the verdicts go (JSON); the logs of the servers started go to a folder beside it "
+                   "(kvbench-check-logs/).")
 @server_options
 def check_command(methods: str | None, base_urls: tuple[str, ...], shared_tokens: int, output_len: int,
                   num_trajectories: int, seed: int, output_path: Path, server: ServerOptions) -> None:
@@ -61,13 +63,14 @@ def check_command(methods: str | None, base_urls: tuple[str, ...], shared_tokens
     spec = CheckSpec(model=resolve_model(server.model), shared_tokens=shared_tokens, output_len=output_len,
                      trajectories=num_trajectories, seed=seed)
     with tempfile.TemporaryDirectory(prefix="kvbench-check-") as scratch:
-        logs = output_path.resolve().parent
+        logs = output_path.resolve().parent / f"{output_path.stem}-logs"  # one vLLM log per server started
 
         @contextlib.contextmanager
         def server_for(method: str) -> Iterator[str]:
             from kvbench.experiment.servers import server_url
 
             def config() -> object:
+                logs.mkdir(parents=True, exist_ok=True)
                 adapters = _identity_adapters(spec.model, Path(scratch)) if method.startswith("precache") else {}
                 click.echo(f"starting vLLM ({method}) for {spec.model} ... log: {logs / f'check-{method}.log'}", err=True)
                 return server.server_config(method, {}, spec.model, log_path=logs / f"check-{method}.log",
@@ -79,7 +82,7 @@ def check_command(methods: str | None, base_urls: tuple[str, ...], shared_tokens
             outcomes = run_checks(spec, invariants, server_for, progress=lambda line: click.echo(line, err=True))
         except (ServerError, ValueError, OSError) as exc:
             raise click.ClickException(str(exc)) from None
-    report = check_report(spec, outcomes)
+    report = check_report(spec, outcomes, model_name=server.model)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     output_path.write_text(json.dumps(report, indent=2) + "\n")
     _print_table(report)

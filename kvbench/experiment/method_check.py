@@ -315,14 +315,17 @@ def _reference_only(method: str) -> list[Invariant]:
     return [next(i for i in INVARIANTS if i.method == method and i.workload == "reuse")]
 
 
-def check_report(spec: CheckSpec, outcomes: Sequence[Outcome]) -> dict[str, Any]:
-    """check.json: the verdicts, and what they ran on."""
+def check_report(spec: CheckSpec, outcomes: Sequence[Outcome], model_name: str | None = None) -> dict[str, Any]:
+    """check.json: the verdicts, and what they ran on. `model_name`: the model as the user named
+    it (the resolved path of an embedded one is this machine's alone)."""
     from kvbench import __version__
     from kvbench.model.store import model_identity
     from kvbench.replay.run_config import git_sha
 
+    identity = model_identity(spec.model)
+    spec_fields = {**spec.__dict__, "model": model_name or identity}
     return {"version": CHECK_VERSION, "passed": bool(outcomes) and all(o.status == "pass" for o in outcomes),
-            "model": spec.model, "model_identity": model_identity(spec.model), "spec": spec.__dict__,
+            "model": model_name or identity, "model_identity": identity, "spec": spec_fields,
             "kvbench_version": __version__, "git_sha": git_sha(), "host": platform.node(),
             "machine": platform.machine(), "outcomes": [o.to_dict() for o in outcomes]}
 
