@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvbench.analysis.goodput import goodput_figures
+
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
@@ -158,8 +160,10 @@ def store_codec_figures(requests: pd.DataFrame) -> dict[str, Any]:
     }
 
 
-def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float]) -> dict[str, Any]:
-    """vLLM's summary keys plus kvbench's trajectory-level and reuse figures."""
+def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float],
+              goodput: dict[str, float] | None = None) -> dict[str, Any]:
+    """vLLM's summary keys plus kvbench's workflow (trajectory) and reuse figures, and goodput
+    under the bounds `goodput` gives (kvbench.analysis.goodput)."""
     ok = requests[requests["success"]] if len(requests) else requests
     completed, failed = int(len(ok)), int(len(requests) - len(ok))
     total_input = int(ok["prompt_tokens"].sum()) if completed else 0
@@ -187,6 +191,11 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     summary["failed_trajectories"] = int(requests["trajectory_id"].nunique() - len(trajectories)) if len(requests) else 0
     summary |= _stats(trajectories["mean_ttft_ms"].to_numpy(dtype=float), "trajectory_ttft", percentiles)
     summary["mean_trajectory_e2e_ms"] = float(trajectories["e2e_ms"].mean()) if len(trajectories) else math.nan
+    # A workflow's makespan: its first arrival to its last agent's last token (what a user of a
+    # multi-agent application waits), and the workflows finished per second.
+    summary |= _stats(trajectories["e2e_ms"].to_numpy(dtype=float), "workflow", percentiles)
+    summary["workflow_throughput"] = len(trajectories) / duration_s
+    summary |= goodput_figures(requests, trajectories.set_index("trajectory_id")["e2e_ms"], duration_s, goodput or {})
     summary["mean_trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
                                                    if len(trajectories) else math.nan)
     shared = int(ok["shared_tokens"].sum()) if completed else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -16,6 +17,10 @@ COLUMN_NOTES = {
     "pNN_ttft_ms": "request-level TTFT percentiles over successful requests (vLLM's definition)",
     "pNN_trajectory_ttft_ms": "percentiles of the per-trajectory mean TTFT (the paper's definition)",
     "trajectory_token_throughput": "trajectory tokens (prompt + output) / trajectory E2E, mean over trajectories",
+    "pNN_workflow_ms": "a workflow's makespan: its trajectory's first arrival to its last agent's last token",
+    "workflow_throughput": "workflows (trajectories) finished per second of the run",
+    "request_goodput / workflow_goodput": "requests / workflows per second meeting every `--goodput` bound (a "
+                                          "workflow: all its turns, and its makespan the `workflow` bound)",
     "realized_rho": "shared PH tokens served by reuse / PH tokens the method could have served had the "
                     "segment store kept every source",
     "eligible_rho": "shared PH tokens served by reuse / PH tokens whose source the store still held",
@@ -71,9 +76,11 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                      "task_accuracy_reuse", "task_unparseable"]]
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
-    throughput = table[["run", "completed", "failed", "mean_trajectory_e2e_ms", "trajectory_token_throughput",
-                        "realized_rho", "eligible_rho", "reuse_lost_to_eviction_share",
-                        "reuse_lost_to_refusal_share"]]
+    throughput = table[["run", "completed", "failed", *[c for c in table if c.endswith("_workflow_ms")],
+                        "workflow_throughput", "trajectory_token_throughput", "realized_rho", "eligible_rho",
+                        "reuse_lost_to_eviction_share", "reuse_lost_to_refusal_share"]]
+    slos = sorted({json.dumps(run.summary.get("goodput_slo")) for run in runs if run.summary.get("goodput_slo")})
+    goodput = table[["run", "request_goodput", "request_goodput_share", "workflow_goodput", "workflow_goodput_share"]]
     memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "store_refused", "peak_server_rss_mib",
                     "peak_kv_cache_usage_perc"]]
     models = sorted({run.model_name for run in runs})
@@ -86,7 +93,10 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
              _markdown(quality, ".3f") if compared else
              "No run here was compared with a reference or scored on a task: the tables above say what the "
              "methods save, not what they cost in outputs.", "",
-             "## Throughput and reuse", "", _markdown(throughput, ".3f"), "",
+             "## Workflows, throughput and reuse", "", _markdown(throughput, ".3f"), "",
+             *(["## Goodput (per second; shares of all requests and workflows)", "",
+                "Bounds (ms): " + "; ".join(slos) + (" (runs differ: compare with care)" if len(slos) > 1 else ""),
+                "", _markdown(goodput, ".3f"), ""] if slos else []),
              "## Memory", "", _markdown(memory), "",
              "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",
              "## Columns", "", *[f"- `{name}`: {note}" for name, note in COLUMN_NOTES.items()], "",

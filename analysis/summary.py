@@ -132,7 +132,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         # A resumed run's rates are over its active time: the segments' replay time added up,
         # the pause between an interruption and its resume left out (named below).
         **summarize(requests, sum(s.get("duration_s", 0.0) for s in segments),
-                    config.get("metric_percentiles") or [50.0, 90.0, 99.0]),
+                    config.get("metric_percentiles") or [50.0, 90.0, 99.0], config.get("goodput") or {}),
         "duration_basis": "active" if len(segments) == 1 else f"active: {len(segments)} segments added, pauses left out",
         "segment_durations_s": [s.get("duration_s") for s in segments],
         **_over_segments([server_figures(result_dir, i, metrics) for i in range(len(segments))]),

@@ -39,6 +39,12 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
             row[f"{percentile_key(p)}_trajectory_ttft_ms"] = _pct(trajectories["mean_ttft_ms"], p)
         row["mean_e2el_ms"] = float(ok["e2el_ms"].mean()) if len(ok) else float("nan")
         row["mean_trajectory_e2e_ms"] = float(trajectories["e2e_ms"].mean()) if len(trajectories) else float("nan")
+        for p in percentiles:  # a workflow's makespan: first arrival to its last agent's last token
+            row[f"{percentile_key(p)}_workflow_ms"] = _pct(trajectories["e2e_ms"], p)
+        duration = summary_number(run.summary.get("duration"))
+        row["workflow_throughput"] = len(trajectories) / duration if duration > 0 else float("nan")
+        for key in ("request_goodput", "request_goodput_share", "workflow_goodput", "workflow_goodput_share"):
+            row[key] = summary_number(run.summary.get(key))
         row["trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
                                               if len(trajectories) else float("nan"))
         reuse = reuse_figures(ok)

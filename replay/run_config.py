@@ -43,6 +43,7 @@ class ReplayConfig:
     # rather than a cold start. vLLM's prefix cache and saved source caches are reset either way.
     prime_method_state: bool = False
     metric_percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    goodput: dict[str, float] = field(default_factory=dict)  # latency bounds in ms (kvbench.analysis.goodput)
     label: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy by default
@@ -99,6 +100,7 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
         "num_trajectories": len(cfg.trace.trajectories) - cfg.num_warmups,
         "seed": cfg.seed,
         "metric_percentiles": cfg.metric_percentiles,
+        "goodput": cfg.goodput,
         "sampling": cfg.sampling.to_dict(),
         "logprobs": cfg.logprobs,
         "prompt_mode": prompt_mode(cfg),

@@ -112,9 +112,11 @@ def test_report_writes_tables_and_plots(sweep_dir: Path, tmp_path: Path) -> None
     result = _invoke("report", str(sweep_dir), "-o", str(out))
     assert result.exit_code == 0, result.output
     text = (out / "report.md").read_text()
-    for heading in ("## Latency", "## Throughput and reuse", "## Memory", "by agent position"):
+    for heading in ("## Latency", "## Workflows, throughput and reuse", "## Memory", "by agent position"):
         assert heading in text
+    assert "## Goodput" not in text  # no run set a --goodput bound
     csv = pd.read_csv(out / "methods.csv")
+    assert (csv["p90_workflow_ms"] >= csv["p50_workflow_ms"]).all() and (csv["workflow_throughput"] > 0).all()
     assert set(csv["method"]) == {"nonshared", "fullshared"} and "failed" in csv
     for name in ("ttft_percentiles", "ttft_cdf", "ttft_by_agent", "memory"):
         image = matplotlib.image.imread(out / f"{name}.png")

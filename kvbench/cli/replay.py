@@ -78,6 +78,10 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the arrival schedule.")
 @click.option("--metric-percentiles", default="50,90,99", show_default=True,
               help="Comma-separated percentiles reported as p{N}_{metric}_ms.")
+@click.option("--goodput", "goodput_specs", multiple=True, metavar="KEY:MS",
+              help="Latency bounds of goodput, as vllm bench serve's (repeatable, or several in one quoted value): "
+                   "ttft, tpot, e2el per request, workflow for a trajectory's makespan; summary.json then gives "
+                   "request_goodput and workflow_goodput (per second) and their shares.")
 @click.option("--result-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where results go [default: results/<label|method>-<qps>qps-<time>].")
 @click.option("--label", default=None, help="Name of this run in reports [default: the method; `no-context` with "
@@ -114,12 +118,13 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
                    num_warmups: int, prime_method_state: bool, seed: int, metric_percentiles: str,
-                   result_dir: Path | None, label: str | None,
+                   goodput_specs: tuple[str, ...], result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
                    temperature: float, top_p: float, top_k: int, reference_dir: Path | None,
                    logprobs: int | None, drop_shared: bool, server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
+    from kvbench.analysis.goodput import parse_goodput
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.experiment.servers import replay_server
@@ -130,6 +135,10 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         percentiles = parse_percentiles(metric_percentiles)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--metric-percentiles") from None
+    try:
+        goodput = parse_goodput(goodput_specs)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--goodput") from None
     params = check_method(method, server.method_params)
     if resume and result_dir is None:
         raise click.UsageError("--resume needs the --result-dir of the run to finish")
@@ -165,7 +174,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         trace=trace, tokenizer=tokenizer, method=method, base_urls=[u.rstrip("/") for u in base_urls],
         result_dir=result_dir, qps=qps, arrival=arrival, burstiness=burstiness,
         use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
-        num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles, label=label,
+        num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles,
+        goodput=goodput, label=label,
         metadata=_parse_metadata(metadata), sampling=sampling, reference=reference, drop_shared=drop_shared,
         logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
@@ -267,9 +277,15 @@ def print_summary(summary: dict[str, Any]) -> None:
     from kvbench.analysis.metrics import percentile_key
 
     stats = ["mean", "median", *(percentile_key(p) for p in summary["config"]["metric_percentiles"])]
-    for metric in ("ttft", "trajectory_ttft", "tpot", "itl", "e2el"):
+    for metric in ("ttft", "trajectory_ttft", "tpot", "itl", "e2el", "workflow"):
         rows += [(f"{stat}_{metric}_ms", f"{summary[f'{stat}_{metric}_ms']:.2f}") for stat in stats
                  if f"{stat}_{metric}_ms" in summary]
+    if summary.get("goodput_slo"):
+        slo = " ".join(f"{key}:{bound:g}" for key, bound in summary["goodput_slo"].items())
+        rows.append((f"Request goodput (req/s, {slo})", f"{summary['request_goodput']:.2f} "
+                     f"({summary['request_goodput_share']:.1%} of requests)"))
+        rows.append(("Workflow goodput (workflows/s)", f"{summary['workflow_goodput']:.3f} "
+                     f"({summary['workflow_goodput_share']:.1%} of workflows)"))
     if summary.get("realized_rho") is not None:  # what a method's speed was bought with: reuse...
         rows.append(("Realized rho (reused / eligible shared tokens)", f"{summary['realized_rho']:.3f}"))
     if summary.get("task_accuracy") is not None:  # ...and what it cost

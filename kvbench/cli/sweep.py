@@ -126,6 +126,9 @@ def _sweep_options(func):
                      help="Also measure what each cell costs in outputs: a NonShared reference and a no-context "
                           "floor per trace (QPS 0), every cell compared with them (exact match, token F1, "
                           "first-token KL, PGR; NonShared's own cells give the noise floor under load)."),
+        click.option("--goodput", "goodput_specs", multiple=True, metavar="KEY:MS",
+                     help="Latency bounds of goodput in every cell (as kvbench replay --goodput: ttft, tpot, e2el, "
+                          "workflow)."),
         allow_code_execution_option,
     ]):
         func = option(func)
@@ -148,6 +151,12 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
         if not any(p.startswith(method + ":") for p in param_specs):
             param_specs += tuple(f"{method}:{key}={','.join(map(str, values))}" for key, values in grid.items())
     data_files, limit = options.pop("data_files"), options.pop("limit")
+    from kvbench.analysis.goodput import parse_goodput
+
+    try:
+        goodput = parse_goodput(options.pop("goodput_specs"))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--goodput") from None
     tasks = defaults.get("benchmarks") or ([options["task"]] if options["task"] in BENCHMARK_TASKS else [])
     benchmarks = _benchmarks(tasks, data_files) if tasks else {}
     if benchmarks:
@@ -171,6 +180,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
         save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks, roles=options["roles"],
+        goodput=goodput,
         adapters={role: str(Path(path).resolve()) for role, path in role_paths(options["adapters"]).items()})
     cells = spec.cells(out)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),

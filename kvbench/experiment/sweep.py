@@ -87,6 +87,7 @@ class SweepSpec:
     # (QPS 0, under quality/), every cell recording first-token logprobs, and every cell compared
     # with them afterwards (quality.parquet, PGR; the gain over FullShared's cell where there is one).
     quality: bool = False
+    goodput: dict[str, float] = field(default_factory=dict)  # latency bounds of every cell (analysis/goodput.py)
     # More arguments of `method_server_config` (JSON values): max_load_tokens_per_step,
     # max_store_bytes, max_model_len, extra_args...
     server_options: dict[str, Any] = field(default_factory=dict)
@@ -252,7 +253,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
                     prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
                     label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
                     request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
-                    sampling=SamplingParams(temperature=spec.temperature),
+                    sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
                     server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]
                     server_failure=server.failure,
                     metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
