@@ -126,7 +126,7 @@ def _sweep_options(func):
                      help="Also measure what each cell costs in outputs: a NonShared reference and a no-context "
                           "floor per trace (QPS 0), every cell compared with them (exact match, token F1, "
                           "first-token KL, PGR; NonShared's own cells give the noise floor under load)."),
-        click.option("--goodput", "goodput_specs", multiple=True, metavar="KEY:MS",
+        click.option("--goodput", "--slo", "goodput_specs", multiple=True, metavar="KEY:MS",
                      help="Latency bounds of goodput in every cell (as kvbench replay --goodput: ttft, tpot, e2el, "
                           "workflow)."),
         allow_code_execution_option,
@@ -135,7 +135,10 @@ def _sweep_options(func):
     return func
 
 
-def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **options: Any) -> Path:
+def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, search: dict[str, Any] | None = None,
+               **options: Any) -> Path:
+    """Build the sweep's spec from the options and run it (or, with `search`, the max-QPS search
+    kvbench.experiment.max_qps runs over it)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -186,6 +189,12 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
     try:
+        if search is not None:
+            from kvbench.experiment.max_qps import find_max_qps
+
+            report = find_max_qps(spec, out, on_probe=lambda line: click.echo(line, err=True), **search)
+            _print_max_qps(report)
+            return out
         with progress:
             extra = 2 * len(spec.trace_specs()) if spec.quality else 0  # the reference and floor runs
             task = progress.add_task("", total=len(cells) + extra)
@@ -198,11 +207,46 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, **op
 @click.command("sweep")
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Sweep directory (rerun the same command to resume it).")
+@click.option("--find-max-qps", is_flag=True,
+              help="Instead of the --qps grid: search each method's highest QPS whose goodput share stays at or above "
+                   "--goodput-share (needs --goodput), starting from the first --qps; max_qps.json in the folder.")
+@click.option("--goodput-share", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
+              help="The share of workflows (or requests) that must meet every --goodput bound.")
+@click.option("--goodput-metric", type=click.Choice(["workflow", "request"]), default="workflow", show_default=True,
+              help="Count whole workflows (every turn and the makespan within bounds) or requests.")
+@click.option("--qps-range", callback=_csv(finite_float, "finite numbers"), default="0.125,16", show_default=True,
+              metavar="LOW,HIGH", help="Rates the search stays within.")
+@click.option("--search-steps", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Bisections of the bracket between the last passing and the first failing rate.")
 @_sweep_options
-def sweep_command(out: Path, **options: Any) -> None:
+def sweep_command(out: Path, find_max_qps: bool, goodput_share: float, goodput_metric: str, qps_range: list[float],
+                  search_steps: int, **options: Any) -> None:
     """Replay a grid: methods x --shared-tokens x --qps x --agents x --rounds x repeats."""
-    _run_sweep(out, {}, **options)
+    if len(qps_range) != 2 or not 0 < qps_range[0] < qps_range[1]:
+        raise click.BadParameter(f"expected LOW,HIGH with 0 < LOW < HIGH, got {qps_range}", param_hint="--qps-range")
+    search = ({"target_share": goodput_share, "metric": goodput_metric, "qps_range": (qps_range[0], qps_range[1]),
+               "steps": search_steps} if find_max_qps else None)
+    _run_sweep(out, {}, search=search, **options)
     click.echo(f"sweep done: {out}  (kvbench report {out}; kvbench paper table7 --results {out})")
+
+
+def _print_max_qps(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    slo = " ".join(f"{key}:{bound:g}" for key, bound in report["goodput_slo"].items())
+    table = Table(title=f"highest QPS with {report['metric']} goodput >= {report['target_share']:.0%} ({slo} ms)")
+    for column in ("method", "workload", "max QPS", "first failing QPS", "probes (QPS: share [95% interval])"):
+        table.add_column(column, overflow="fold")
+    for result in report["results"]:
+        probes = "; ".join(f"{p['qps']:g}: {p['share']:.0%} [{p['low']:.0%}, {p['high']:.0%}]" for p in result["probes"])
+        table.add_row(result["method"], result["trace"], _rate(result["max_qps"]), _rate(result["first_failing_qps"]),
+                      probes)
+    Console().print(table)
+
+
+def _rate(qps: float | None) -> str:
+    return "none in range" if qps is None else f"{qps:g}"
 
 
 @click.command("paper")

@@ -198,15 +198,31 @@ def run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None
         return _run_sweep(spec, root, on_cell, after_cell)
 
 
-def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
-               after_cell: AfterCell | None) -> list[SweepCell]:
-    from kvbench.experiment.run import replay_and_summarize, require_consent_for
+@dataclass
+class SweepInputs:
+    """What every cell of a sweep reads: its traces (generated once into the folder), their
+    tokenizer, the resolved model and the LoRA adapters the servers serve."""
+
+    tokenizer: Any
+    model: str
+    traces: dict[str, Any]
+    lora_modules: dict[str, str]
+
+    def server_config(self, spec: SweepSpec, root: Path, method: MethodConfig) -> Any:
+        """The server of one method configuration (its log in the configuration's folder)."""
+        from kvbench.replay.server import method_server_config
+
+        return method_server_config(method.method, self.model, method.params, **spec.server_options,
+                                    cpu_kv_cache_gib=spec.cpu_kv_cache_gib, lora_modules=self.lora_modules,
+                                    log_path=root / "runs" / method.name / "server.log")
+
+
+def prepare_sweep(spec: SweepSpec, root: Path) -> SweepInputs:
+    """Record the sweep's spec in its folder (refusing another sweep's folder), generate its traces
+    once, and check consent for model-written code before any server starts."""
+    from kvbench.experiment.run import require_consent_for
     from kvbench.model.resolve import resolve_model
-    from kvbench.replay.runner import ReplayConfig, ReplayError
-    from kvbench.replay.sampling import SamplingParams
-    from kvbench.replay.server import VLLMServer, method_server_config
     from kvbench.tracegen.generate import generate_trace
-    from kvbench.tracegen.schema import Trace
     from kvbench.tracegen.tokenizer import load_tokenizer
     from kvbench.tracegen.trace_files import read_trace, write_trace
 
@@ -216,8 +232,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
                          "(a sweep may only grow by methods)")
     run_files.write_text_atomic(spec_path, json.dumps(spec.to_json(), indent=2) + "\n")
     tokenizer = load_tokenizer(spec.model)
-    model = resolve_model(spec.model)
-    traces: dict[str, Trace] = {}
+    traces = {}
     for name, trace_spec in spec.trace_specs().items():
         path = root / "traces" / f"{name}.jsonl"
         if not path.exists():
@@ -225,8 +240,17 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
             write_trace(path, *generate_trace(trace_spec, tokenizer))
         traces[name] = read_trace(path)
     require_consent_for([t for trace in traces.values() for t in trace.trajectories])  # before any server starts
-    cells = spec.cells(root)
     lora_modules = {name: path for trace in traces.values() for name, path in (trace.header.adapters or {}).items()}
+    return SweepInputs(tokenizer, resolve_model(spec.model), traces, lora_modules)
+
+
+def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
+               after_cell: AfterCell | None) -> list[SweepCell]:
+    from kvbench.replay.server import VLLMServer
+
+    inputs = prepare_sweep(spec, root)
+    tokenizer, model, traces, lora_modules = inputs.tokenizer, inputs.model, inputs.traces, inputs.lora_modules
+    cells = spec.cells(root)
     if spec.quality:
         _run_quality_baselines(spec, root, traces, tokenizer, model, on_cell, lora_modules)
     for method, group in itertools.groupby(cells, key=lambda cell: cell.method):
@@ -239,41 +263,49 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
                 todo.append(cell)
         if not todo:
             continue
-        server_config = method_server_config(method.method, model, method.params, **spec.server_options,
-                                             cpu_kv_cache_gib=spec.cpu_kv_cache_gib, lora_modules=lora_modules,
-                                             log_path=root / "runs" / method.name / "server.log")
-        with VLLMServer(server_config) as server:  # one start per method configuration
+        with VLLMServer(inputs.server_config(spec, root, method)) as server:  # one start per method configuration
             for cell in todo:
-                trace = traces[cell.trace_id]
-                config = ReplayConfig(
-                    trace=Trace(header=trace.header,
-                                trajectories=trace.trajectories[: spec.num_warmups + cell.num_trajectories]),
-                    tokenizer=tokenizer, method=method.method, base_urls=[server.base_url], result_dir=cell.path,
-                    qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
-                    prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
-                    label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
-                    request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
-                    sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
-                    server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]
-                    server_failure=server.failure,
-                    metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
-                    extra_config={"model": model, "method_params": method.params, "method_config": method.name,
-                                  "trace_path": str(root / "traces" / f"{cell.trace_id}.jsonl"),
-                                  "server_options": spec.server_options, "server_command": server.command()})
-                try:
-                    summary = replay_and_summarize(config)
-                except ReplayError as exc:
-                    if not server.is_running():
-                        raise
-                    (cell.path / "error.txt").write_text(str(exc) + "\n")
-                else:
-                    if after_cell is not None:
-                        after_cell(cell, server, summary)
+                replay_cell(spec, root, cell, server, traces[cell.trace_id], tokenizer, model, after_cell)
                 if on_cell:
                     on_cell(f"{method.name} {cell.path.name}")
     if spec.quality:
         compare_cells(root, cells)
     return cells
+
+
+def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace: Any, tokenizer: Any, model: str,
+                after_cell: AfterCell | None = None) -> dict[str, Any] | None:
+    """One cell's replay on its method's running server, resumed where an earlier one stopped;
+    its summary, or None when the replay failed with the server still up (error.txt says why)."""
+    from kvbench.experiment.run import replay_and_summarize
+    from kvbench.replay.runner import ReplayConfig, ReplayError
+    from kvbench.replay.sampling import SamplingParams
+    from kvbench.tracegen.schema import Trace
+
+    method = cell.method
+    config = ReplayConfig(
+        trace=Trace(header=trace.header, trajectories=trace.trajectories[: spec.num_warmups + cell.num_trajectories]),
+        tokenizer=tokenizer, method=method.method, base_urls=[server.base_url], result_dir=cell.path,
+        qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
+        prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
+        label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
+        request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
+        sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
+        server_pids={server.base_url: server.process.pid}, server_failure=server.failure,
+        metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
+        extra_config={"model": model, "method_params": method.params, "method_config": method.name,
+                      "trace_path": str(root / "traces" / f"{cell.trace_id}.jsonl"),
+                      "server_options": spec.server_options, "server_command": server.command()})
+    try:
+        summary = replay_and_summarize(config)
+    except ReplayError as exc:
+        if not server.is_running():
+            raise
+        (cell.path / "error.txt").write_text(str(exc) + "\n")
+        return None
+    if after_cell is not None:
+        after_cell(cell, server, summary)
+    return summary
 
 
 def _run_quality_baselines(spec: SweepSpec, root: Path, traces: dict[str, Any], tokenizer: Any, model: str,
