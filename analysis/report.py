@@ -21,6 +21,8 @@ COLUMN_NOTES = {
     "workflow_throughput": "workflows (trajectories) finished per second of the run",
     "request_goodput / workflow_goodput": "requests / workflows per second meeting every `--goodput` bound (a "
                                           "workflow: all its turns, and its makespan the `workflow` bound)",
+    "prefix_cache_hit_share": "vLLM's prefix-cache hits / queries over the run (tokens; its /metrics, every server)",
+    "reuse_share": "rows the method served from another request's cache / shared (PH) tokens of successful requests",
     "realized_rho": "shared PH tokens served by reuse / PH tokens the method could have served had the "
                     "segment store kept every source",
     "eligible_rho": "shared PH tokens served by reuse / PH tokens whose source the store still held",
@@ -77,7 +79,8 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", *[c for c in table if c.endswith("_workflow_ms")],
-                        "workflow_throughput", "trajectory_token_throughput", "realized_rho", "eligible_rho",
+                        "workflow_throughput", "trajectory_token_throughput", "prefix_cache_hit_share", "reuse_share",
+                        "realized_rho", "eligible_rho",
                         "reuse_lost_to_eviction_share", "reuse_lost_to_refusal_share"]]
     slos = sorted({json.dumps(run.summary.get("goodput_slo")) for run in runs if run.summary.get("goodput_slo")})
     goodput = table[["run", "request_goodput", "request_goodput_share", "workflow_goodput", "workflow_goodput_share"]]

@@ -123,7 +123,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
     last = segments[-1]
     missing = last.get("method_stats_missing") or []
     status = str(last.get("status") or "")
-    return {
+    summary = {
         "date": config["date"], "run_id": config["run_id"], "backend": "vllm", "method": config["method"],
         "label": config.get("label"), "model_id": config.get("model"), "tokenizer_id": config.get("tokenizer"),
         "num_prompts": int(len(requests)), "request_rate": config.get("request_rate"),
@@ -152,6 +152,17 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         "requests_source": read.source,
         "config": config,
     }
+    return {**summary, **cache_hit_figures(summary)}
+
+
+def cache_hit_figures(summary: dict[str, Any]) -> dict[str, float | None]:
+    """The two hit rates users ask for: vLLM's prefix-cache hits over its queries (tokens, from
+    its /metrics, every server), and the method's reuse share: rows served from reuse over the
+    shared tokens of the successful requests (realized rho is over those a source held)."""
+    hits, queries = summary.get("prefix_cache_hits"), summary.get("prefix_cache_queries")
+    reused, shared = summary.get("reused_tokens"), summary.get("shared_tokens")
+    return {"prefix_cache_hit_share": hits / queries if hits is not None and queries else None,
+            "reuse_share": reused / shared if reused is not None and shared else None}
 
 
 def _recorded_prompts(result_dir: Path) -> int:

@@ -47,6 +47,8 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
             row[key] = summary_number(run.summary.get(key))
         row["trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
                                               if len(trajectories) else float("nan"))
+        for key in ("prefix_cache_hit_share", "reuse_share"):  # recorded in summaries since issue 51
+            row[key] = summary_number(run.summary.get(key))
         reuse = reuse_figures(ok)
         for key in ("realized_rho", "eligible_rho", "reuse_lost_to_eviction_share", "reuse_lost_to_refusal_share"):
             row[key] = reuse[key] if reuse[key] is not None else float("nan")

@@ -80,6 +80,10 @@ class MethodStatsCollector:
     def path(self) -> Path:
         return self.result_dir / run_files.METHOD_STATS
 
+    def reused_tokens(self) -> int:
+        """Rows the method served from reuse, over the requests reported so far."""
+        return sum(int(stats.get("reused_tokens") or 0) for stats in self.by_request.values())
+
     def load(self, request_ids: set[str]) -> None:
         """Stats an earlier segment of this run journaled, for the requests kept from it."""
         for entry in run_files.read_jsonl(self.path):  # a torn last poll's requests count as missing

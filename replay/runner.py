@@ -156,7 +156,10 @@ class Replayer:
         # they warm kernels and leave no prefix-cache blocks; method state only when asked.
         await self.servers.reset(session, keep_method_state=prime)
         await sampler.start(session)
-        self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.show_progress)
+        stats = self.stats
+        self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.show_progress,
+                                       prefix_hit_share=sampler.prefix_cache_hit_share,
+                                       reused_tokens=stats.reused_tokens if stats is not None else lambda: None)
         self.progress.start()
         self.t0_ns = time.perf_counter_ns()
         self.segment["status"] = "running"
@@ -389,7 +392,7 @@ class Replayer:
         except OSError as exc:  # the request re-runs on --resume: its trajectory is incomplete
             self._abort_on_write_failure(exc)
             return
-        self.progress.add(record.success, record.ttft_ms)
+        self.progress.add(record.success, record.ttft_ms, record.shared_tokens)
 
 
 

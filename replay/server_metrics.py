@@ -107,5 +107,16 @@ class MetricsSampler:
                 pass
         await self.sample(session, "after")
 
+    def prefix_cache_hit_share(self) -> float | None:
+        """vLLM's prefix-cache hits over its queries (tokens) since the run started, over every
+        server (None before a server answered twice)."""
+        hits = queries = 0.0
+        for url in self.servers:
+            series = [s for s in self.samples if s["server_url"] == url and "vllm:prefix_cache_queries_total" in s]
+            if len(series) >= 2:
+                hits += series[-1].get("vllm:prefix_cache_hits_total", 0.0) - series[0].get("vllm:prefix_cache_hits_total", 0.0)
+                queries += series[-1]["vllm:prefix_cache_queries_total"] - series[0]["vllm:prefix_cache_queries_total"]
+        return hits / queries if queries > 0 else None
+
     def write(self, path: Path) -> None:
         path.write_text("".join(json.dumps(s) + "\n" for s in self.samples))

@@ -117,6 +117,7 @@ def test_report_writes_tables_and_plots(sweep_dir: Path, tmp_path: Path) -> None
     assert "## Goodput" not in text  # no run set a --goodput bound
     csv = pd.read_csv(out / "methods.csv")
     assert (csv["p90_workflow_ms"] >= csv["p50_workflow_ms"]).all() and (csv["workflow_throughput"] > 0).all()
+    assert {"prefix_cache_hit_share", "reuse_share"} <= set(csv) and "`reuse_share`" in text
     assert set(csv["method"]) == {"nonshared", "fullshared"} and "failed" in csv
     for name in ("ttft_percentiles", "ttft_cdf", "ttft_by_agent", "memory"):
         image = matplotlib.image.imread(out / f"{name}.png")

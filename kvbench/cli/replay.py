@@ -286,6 +286,10 @@ def print_summary(summary: dict[str, Any]) -> None:
                      f"({summary['request_goodput_share']:.1%} of requests)"))
         rows.append(("Workflow goodput (workflows/s)", f"{summary['workflow_goodput']:.3f} "
                      f"({summary['workflow_goodput_share']:.1%} of workflows)"))
+    if summary.get("prefix_cache_hit_share") is not None:
+        rows.append(("vLLM prefix-cache hits (tokens)", f"{summary['prefix_cache_hit_share']:.1%}"))
+    if summary.get("reuse_share") is not None:
+        rows.append(("Reuse share (reused / shared tokens)", f"{summary['reuse_share']:.1%}"))
     if summary.get("realized_rho") is not None:  # what a method's speed was bought with: reuse...
         rows.append(("Realized rho (reused / eligible shared tokens)", f"{summary['realized_rho']:.3f}"))
     if summary.get("task_accuracy") is not None:  # ...and what it cost
