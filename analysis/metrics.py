@@ -117,6 +117,18 @@ def method_stats_of(requests: pd.DataFrame) -> pd.Series:
     return raw.map(lambda r: json.loads(r) if isinstance(r, str) else {})
 
 
+# Decisions that sent a segment dense only because the method had learned nothing yet: an anchor
+# pool holding fewer than two anchors (the delta methods' `dense_few_anchors`).
+COLD_START_DECISIONS = frozenset({"dense_few_anchors"})
+
+
+def cold_start_share(requests: pd.DataFrame) -> float | None:
+    """Share of the method's segment decisions that went dense because its state was still empty
+    (a cold start); None where the method reports no decisions."""
+    decisions = [d.get("decision") for stats in method_stats_of(requests) for d in stats.get("decisions", [])]
+    return sum(d in COLD_START_DECISIONS for d in decisions) / len(decisions) if decisions else None
+
+
 def recompute_share(requests: pd.DataFrame) -> float | None:
     """Shared (token, layer) entries computed / all the method could have served from reuse
     (realized rho's denominator, in every layer): 1 - rho where each reused row is served in
@@ -204,6 +216,7 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     summary["reusable_tokens"] = reusable
     summary |= reuse_figures(ok)
     summary["recompute_share"] = recompute_share(ok)
+    summary["cold_start_dense_share"] = cold_start_share(ok)
     # What vLLM's own prefix cache served, what the method reused and what was computed, apart:
     # vLLM's `cached_tokens` also counts every token a connector claimed.
     for column in ("cached_tokens", "prefix_cached_tokens", "reused_tokens", "recomputed_tokens"):

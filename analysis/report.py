@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.analysis import plots
-from kvbench.analysis.runs import Run
+from kvbench.analysis.runs import Run, summary_number
 from kvbench.analysis.tables import method_table, ttft_by_agent
 from kvbench.model.store import is_constructed
 
@@ -77,6 +77,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                      "pgr", "pgr_low", "pgr_high", "task_accuracy",
                      "task_accuracy_reuse", "task_unparseable"]]
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
+    cold = [run.cell for run in runs if summary_number(run.summary.get("cold_start_dense_share")) >= 0.25]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", *[c for c in table if c.endswith("_workflow_ms")],
                         "workflow_throughput", "trajectory_token_throughput", "prefix_cache_hit_share", "reuse_share",
@@ -92,6 +93,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                                   for m in models), "",
              "## Latency (failures beside every figure)", "", _markdown(latency), "",
              *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle['run'])}.", ""] if len(idle) else []),
+             *([f"**Cold start**: in {', '.join(cold)}, over a quarter of the method's segment decisions went dense "
+                "because its anchor pools were still empty; their reuse and TTFT are cold-start figures "
+                "(`--num-warmups N --prime-method-state` measures the steady state).", ""] if cold else []),
              "## Quality (against a NonShared reference: `replay --reference`, `kvbench quality`)", "",
              _markdown(quality, ".3f") if compared else
              "No run here was compared with a reference or scored on a task: the tables above say what the "

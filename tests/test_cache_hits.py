@@ -38,3 +38,24 @@ def test_summary_hit_figures() -> None:
                               "shared_tokens": 120}) == {"prefix_cache_hit_share": 0.25, "reuse_share": 0.25}
     assert cache_hit_figures({"prefix_cache_hits": None, "prefix_cache_queries": None, "reused_tokens": None,
                               "shared_tokens": 0}) == {"prefix_cache_hit_share": None, "reuse_share": None}
+
+
+def test_a_cold_start_is_named_on_screen() -> None:
+    import json
+
+    import pandas as pd
+
+    from kvbench.analysis.metrics import cold_start_share
+    from kvbench.cli.replay import cold_start_warning
+
+    decisions = [{"decision": "dense_few_anchors"}, {"decision": "dense_few_anchors"}, {"decision": "accepted"},
+                 {"decision": "dense_gate"}]
+    requests = pd.DataFrame({"method_stats": [json.dumps({"decisions": decisions[:2]}), json.dumps({"decisions": decisions[2:]}),
+                                              None]})
+    assert cold_start_share(requests) == 0.5
+    assert cold_start_share(pd.DataFrame({"method_stats": [json.dumps({"reused_tokens": 4})]})) is None  # no decisions
+    warning = cold_start_warning({"cold_start_dense_share": 0.5, "realized_rho": 0.33, "config": {}})
+    assert warning is not None and "50% of the method's segment decisions" in warning and "0.33" in warning
+    assert "--prime-method-state" in warning
+    assert cold_start_warning({"cold_start_dense_share": 0.1, "config": {}}) is None
+    assert cold_start_warning({"cold_start_dense_share": None}) is None

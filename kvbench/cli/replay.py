@@ -263,6 +263,9 @@ def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int
     return trace, tokenizer, served
 
 
+COLD_START_WARN_SHARE = 0.25  # of segment decisions: below it, warming up would change little
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -307,5 +310,21 @@ def print_summary(summary: dict[str, Any]) -> None:
     for label, value in rows:
         table.add_row(label, value)
     Console().print(table)
+    if (warning := cold_start_warning(summary)) is not None:
+        Console(stderr=True).print(f"[yellow]note:[/] {warning}")
+
+
+def cold_start_warning(summary: dict[str, Any]) -> str | None:
+    """What to say when a run's reuse is low because the method started cold (issue 51)."""
+    share = summary.get("cold_start_dense_share")
+    if share is None or share < COLD_START_WARN_SHARE:
+        return None
+    config = summary.get("config") or {}
+    primed = config.get("prime_method_state") and config.get("num_warmups")
+    rho = summary.get("realized_rho")
+    return (f"{share:.0%} of the method's segment decisions went dense because its anchor pools were still empty "
+            f"(a cold start{', even after the primed warm-ups' if primed else ''}); realized rho "
+            f"{'-' if rho is None else f'{rho:.2f}'} is the cold-start figure. "
+            "--num-warmups N --prime-method-state measures the steady state (the paper's).")
 
 
