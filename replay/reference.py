@@ -121,3 +121,44 @@ def check_comparable(run_dir: Path, reference_dir: Path) -> None:
                                 "differ or are missing from the reference")
     if recorded_model(run) != recorded_model(reference):
         raise ReferenceRunError(f"{run_dir} ran model {run.get('model')!r}, {reference_dir} {reference.get('model')!r}")
+
+
+# vLLM flags that change how a request is computed (kernels, batching, precision): a run and its
+# reference that differ in one compare more than the method.
+NUMERIC_FLAGS = ("--enforce-eager", "--dtype", "--tensor-parallel-size", "--kv-cache-dtype", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--seed", "--no-enable-prefix-caching", "--enable-chunked-prefill",
+                 "--no-enable-chunked-prefill")
+
+
+def numeric_flags(command: list[str] | None) -> dict[str, str] | None:
+    """The NUMERIC_FLAGS a recorded server command sets, with their values ("" for a switch);
+    None when the run recorded no command (a server the user started)."""
+    if not command:
+        return None
+    flags = {}
+    for index, arg in enumerate(command):
+        name, _, value = arg.partition("=")
+        if name in NUMERIC_FLAGS:
+            following = command[index + 1] if index + 1 < len(command) else ""
+            flags[name] = value or ("" if following.startswith("--") or not following else following)
+    return flags
+
+
+def comparison_caveats(run: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """What differs between a run and its reference besides the method, from their config.json:
+    server flags that change the computation, the vLLM version, and the load (QPS). Each is a
+    warning, not a refusal: the comparison then includes that difference's own noise."""
+    caveats = []
+    ours, theirs = numeric_flags(run.get("server_command")), numeric_flags(reference.get("server_command"))
+    if ours is not None and theirs is not None and ours != theirs:
+        differing = sorted(set(ours.items()) ^ set(theirs.items()))
+        caveats.append("its server flags differ from the reference's (" + ", ".join(
+            f"{name}{'=' + value if value else ''}" for name, value in differing) + "): eager and compiled, or "
+            "other batching or precision, give other outputs for the same prompt")
+    if run.get("vllm_version") and reference.get("vllm_version") and run["vllm_version"] != reference["vllm_version"]:
+        caveats.append(f"vLLM {run['vllm_version']} against the reference's {reference['vllm_version']}")
+    rate, reference_rate = run.get("request_rate"), reference.get("request_rate")
+    if rate is not None and reference_rate is not None and rate != reference_rate:
+        caveats.append(f"it ran at QPS {rate:g}, the reference at {reference_rate:g}: batching under load changes "
+                       "outputs by itself; a NonShared run at the same QPS shows that noise floor")
+    return caveats

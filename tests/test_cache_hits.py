@@ -59,3 +59,20 @@ def test_a_cold_start_is_named_on_screen() -> None:
     assert "--prime-method-state" in warning
     assert cold_start_warning({"cold_start_dense_share": 0.1, "config": {}}) is None
     assert cold_start_warning({"cold_start_dense_share": None}) is None
+
+
+def test_a_run_and_its_reference_that_differ_besides_the_method_are_named() -> None:
+    """Issue 51: a compiled run compared with an eager reference, or one under load with a QPS 0
+    reference, compares more than the method."""
+    from kvbench.replay.reference import comparison_caveats, numeric_flags
+
+    eager = ["python", "-m", "vllm", "--model", "m", "--port", "1", "--enforce-eager", "--max-num-seqs", "8"]
+    compiled = ["python", "-m", "vllm", "--model", "m", "--port", "2", "--max-num-seqs=8"]
+    assert numeric_flags(eager) == {"--enforce-eager": "", "--max-num-seqs": "8"}
+    assert numeric_flags(compiled) == {"--max-num-seqs": "8"} and numeric_flags(None) is None
+    same = {"server_command": eager, "request_rate": 0.0, "vllm_version": "0.32.0"}
+    assert comparison_caveats(same, {**same, "server_command": eager[:5] + ["9"] + eager[6:]}) == []  # the port aside
+    caveats = comparison_caveats({"server_command": compiled, "request_rate": 8.0, "vllm_version": "0.32.0"}, same)
+    assert len(caveats) == 2
+    assert "--enforce-eager" in caveats[0] and "QPS 8, the reference at 0" in caveats[1]
+    assert comparison_caveats({"request_rate": 0.0}, {"request_rate": 0.0}) == []  # servers the user ran: unknown

@@ -151,7 +151,7 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
 
     from kvbench.analysis.quality import reference_has_logprobs, write_quality
     from kvbench.analysis.summary import write_summary
-    from kvbench.replay.reference import ReferenceRunError, check_comparable, read_run_config
+    from kvbench.replay.reference import ReferenceRunError, check_comparable, comparison_caveats, read_run_config
 
     runs = _run_dirs(result_dirs)
     try:
@@ -168,6 +168,8 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
                        "first-token KL is left undefined", err=True)
         for run in runs:
             check_comparable(run, reference_dir)
+            for caveat in comparison_caveats(read_run_config(run), read_run_config(reference_dir)):
+                click.echo(f"warning: {run}: {caveat}", err=True)
             write_quality(run, reference_dir, floor_dir, naive_dir)
             summary = write_summary(run)
             reuse = summary.get("exact_match_rate_reuse")

@@ -210,6 +210,11 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                        f"{result_dir}; finish the run with --resume --result-dir {result_dir}", err=True)
         raise
     print_summary(summary)
+    if reference_dir is not None:
+        from kvbench.replay.reference import comparison_caveats, read_run_config
+
+        for caveat in comparison_caveats(summary["config"], read_run_config(reference_dir)):
+            click.echo(f"warning: against the reference {reference_dir}, {caveat}", err=True)
     click.echo(f"results: {result_dir}")
     _report_failures(result_dir, summary)
 
