@@ -124,6 +124,7 @@ def requests_schema() -> Any:
         ("method_stats", pa.string()), ("success", pa.bool_()), ("error_type", pa.string()),
         ("error_message", pa.string()), ("output_token_ids", pa.list_(pa.int64())),
         ("prompt_token_ids", pa.list_(pa.int64())), ("first_token_logprobs", pa.string()),
+        ("generated_text", pa.string()),
     ])
 
 

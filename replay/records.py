@@ -65,6 +65,7 @@ class RequestRecord:
     error_type: str | None = None
     error_message: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    generated_text: str | None = None  # the output decoded (vLLM bench's `generated_text`), to read a run's outputs
     prompt_token_ids: list[int] | None = None  # only with --save-prompt-ids
     first_token_logprobs: str | None = None  # JSON {"token_id:N": logprob}: top-K of the first token (--logprobs)
 

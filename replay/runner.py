@@ -355,6 +355,8 @@ class Replayer:
         output_ids = (result.output_token_ids or self.config.tokenizer.encode(result.output_text)) \
             if result.success else []
         record.take_result(result, self.t0_ns, queued_ns, output_ids)
+        if result.success:
+            record.generated_text = self.config.tokenizer.decode(output_ids)
         if self.config.save_prompt_ids:
             record.prompt_token_ids = result.prompt_token_ids if result.prompt_token_ids is not None else prompt.token_ids
         if not self.method_info.uses_connector:  # plain vLLM: all of what it calls cached is its prefix cache

@@ -52,6 +52,16 @@ if ! command -v bwrap >/dev/null 2>&1; then
     echo "note: bubblewrap (bwrap) is not installed; HumanEval scoring needs it (sudo apt-get install bubblewrap)" >&2
   fi
 fi
+if ! command -v chromium-headless-shell >/dev/null 2>&1; then
+  # a headless browser: the test that renders `kvbench report --html` as a reader's browser would
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq chromium-headless-shell >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium-headless-shell >/dev/null 2>&1; } ||
+      echo "note: could not install chromium-headless-shell; its test fails unless KVBENCH_SKIP_BROWSER=1" >&2
+  else
+    echo "note: chromium-headless-shell is not installed (sudo apt-get install chromium-headless-shell): the HTML report's test needs it" >&2
+  fi
+fi
 echo "kvbench ($target) ready in $venv"
 if [ "$target" = gpu ]; then
   "$venv/bin/python" -c 'import vllm; print(f"vllm {vllm.__version__}")'

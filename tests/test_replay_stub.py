@@ -47,6 +47,11 @@ def test_requests_chain_outputs_into_prompts(tiny_tokenizer_dir: Path, stub: Stu
             assert stub.prompts[by_turn.loc[later, "request_id"]] == prompt  # what the server received
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["completed"] == 8 and summary["failed"] == 0 and summary["completed_trajectories"] == 2
+    # the output's text beside its ids, decoded by the run's tokenizer
+    from kvbench.tracegen.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_tokenizer_dir))
+    assert [tokenizer.decode(list(ids)) for ids in requests["output_token_ids"]] == requests["generated_text"].tolist()
 
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:

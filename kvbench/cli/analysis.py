@@ -22,7 +22,9 @@ DEFAULT_COMPARE_METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_trajectory_ttft_ms
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports/latest"),
               show_default=True, help="Directory for report.md, CSV tables and PNG plots.")
 @click.option("--title", default="kvbench report", show_default=True)
-def report_command(result_dirs: tuple[Path, ...], out: Path, title: str) -> None:
+@click.option("--html", "as_html", is_flag=True,
+              help="Also write report.html: one self-contained file (tables, plots embedded, each run's provenance).")
+def report_command(result_dirs: tuple[Path, ...], out: Path, title: str, as_html: bool) -> None:
     """Tables and plots for runs (each RESULT_DIR is a run, or a sweep holding runs)."""
     from kvbench.analysis.report import write_report
     from kvbench.analysis.runs import RunLoadError, find_runs
@@ -34,6 +36,10 @@ def report_command(result_dirs: tuple[Path, ...], out: Path, title: str) -> None
     path = write_report(runs, out, title)
     click.echo(path.read_text())
     click.echo(f"report: {path}", err=True)
+    if as_html:
+        from kvbench.analysis.html_report import write_html_report
+
+        click.echo(f"report: {write_html_report(path, runs, title)}", err=True)
 
 
 def _run_dirs(result_dirs: tuple[Path, ...]) -> list[Path]:
