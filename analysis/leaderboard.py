@@ -100,6 +100,10 @@ def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:
     note = ("" if table[["pgr", "output_pgr"]].notna().any().any() else
             "\nNo run here has a PGR: compare them with a reference and a floor first "
             "(`kvbench quality RUN... --reference NONSHARED_RUN --floor DROP_SHARED_RUN`).\n")
+    without_base = sorted(set(table.loc[table["ttft_saved"].isna() & (table["method"] != "nonshared"), "cell"]))
+    if without_base:
+        note += (f"\n`ttft_saved` is empty for {', '.join(without_base)}: no NonShared run of the same workload and "
+                 "QPS is among the runs given (add `nonshared` to the sweep's --methods).\n")
     constructed = sorted(m for m in set(table["model"]) if is_constructed(m))
     if constructed:
         note += (f"\n{', '.join(constructed)}: constructed test models (docs/models.md), whose shared caches depend on "

@@ -76,3 +76,33 @@ def test_a_run_and_its_reference_that_differ_besides_the_method_are_named() -> N
     assert len(caveats) == 2
     assert "--enforce-eager" in caveats[0] and "QPS 8, the reference at 0" in caveats[1]
     assert comparison_caveats({"request_rate": 0.0}, {"request_rate": 0.0}) == []  # servers the user ran: unknown
+
+
+def test_a_leaderboard_without_nonshared_says_why_ttft_saved_is_empty(tmp_path) -> None:
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    golden = Path(__file__).parent / "data" / "golden-runs"
+    result = CliRunner().invoke(main, ["leaderboard", str(golden / "fullshared"), "-o", str(tmp_path / "lb")])
+    assert result.exit_code == 0, result.output
+    assert "`ttft_saved` is empty for" in result.output and "add `nonshared`" in result.output
+    with_base = CliRunner().invoke(main, ["leaderboard", str(golden), "-o", str(tmp_path / "lb2")])
+    assert with_base.exit_code == 0 and "`ttft_saved` is empty" not in with_base.output
+
+
+def test_a_quality_sweep_adds_the_nonshared_cells(tmp_path, monkeypatch, tiny_tokenizer_dir) -> None:
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.experiment import sweep
+
+    seen = {}
+    monkeypatch.setattr(sweep, "run_sweep", lambda spec, out, *rest: seen.setdefault("spec", spec))
+    result = CliRunner().invoke(main, ["sweep", "-o", str(tmp_path / "s"), "--methods", "kvcmas", "--quality",
+                                       "--shared-tokens", "64", "--qps", "0,2", "--output-len", "4", "--model",
+                                       str(tiny_tokenizer_dir)])
+    assert result.exit_code == 0, result.output
+    assert [m.name for m in seen["spec"].methods] == ["nonshared", "kvcmas"] and "adds nonshared" in result.output

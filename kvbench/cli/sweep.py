@@ -174,6 +174,11 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
 
         options["output_len"] = default_output_len(next(iter(benchmarks), options["task"]),
                                                    load_tokenizer(options["model"]).encode)
+    if options["quality"] and "nonshared" not in methods:
+        # NonShared's own cells, at every QPS, are the noise floor of the quality figures under load
+        click.echo("note: --quality adds nonshared to --methods: its cells at each QPS show how much load alone "
+                   "changes the outputs", err=True)
+        methods = ["nonshared", *methods]
     spec = SweepSpec(
         methods=_method_configs(methods, param_specs),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
