@@ -106,3 +106,18 @@ def test_a_quality_sweep_adds_the_nonshared_cells(tmp_path, monkeypatch, tiny_to
                                        str(tiny_tokenizer_dir)])
     assert result.exit_code == 0, result.output
     assert [m.name for m in seen["spec"].methods] == ["nonshared", "kvcmas"] and "adds nonshared" in result.output
+
+
+def test_table7_cells_far_from_the_papers_rho_are_flagged() -> None:
+    import pandas as pd
+
+    from kvbench.analysis.paper import rho_far_from_paper
+
+    frame = pd.DataFrame({"method": ["nonshared", "fullshared", "kvcmas", "kvcmas"],
+                          "method_config": ["nonshared", "fullshared", "kvcmas", "kvcmas"],
+                          "shared_tokens": [2048] * 4, "qps": [0.0, 0.0, 0.0, 8.0],
+                          "realized_rho": [float("nan"), 1.0, 0.82, 0.0]})
+    (line, _) = rho_far_from_paper(frame)
+    assert "kvcmas ctx=2048 qps=8 (rho 0.00)" in line and "qps=0 (rho 0.82)" not in line
+    assert "fullshared" not in line and "nonshared" not in line
+    assert rho_far_from_paper(frame.iloc[:3]) == []
