@@ -78,8 +78,9 @@ class CheckedServer:
         return {half: [[head for rank in ranks for head in rank[half][row]] for row in range(len(ranks[0][half]))]
                 for half in ("k", "v")}
 
-    def stats(self, key: str) -> dict[str, Any]:
-        return dict(self.rpc.stats()[0].requests.get(key, {}))
+    def request_stats(self) -> dict[str, dict[str, Any]]:
+        """Every request's load stats the (first) worker holds, by key: one RPC for all of them."""
+        return {key: dict(stats) for key, stats in self.rpc.stats()[0].requests.items()}
 
 
 # ------------------------------------------------------------------------------ workloads

@@ -192,8 +192,9 @@ class ServerCheck:
             outcome.status, outcome.evidence = "skipped", "needs FullShared's placed rows: check fullshared too"
             return outcome
         worst, eps = 0.0, DTYPE_EPS.get(self.facts.dtype, 2.0 ** -8)
+        stats = self.server.request_stats() if only_accepted else {}
         for key, run in runs.items():
-            if only_accepted and not _all_accepted(self.server.stats(run.key)):
+            if only_accepted and not _all_accepted(stats.get(run.key, {})):
                 continue
             expected = self.fullshared.get(key)
             if expected is None or expected["prompt"] != run.prompt:
