@@ -35,6 +35,8 @@ def _first_offset(stats: Stats) -> float:
 STEPS: list[tuple[str, str, Callable[[Stats], float]]] = [
     ("source_wait_ms", "held back by the scheduler until a source cache was saved (before the load exists)",
      lambda s: s.get("source_wait_s", float("nan"))),
+    ("decide_wait_ms", "waiting for the method's decision, made one engine step before the claim (methods whose "
+     "gate may send segments dense)", lambda s: s.get("decide_wait_s", float("nan"))),
     ("queued_ms", "from the load's creation to its first engine step (behind other loads)", _first_offset),
     ("store_decode_ms", "decoding compressed source entries (PolyKV)", lambda s: s.get("store_decode_s", 0.0)),
     ("reference_prefill_ms", "context-free reference prefills (non-chained methods)",
@@ -52,9 +54,14 @@ STEPS: list[tuple[str, str, Callable[[Stats], float]]] = [
     ("attention_ms", "attention of the computed rows over the paged cache", lambda s: s.get("attention_s", 0.0)),
     ("load_ms", "the whole load, first step to last (waits between steps included)",
      lambda s: s.get("load_s", float("nan"))),
+    ("rows_delivery_ms", "reading rows the method observes (dense segments) after the forward that computed them, "
+     "in the request's own step", lambda s: s.get("rows_delivery_s", float("nan"))),
     ("save_ms", "copying the finished request into the store (after its last token)",
      lambda s: s.get("save_s", float("nan"))),
 ]
+
+
+UNLOADED_STEPS = {"decide_wait_ms", "rows_delivery_ms", "save_ms"}  # reported by requests vLLM prefilled too
 
 
 def _label(run: Run) -> str:
@@ -82,7 +89,9 @@ def profile_rows(run: Run) -> list[dict[str, Any]]:
                                "p50_ttft_ms": float(requests.loc[mask, "ttft_ms"].median())}
         loaded = kind_stats[claimed[mask]]
         for column, _, read in STEPS:
-            source = kind_stats if column == "save_ms" else loaded  # every saved request has a save time
+            # every saved request has a save time; a decision sent wholly dense (vLLM's prefill) has
+            # its wait and its observed rows' reading, not a load
+            source = kind_stats if column in UNLOADED_STEPS else loaded
             values = [read(s) for s in source if s]
             values = [v for v in values if not np.isnan(v)]
             row[column] = float(np.median(values) * 1e3) if values else float("nan")

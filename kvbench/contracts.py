@@ -275,6 +275,10 @@ class LoadStats(TypedDict, total=False):
     load_step_batches: list[int]
     load_step_offsets_s: list[float]
     source_wait_s: float  # held back by the scheduler while a source cache was still being saved
+    decide_wait_s: float  # waiting for the method's decision, made one engine step before the claim
+    decided_ahead_s: float  # that decision's own time in the worker
+    vllm_prefilled_tokens: int  # rows after the claim's stop, which vLLM prefilled itself
+    rows_delivery_s: float  # reading rows the method observes, after the forward that computed them
     fallback: str  # "dense": the load failed and vLLM recomputed the request
     error: str
 

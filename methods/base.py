@@ -45,6 +45,19 @@ class LoadContext:
     read_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     stats: dict[str, Any] = field(default_factory=dict)  # the method adds its own entries
     req_id: str = ""  # vLLM's request id: work this load queues waits for core.computed(req_id)
+    # The connector's: (rows, deliver) hands deliver(K, V) of rows once the request's prompt is
+    # computed, also rows vLLM prefills after the claim (None: read_rows serves every row).
+    when_prefilled: Callable[[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], None]], None] | None = None
+
+    def final_rows(self, rows: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | None]:
+        """A getter of K, V [layers, len(rows), Hkv, hd] of this request's `rows` as computed,
+        for work after its first token (`run_deferred`, once `core.computed(req_id)`): None when
+        they never came (the request ended before its prompt was computed)."""
+        if self.when_prefilled is None:
+            return lambda: self.read_rows(rows)
+        delivered: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.when_prefilled(rows, lambda k, v: delivered.append((k, v)))
+        return lambda: delivered[0] if delivered else None
 
 
 class CoreServices(Protocol):
@@ -79,9 +92,10 @@ class CoreServices(Protocol):
         """Every adapter the connector was given, by name."""
 
     def computed(self, req_id: str) -> bool:
-        """Whether an engine step has computed the request (its first token) since its load
-        ended. A synchronous load's request is computed in the load's step; an asynchronous
-        load's in a later one, not always the next."""
+        """Whether an engine step has computed the request's prompt (its first token) since its
+        load ended (or its decision was made). A synchronous load's request is computed in the
+        load's step; an asynchronous load's in a later one, not always the next; a request whose
+        rows after the claim vLLM prefills, in the step that finishes them."""
 
 
 class SharingMethod:
@@ -93,6 +107,10 @@ class SharingMethod:
     # Placed K/V differ from a dense prefill: such requests get a cache_salt so that vLLM's prefix
     # cache never serves their blocks to an exact request.
     approximate: ClassVar[bool] = True
+    # Its `select` may leave candidates unused (a gate sending segments dense): the worker decides
+    # one engine step before the claim, which then covers only the rows up to the last one reused;
+    # vLLM prefills every row after it at its own speed (kvbench.methods.connector.scheduler).
+    decides_before_claim: ClassVar[bool] = False
     # Runs inside vLLM through kvbench's connector (False: plain vLLM, NonShared only).
     uses_connector: ClassVar[bool] = True
     # Its parameters; kv_connector_extra_config["params"] may override the defaults.

@@ -4,6 +4,7 @@ the loads' fallbacks and the row accounting."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -144,6 +145,30 @@ def test_store_evicts_the_least_recently_used_first() -> None:
     assert store.evictions == 1
 
 
+def _scheduler_output(scheduled: dict[str, int] | None = None, new: list[SimpleNamespace] | None = None,
+                      cached: SimpleNamespace | None = None) -> SimpleNamespace:
+    """What vLLM's scheduler hands build_connector_meta, with the fields the connector reads."""
+    return SimpleNamespace(num_scheduled_tokens=scheduled or {}, scheduled_new_reqs=new or [],
+                           scheduled_cached_reqs=cached or SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                                                           new_block_ids=[], num_computed_tokens=[]))
+
+
+def _claim(scheduler: Any, request: SimpleNamespace, computed: int, stop: int) -> tuple[int | None, bool]:
+    """The scheduler side's claim, through the decision round trip where the method decides first:
+    the request waits one step (its DecideSpec goes out) and a worker answers `stop`."""
+    from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
+
+    answer = scheduler.get_num_new_matched_tokens(request, computed)
+    if answer != (None, False) or not scheduler.decides_first(scheduler.plan_of(request)):
+        return answer
+    decides = scheduler.build_connector_meta(_scheduler_output()).decides
+    assert [d.req_id for d in decides] == [request.request_id] and decides[0].num_local == computed
+    assert scheduler.get_num_new_matched_tokens(request, computed) == (None, False)  # no answer yet
+    scheduler.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=KVBenchWorkerMetadata(set(), {request.request_id: stop}), failed_recving=None))
+    return scheduler.get_num_new_matched_tokens(request, computed)
+
+
 def _request(req_id: str, plan: Plan, prompt: int = 10, status: object = None, computed: int = 0) -> SimpleNamespace:
     return SimpleNamespace(request_id=req_id, kv_transfer_params=plan.to_params(), num_prompt_tokens=prompt,
                            prompt_token_ids=list(range(prompt)), status=status, num_computed_tokens=computed,
@@ -172,9 +197,8 @@ def test_a_consumer_waits_for_its_unsaved_source_and_an_aborted_producer_release
                                                       failed_recving=None))
     assert scheduler.get_num_new_matched_tokens(consumer, 0) == (9, False)  # every prompt token but the last
     scheduler.update_state_after_alloc(consumer, SimpleNamespace(get_block_ids=lambda: [[1]]), 9)
-    (load,) = scheduler.build_connector_meta(SimpleNamespace(
-        num_scheduled_tokens={"c": 1}, scheduled_new_reqs=[SimpleNamespace(req_id="c", block_ids=([1],))],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).loads
+    (load,) = scheduler.build_connector_meta(_scheduler_output(
+        {"c": 1}, [SimpleNamespace(req_id="c", block_ids=([1],), num_computed_tokens=9, prompt_token_ids=[0] * 10)])).loads
     assert load.source_wait_s > 0  # how long it was held back, for `kvbench profile`
 
     other = _request("p2", Plan("t2", "A0.r0", "A0", "run/t2/A0.r0"))
@@ -203,11 +227,9 @@ def test_a_request_that_reuses_nothing_is_left_to_vllm(method: str, params: dict
                                    load_method(method, params))
     first = Plan("t", "A0.r0", "A0", "run/t/A0.r0", (PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 6)))
     scheduler.on_new_request(_request("a0", first))
-    assert scheduler.get_num_new_matched_tokens(_request("a0", first), 2) == ((7, False) if loads_first else (0, False))
+    assert _claim(scheduler, _request("a0", first), 2, stop=9) == ((7, False) if loads_first else (0, False))
     saving, _ = scheduler.request_finished(_request("a0", first, status=RequestStatus.FINISHED_STOPPED, computed=10), [1])
-    (save,) = scheduler.build_connector_meta(SimpleNamespace(
-        num_scheduled_tokens={}, scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).saves
+    (save,) = scheduler.build_connector_meta(_scheduler_output()).saves
     assert saving and save.key == "run/t/A0.r0"
     assert save.unclaimed == (None if loads_first else (10, 2))  # prompt tokens, vLLM's prefix-cache hit
     forced = Plan("t", "A0.r0", "A0", "k", first.segments, claim="all")
@@ -232,13 +254,11 @@ def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
     assert last.saved_key is None and Plan.from_params(last.to_params()) == last
     scheduler.on_new_request(_request("a3", last))
     reader = Plan("t", "X", "X", "run/t/X", (PlanSegment("ph", "q", 0, 5, source="run/t/A3.r0", source_start=4),))
-    assert scheduler.get_num_new_matched_tokens(_request("x", reader), 0) == (9, False)  # nothing to wait for
-    claimed = scheduler.get_num_new_matched_tokens(_request("a3", last), 2)[0] > 0
+    assert _claim(scheduler, _request("x", reader), 0, stop=9) == (9, False)  # nothing to wait for
+    claimed = _claim(scheduler, _request("a3", last), 2, stop=9)[0] > 0
     finished = _request("a3", last, status=RequestStatus.FINISHED_STOPPED, computed=10)
     assert scheduler.request_finished(finished, [1]) == (not claimed, None)
-    saves = scheduler.build_connector_meta(SimpleNamespace(
-        num_scheduled_tokens={}, scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[]))).saves
+    saves = scheduler.build_connector_meta(_scheduler_output()).saves
     if claimed:  # kvcomm serves a first agent from its reference: the load reported it
         assert saves == []
     else:
@@ -338,3 +358,138 @@ def test_parameters_that_need_every_request_loaded_are_refused_after_start_up() 
     with pytest.raises(MethodConfigError, match="start the server with them"):
         worker.set_params({"start_layer": 1})
     assert worker.set_params({"tau_dev": 2.0})["tau_dev"] == 2.0 and worker.method.params["start_layer"] == 0
+
+
+def test_a_method_that_decides_first_claims_up_to_its_last_reused_row_and_vllm_prefills_the_rest() -> None:
+    """KVCMAS's gate may send segments dense: the worker decides one step ahead, the claim covers
+    the rows through the last reused one, vLLM prefills the rest (all of it when the gate sent
+    everything dense), and the scheduler marks the step that finishes each prompt, chunked or not,
+    with every block the request holds."""
+    from vllm.v1.request import RequestStatus
+
+    from kvbench.methods.connector.scheduler import ConnectorScheduler
+
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}))
+    segments = (PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 6, source="run/t/A0.r0", source_start=4),
+                PlanSegment("pf", "text", 10, 2), PlanSegment("ph", "out:A0.r0", 12, 6, source="run/t/A0.r0",
+                                                              source_start=12))
+    plan = Plan("t", "A1.r0", "A1", "run/t/A1.r0", segments)
+    partly = _request("c", plan, prompt=21)
+    assert _claim(scheduler, partly, 0, stop=10) == (10, False)  # q reused; out:A0.r0 sent dense
+    scheduler.update_state_after_alloc(partly, SimpleNamespace(get_block_ids=lambda: [[7, 8, 9]]), 10)
+    meta = scheduler.build_connector_meta(_scheduler_output(
+        {"c": 11}, [SimpleNamespace(req_id="c", block_ids=([7, 8, 9],), num_computed_tokens=10,
+                                    prompt_token_ids=list(range(21)))]))
+    (load,) = meta.loads
+    assert (load.num_local, load.num_target) == (0, 10)  # the connector's rows; vLLM computes 10..20 in this step
+    assert meta.prefilled == {"c": [7, 8, 9]} and meta.prefilling
+
+    dense_plan = Plan("t", "A2.r0", "A2", "run/t/A2.r0", segments)
+    dense = _request("d", dense_plan, prompt=21)
+    assert _claim(scheduler, dense, 4, stop=4) == (0, False)  # the gate sent every segment dense: vLLM's prefill
+    scheduler.update_state_after_alloc(dense, SimpleNamespace(get_block_ids=lambda: [[1]]), 0)
+    first = scheduler.build_connector_meta(_scheduler_output(
+        {"d": 8}, [SimpleNamespace(req_id="d", block_ids=([1, 2],), num_computed_tokens=4,
+                                   prompt_token_ids=list(range(21)))]))
+    assert first.loads == [] and first.prefilled == {}  # a chunk: its prompt is not computed yet
+    rest = scheduler.build_connector_meta(_scheduler_output(
+        {"d": 9}, cached=SimpleNamespace(req_ids=["d"], resumed_req_ids=set(), new_block_ids=[([3, 4],)],
+                                         num_computed_tokens=[12])))
+    assert rest.prefilled == {"d": [1, 2, 3, 4]} and rest.prefilling
+    decode = scheduler.build_connector_meta(_scheduler_output(
+        {"d": 1}, cached=SimpleNamespace(req_ids=["d"], resumed_req_ids=set(), new_block_ids=[None],
+                                         num_computed_tokens=[21])))
+    assert decode.prefilled == {} and not decode.prefilling  # a decode step computes no prompt tokens
+    saving, _ = scheduler.request_finished(_request("d", dense_plan, prompt=21, status=RequestStatus.FINISHED_STOPPED,
+                                                    computed=22), [1])
+    (save,) = scheduler.build_connector_meta(_scheduler_output()).saves
+    assert saving and save.unclaimed == (21, 4)  # its figures: vLLM's prefill above its prefix-cache hit
+
+
+def test_rows_of_a_request_are_delivered_after_the_forward_that_finishes_its_prompt() -> None:
+    """The method's observations of rows vLLM prefilled: delivered in wait_for_save of the step
+    that finished the prompt (its blocks still its own), read through the request's blocks; a
+    request that ends first delivers nothing."""
+    from kvbench.methods.connector.metadata import KVBenchMetadata
+    from kvbench.methods.connector.worker import ConnectorWorker
+
+    block_size = 4
+    caches = {f"layer{i}": torch.randn(8, 2, block_size, HEADS, HEAD_DIM) for i in range(LAYERS)}
+
+    class Layout:
+        def read(self, kv: torch.Tensor, block_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+            blocks = kv[block_ids]  # [blocks, 2, block size, H, hd]
+            k = blocks[:, 0].reshape(-1, HEADS, HEAD_DIM)[:rows]
+            v = blocks[:, 1].reshape(-1, HEADS, HEAD_DIM)[:rows]
+            return k, v
+
+    worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}),
+                             block_size=block_size, static_forward_context={})
+    worker.forward = SimpleNamespace(layer_names=list(caches))
+    worker.layouts, worker.kv_caches = dict.fromkeys(caches, Layout()), caches
+    delivered: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rows = torch.tensor([1, 5, 6])
+    worker.when_prefilled("r", rows, lambda k, v: delivered.append((k, v)))
+    worker.when_prefilled("gone", rows, lambda k, v: delivered.append((k, v)))
+    worker.wait_for_save(KVBenchMetadata())
+    assert delivered == []  # not before its prompt is computed
+    worker.get_finished({"gone"})  # ended before: nothing waits for it any more
+    worker.wait_for_save(KVBenchMetadata(prefilled={"r": [3, 6], "gone": [0]}))
+    (k, v), = delivered
+    for index, name in enumerate(caches):  # row 1 in block 3, rows 5 and 6 in block 6
+        expected_k = torch.stack([caches[name][3, 0, 1], caches[name][6, 0, 1], caches[name][6, 0, 2]])
+        expected_v = torch.stack([caches[name][3, 1, 1], caches[name][6, 1, 1], caches[name][6, 1, 2]])
+        assert torch.equal(k[index], expected_k) and torch.equal(v[index], expected_v)
+
+
+def test_a_decided_claim_ends_where_the_rows_the_connector_would_compute_cost_more_than_the_reuse_saves() -> None:
+    """The claim stops at the end of a reused segment, or claims nothing: a large segment sent dense
+    ahead of a few reused rows goes to vLLM's prefill with them (the connector's forward costs
+    `row_cost` vLLM rows a row); a short glue ahead of a long reuse is the connector's."""
+    from kvbench.methods.base import LoadContext, SegmentReuse
+    from kvbench.methods.connector.materialize import Candidates, LoadDecision
+
+    def decision(reused: list[tuple[int, int]], n: int = 1000, local: int = 0) -> LoadDecision:
+        source = _saved(list(range(n)))
+        chosen = [SegmentReuse(PlanSegment("ph", f"s{start}", start, stop - start, source="k", source_start=start),
+                               source, torch.arange(start, stop), torch.arange(start, stop)) for start, stop in reused]
+        ctx = LoadContext("key", Plan("t", "A1.r0", "A1", "key"), torch.arange(n), local, chosen,
+                          read_rows=lambda rows: (rows, rows),
+                          stats={"decisions": [{"id": r.segment.id, "decision": "accepted"} for r in chosen]})
+        return LoadDecision(local, None, 0, Candidates(), ctx, chosen)
+
+    nothing = decision([])
+    assert nothing.claim_stop(1.5) == 0  # vLLM prefills it all
+    glue_then_reuse = decision([(20, 900)])
+    assert glue_then_reuse.claim_stop(1.5) == 900 and len(glue_then_reuse.chosen) == 1
+    dense_then_few = decision([(850, 900), (900, 950)])  # 850 rows sent dense, then 100 reused
+    assert dense_then_few.claim_stop(1.5) == 0 and dense_then_few.chosen == []
+    assert all(d["prefilled_by_vllm"] for d in dense_then_few.ctx.stats["decisions"])
+    assert decision([(850, 900), (900, 950)]).claim_stop(1.0) == 950  # as cheap as vLLM: every reuse pays
+    mixed = decision([(10, 600), (700, 720)], local=4)  # a reuse worth it, then a dense gap before a short one
+    assert mixed.claim_stop(1.5) == 600 and [r.segment.id for r in mixed.chosen] == ["s10"]
+    assert [d.get("prefilled_by_vllm", False) for d in mixed.ctx.stats["decisions"]] == [False, True]
+
+
+def test_a_decision_goes_out_with_the_save_of_the_source_it_waits_for() -> None:
+    """The worker saves before it decides in a step: a consumer whose last source is being saved in
+    the next step is decided in that same step, not one step after it."""
+    from vllm.v1.request import RequestStatus
+
+    from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
+    from kvbench.methods.connector.scheduler import ConnectorScheduler
+
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}))
+    source_plan = Plan("t", "A0.r0", "A0", "run/t/A0.r0")
+    consumer = _request("c", Plan("t", "A1.r0", "A1", "run/t/A1.r0",
+                                  (PlanSegment("ph", "q", 0, 5, source="run/t/A0.r0", source_start=0),)))
+    scheduler.on_new_request(_request("p", source_plan))
+    assert scheduler.get_num_new_matched_tokens(consumer, 0) == (None, False)
+    assert scheduler.build_connector_meta(_scheduler_output()).decides == []  # its source is still running
+    scheduler.request_finished(_request("p", source_plan, status=RequestStatus.FINISHED_STOPPED, computed=10), [1])
+    assert scheduler.get_num_new_matched_tokens(consumer, 0) == (None, False)
+    meta = scheduler.build_connector_meta(_scheduler_output())
+    assert [s.key for s in meta.saves] == ["run/t/A0.r0"] and [d.req_id for d in meta.decides] == ["c"]
+    scheduler.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=KVBenchWorkerMetadata({"run/t/A0.r0"}, {"c": 5}), failed_recving=None))
+    assert scheduler.get_num_new_matched_tokens(consumer, 0) == (5, False)

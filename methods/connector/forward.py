@@ -200,7 +200,9 @@ class PartialForward:
     # ~0.03 of log-prob noise on a trained model. Rotary and SiLU-and-mul are redone in fp32 here.
     @staticmethod
     def _rotate(rotary: torch.nn.Module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos_sin = rotary.cos_sin_cache.to(x.dtype).float().index_select(0, positions)
+        # the rows' positions first, then the casts: the table holds every position (64K on
+        # recall-v1), and casting all of it twice per call was most of a short load's time
+        cos_sin = rotary.cos_sin_cache.index_select(0, positions).to(x.dtype).float()
         cos, sin = (t.unsqueeze(1) for t in cos_sin.chunk(2, dim=-1))
         rot_dim = int(rotary.rotary_dim)
         xf = x.float()

@@ -65,6 +65,7 @@ class LoadJob:
         stats.update({"load_s": time.perf_counter() - self.started, "turn": spec.plan.turn, "agent": spec.plan.agent,
                       "local_tokens": spec.num_local, "claimed_tokens": spec.num_target - spec.num_local,
                       "source_wait_s": spec.source_wait_s,
+                      **({"decide_wait_s": spec.decide_wait_s} if spec.decide_wait_s is not None else {}),
                       "load_steps": self.steps, "load_step_batches": self.step_batches,
                       "load_step_offsets_s": self.step_offsets_s})
         return stats

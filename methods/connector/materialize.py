@@ -22,7 +22,7 @@ from kvbench.methods.base import CoreServices, LoadContext, SegmentReuse, Sharin
 from kvbench.methods.connector.compute_tracker import ComputedRequests
 from kvbench.methods.connector.forward import LayerGroup, PartialForward
 from kvbench.methods.connector.settings import ConnectorSettings
-from kvbench.methods.connector.specs import LoadSpec
+from kvbench.methods.connector.specs import DecideSpec, LoadSpec
 from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 
@@ -46,6 +46,10 @@ class LoadServices(CoreServices, Protocol):
     def note_exact_rows(self, key: str, rows: int) -> None:
         """The request saved as `key` holds dense-prefill K/V in its first `rows` rows."""
 
+    def when_prefilled(self, req_id: str, rows: torch.Tensor, deliver: Callable[[torch.Tensor, torch.Tensor], None],
+                       key: str | None = None) -> None:
+        """deliver(K, V) of the request's rows once its prompt is computed."""
+
     def rows_reader(self, block_ids: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """Reads K, V [layers, rows, Hkv, hd] of a request's rows from the paged cache."""
 
@@ -63,7 +67,7 @@ class Candidates:
     refused: int = 0  # among those: rows whose source was larger than the store's whole cap
 
 
-def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -> Candidates:
+def find_candidates(store: SegmentStore, spec: LoadSpec | DecideSpec, tokens: torch.Tensor) -> Candidates:
     """Match each PH segment of the plan with its source's rows; never reuse rows of other tokens."""
     found = Candidates()
     for segment in spec.plan.segments:
@@ -92,7 +96,8 @@ def find_candidates(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor) -
     return found
 
 
-def exact_prefix(store: SegmentStore, spec: LoadSpec, tokens: torch.Tensor, block_size: int) -> tuple[SavedKV | None, int]:
+def exact_prefix(store: SegmentStore, spec: LoadSpec | DecideSpec, tokens: torch.Tensor,
+                 block_size: int) -> tuple[SavedKV | None, int]:
     """The cache named in the plan (Plan.exact_sources) holding the longest run of this
     request's first rows with the same tokens at the same positions inside its exact rows
     (SavedKV.exact_rows), and where that run ends, in whole blocks (as vLLM's prefix cache serves
@@ -242,11 +247,83 @@ def served_entries(reused_count: int, stages: Sequence[tuple[int, int]], check: 
     return reused_count * layers - reused_count * all_width - computed_after
 
 
+def _rows_not_loaded(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    raise RuntimeError("this request's rows are computed by vLLM's own prefill, not by a load: read them with "
+                       "core.when_prefilled once its prompt is computed")
+
+
+@dataclass
+class LoadDecision:
+    """What a load reuses, decided before its rows are materialized: the exact prefix it copies,
+    the candidates and the method's choice among them. Made inside the load, or one engine step
+    ahead of the claim (SharingMethod.decides_before_claim), when it also sets how far the claim
+    reaches (`claim_stop`)."""
+
+    num_local: int  # the local hit it was decided above (a load above another one decides again)
+    exact_source: SavedKV | None
+    exact_stop: int
+    found: Candidates
+    ctx: LoadContext
+    chosen: list[SegmentReuse]
+    decoded_s: float = 0.0  # decoding compressed sources (PolyKV) for it
+    decoded_tokens: int = 0
+    seconds: float = 0.0
+
+    def claim_stop(self, row_cost: float) -> int:
+        """The rows [0, stop) the connector materializes; vLLM prefills every row after it in its
+        own forward. The stop is where a reused segment ends (or the exact prefix, when nothing
+        is worth reusing), whichever costs least in prefilled rows, a row the connector computes
+        (glue text, a segment sent dense between reused ones) counting `row_cost` rows of vLLM's
+        prefill: a large segment sent dense before a few reused rows goes to vLLM with them,
+        rather than through the connector's slower layer-by-layer forward. Reused segments past
+        the stop are dropped from `chosen` (computed densely) and marked in the decisions."""
+        base, n = self.ctx.num_local, len(self.ctx.tokens)
+        best, best_cost = base, float(n - base)
+        for stop in sorted({int(r.dst.max()) + 1 for r in self.chosen if len(r.dst)}):
+            reused = sum(int((r.dst < stop).sum()) for r in self.chosen)
+            cost = row_cost * (stop - base - reused) + (n - stop)
+            if cost < best_cost:
+                best, best_cost = stop, cost
+        dropped = {r.segment.id for r in self.chosen if len(r.dst) and int(r.dst.max()) >= best}
+        self.chosen = [r for r in self.chosen if len(r.dst) and int(r.dst.max()) < best]
+        for decision in self.ctx.stats.get("decisions", []):
+            if decision.get("id") in dropped:
+                decision["prefilled_by_vllm"] = True  # accepted, but past the claim
+        return max(best, self.exact_stop)
+
+
+def decide_steps(worker: LoadServices, spec: LoadSpec | DecideSpec, tokens: torch.Tensor,
+                 read_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = _rows_not_loaded
+                 ) -> Generator[int, None, LoadDecision]:
+    """The decision of a load over the rows `tokens` (the prompt but its last token): the exact
+    prefix, the candidates, the method's `prepare` (yields its rows per layer) and `select`."""
+    started = time.perf_counter()
+    decoded_s, decoded_tokens = worker.store.decode_s, worker.store.decoded_tokens
+    exact_source, exact_stop = exact_prefix(worker.store, spec, tokens, worker.block_size)
+    valid_from = max(spec.num_local, exact_stop) if exact_source is not None else spec.num_local
+    found = find_candidates(worker.store, dataclasses.replace(spec, num_local=valid_from), tokens)
+    decoded_s, decoded_tokens = worker.store.decode_s - decoded_s, worker.store.decoded_tokens - decoded_tokens
+    req_id, key = spec.req_id, spec.key
+    ctx = LoadContext(spec.key, spec.plan, tokens, valid_from, found.reuses, read_rows, req_id=req_id,
+                      when_prefilled=lambda rows, deliver: worker.when_prefilled(req_id, rows, deliver, key))
+    yield from worker.method.prepare(ctx)  # e.g. reference prefills: spread over steps like the layers
+    chosen = worker.method.select(ctx)
+    return LoadDecision(spec.num_local, exact_source, exact_stop if exact_source is not None else 0, found, ctx,
+                        chosen, decoded_s, decoded_tokens, time.perf_counter() - started)
+
+
+def prompt_rows(spec: LoadSpec | DecideSpec) -> torch.Tensor:
+    """The ids of the rows a load could materialize: the prompt but its last token."""
+    ids = spec.token_ids if isinstance(spec, DecideSpec) else spec.token_ids[:-1]
+    return torch.tensor(ids, dtype=torch.long)
+
+
 @torch.inference_mode()
 def materialize_steps(worker: LoadServices, spec: LoadSpec,
-                      keep_hidden: Callable[[str, tuple[torch.Tensor, torch.Tensor, int]], None]
-                      ) -> Generator[int, None, LoadStats]:
-    """A request's load, one partial-forward layer at a time (yields the rows each computed)."""
+                      keep_hidden: Callable[[str, tuple[torch.Tensor, torch.Tensor, int]], None],
+                      decision: LoadDecision | None = None) -> Generator[int, None, LoadStats]:
+    """A request's load, one partial-forward layer at a time (yields the rows each computed).
+    `decision`: made one step ahead (DecideSpec), used when it was made above this load's local hit."""
     if worker.settings.fails_load(spec.key, spec.plan.inject_fault):
         raise RuntimeError("injected fault (kv_connector_extra_config.fault_injection)")
     if worker.forward is None:
@@ -257,19 +334,19 @@ def materialize_steps(worker: LoadServices, spec: LoadSpec,
     block_ids = torch.tensor(spec.block_ids, dtype=torch.long)
     positions = torch.arange(n, dtype=torch.long)
     slots = block_ids[positions // worker.block_size] * worker.block_size + positions % worker.block_size
-    decoded_s, decoded_tokens = worker.store.decode_s, worker.store.decoded_tokens
-    exact_source, exact_stop = exact_prefix(worker.store, spec, tokens, worker.block_size)
+    decided_ahead = decision is not None and decision.num_local == spec.num_local
+    if decision is None or not decided_ahead:
+        decision = yield from decide_steps(worker, spec, tokens)
+    ctx, chosen, found = decision.ctx, decision.chosen, decision.found
+    ctx.read_rows = worker.rows_reader(block_ids)  # the load's rows, valid once it ends
     exact_copied = 0
-    if exact_source is not None and exact_stop > spec.num_local:
-        copy_exact_rows(worker, exact_source, spec.num_local, exact_stop, slots)
-        exact_copied = exact_stop - spec.num_local
-        spec = dataclasses.replace(spec, num_local=exact_stop)  # valid from here on, like vLLM's own hits
-    found = find_candidates(worker.store, spec, tokens)
-    decoded_s, decoded_tokens = worker.store.decode_s - decoded_s, worker.store.decoded_tokens - decoded_tokens
-    ctx = LoadContext(spec.key, spec.plan, tokens, spec.num_local, found.reuses, worker.rows_reader(block_ids),
-                      req_id=spec.req_id)
-    yield from method.prepare(ctx)  # e.g. reference prefills: spread over steps like the layers below
-    chosen = method.select(ctx)
+    if decision.exact_source is not None and min(decision.exact_stop, n) > spec.num_local:
+        copy_exact_rows(worker, decision.exact_source, spec.num_local, min(decision.exact_stop, n), slots)
+        exact_copied = min(decision.exact_stop, n) - spec.num_local
+        spec = dataclasses.replace(spec, num_local=min(decision.exact_stop, n))  # valid from here on, like vLLM's own hits
+    if any(len(reuse.dst) and int(reuse.dst.max()) >= n for reuse in chosen):
+        raise RuntimeError(f"the decision reuses rows past the {n} rows claimed")  # vLLM computes it, densely
+    decoded_s, decoded_tokens = decision.decoded_s, decision.decoded_tokens
     reused = torch.zeros(n, dtype=torch.bool)
     for reuse in chosen:
         reused[reuse.dst] = True
@@ -303,6 +380,8 @@ def materialize_steps(worker: LoadServices, spec: LoadSpec,
         keep_hidden(str(spec.plan.saved_key), (*forward.captured, capture))
     stages = narrowing.stages if narrowing else []
     reused_count, recomputed = count_rows(reused, compute, stages, check, group_layers, worker.num_layers)
+    vllm_rows = max(0, len(spec.token_ids) - 1 - n)  # prefilled by vLLM after the claim (its last token aside)
+    recomputed += vllm_rows
     if spec.plan.saved_key:  # rows before the first reused one are exact: later requests may copy them
         placed = reused.nonzero()
         worker.note_exact_rows(spec.plan.saved_key, int(placed[0]) if len(placed) else 1 << 62)
@@ -318,6 +397,8 @@ def materialize_steps(worker: LoadServices, spec: LoadSpec,
         "source_refused_tokens": found.refused,
         "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in found.reuses)),
         "materialize_s": time.perf_counter() - started,
+        **({"decided_ahead_s": decision.seconds} if decided_ahead else {}),
+        **({"vllm_prefilled_tokens": vllm_rows} if vllm_rows else {}),
         **({"store_decode_s": decoded_s, "store_decoded_tokens": decoded_tokens} if decoded_tokens else {}),
         "attention_s": forward.attention_s,
         "placement_s": placement.seconds,

@@ -6,22 +6,35 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvbench.methods.connector.specs import LoadSpec, SaveSpec
+from kvbench.methods.connector.specs import DecideSpec, LoadSpec, SaveSpec
 
 
 @dataclass
 class KVBenchMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    decides: list[DecideSpec] = field(default_factory=list)
     scheduled_req_ids: frozenset[str] = frozenset()  # the requests this engine step computes
+    # Requests the connector follows whose prompt this step's forward finishes computing, with
+    # every block they hold: after the forward their rows are final (read in wait_for_save).
+    prefilled: dict[str, list[int]] = field(default_factory=dict)
+    # Whether this step computes prompt tokens of any request (a prefill's first token waits for
+    # the step): the method's deferred work then waits for a step without one.
+    prefilling: bool = False
 
 
 @dataclass
 class KVBenchWorkerMetadata(KVConnectorWorkerMetadata):
     saved_keys: set[str] = field(default_factory=set)
+    # request -> the rows [0, stop) the connector materializes for it, decided this step (DecideSpec)
+    claims: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBenchWorkerMetadata:
         if not isinstance(other, KVBenchWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into kvbench worker metadata")
-        # Tensor-parallel ranks save their own heads under the same key.
-        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys)
+        # Tensor-parallel ranks save their own heads under the same key, and decide alike (their
+        # decisions come from sums over ranks); the smaller claim is the safe one should they not.
+        claims = dict(self.claims)
+        for req_id, stop in other.claims.items():
+            claims[req_id] = min(stop, claims.get(req_id, stop))
+        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys, claims)

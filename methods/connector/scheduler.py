@@ -6,19 +6,28 @@ hold but the last as an external hit, so the worker side loads them before the f
 (claim None) while a source cache is still being produced. Any other request is vLLM's own
 prefill, in its own batches. Hold finished requests' blocks until the worker has copied them into
 the store.
+
+A method that decides per segment whether to reuse (`SharingMethod.decides_before_claim`: a gate
+that may send segments dense) is asked first: the request waits one engine step while the worker
+decides (DecideSpec), and the claim then covers the rows up to the last one it reuses; vLLM
+prefills the rest itself, in the same forward, at its own speed (a turn the gate sends wholly
+dense is a plain vLLM prefill). The scheduler follows every request it claimed or had decided:
+its blocks, and the step whose forward finishes its prompt (KVBenchMetadata.prefilled), when the
+worker may read its final rows.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbench.contracts import PLAN_KEY, ContractError, Plan
 from kvbench.methods.base import SharingMethod
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.settings import ConnectorSettings
-from kvbench.methods.connector.specs import LoadSpec, SaveSpec
+from kvbench.methods.connector.specs import DecideSpec, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -27,6 +36,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvbench.connector")
+
+
+@dataclass
+class FollowedRequest:
+    """A request the connector claimed or had decided: its prompt length and the blocks it holds
+    (as vLLM's scheduler outputs hand them out, chunk by chunk)."""
+
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    prefilled: bool = False
 
 
 class ConnectorScheduler:
@@ -40,6 +59,19 @@ class ConnectorScheduler:
         self._bad_plans: set[str] = set()  # requests whose plan was refused (logged once each)
         self._vllm_prefills: dict[str, int] = {}  # unclaimed requests -> rows vLLM's prefix cache held
         self._waiting_since: dict[str, float] = {}  # requests held back for an unsaved source -> since when
+        # Requests asked to decide (DecideSpec) -> the rows the worker will materialize (None: no
+        # answer yet), and the decisions to send with the next step.
+        self._decided: dict[str, int | None] = {}
+        self._decide_asked: dict[str, float] = {}  # -> when it was asked; then the wait it cost
+        self._to_decide: list[DecideSpec] = []
+        self._claim_local: dict[str, int] = {}  # claimed request -> the local hit it was claimed above
+        self._followed: dict[str, FollowedRequest] = {}
+        self._saves_sent: set[str] = set()  # keys whose save went to the workers, not confirmed yet
+
+    def decides_first(self, plan: Plan) -> bool:
+        """Whether the worker decides what this request reuses before it is claimed (synchronous
+        loads only: an asynchronous load already runs in steps of its own)."""
+        return plan.claim == "method" and self.method.decides_before_claim and not self.settings.asynchronous
 
     def plan_of(self, request: Request) -> Plan | None:
         """The request's plan; a plan this kvbench cannot read is logged and the request served
@@ -63,11 +95,41 @@ class ConnectorScheduler:
         if request.request_id in self._failed_loads:  # asked again after a failed async load
             self._failed_loads.discard(request.request_id)
             return 0, False
-        if plan.waits_for & self._unsaved_keys:
-            self._waiting_since.setdefault(request.request_id, time.perf_counter())
+        req_id = request.request_id
+        num_target = request.num_prompt_tokens - 1
+        if unsaved := plan.waits_for & self._unsaved_keys:
+            self._waiting_since.setdefault(req_id, time.perf_counter())
+            if self.decides_first(plan) and req_id not in self._decided and unsaved <= self._saves_sent | {
+                    save.key for save in self._pending_saves}:
+                # Its last sources are saved in the next step's worker call (or were in an earlier
+                # one): the worker decides right after them, in the same step.
+                self._ask_decision(request, num_computed_tokens, plan)
             return None, False  # a source is still being produced: ask again next step
-        count = max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
+        stop = num_target
+        if self.decides_first(plan):
+            if req_id not in self._decided:  # ask the worker; the request waits one step
+                self._ask_decision(request, num_computed_tokens, plan)
+                return None, False
+            decided = self._decided[req_id]
+            if decided is None:
+                return None, False  # the decision is in this step's worker output
+            stop = min(decided, num_target)
+            asked = self._decide_asked.get(req_id)
+            if asked is not None and asked > 0:  # the first claim after the answer: how long it took
+                self._decide_asked[req_id] = -(time.perf_counter() - asked)
+        self._followed.setdefault(req_id, FollowedRequest(request.num_prompt_tokens))
+        self._claim_local[req_id] = num_computed_tokens
+        count = max(0, stop - num_computed_tokens)
+        if count == 0:  # the method reuses nothing before vLLM's own rows: vLLM prefills it all
+            self._vllm_prefills[req_id] = num_computed_tokens
         return count, count > 0 and self.settings.asynchronous
+
+    def _ask_decision(self, request: Request, num_computed_tokens: int, plan: Plan) -> None:
+        req_id = request.request_id
+        self._decided[req_id] = None
+        self._decide_asked[req_id] = time.perf_counter()
+        self._to_decide.append(DecideSpec(req_id, list(request.prompt_token_ids or [])[:request.num_prompt_tokens - 1],
+                                          num_computed_tokens, plan))
 
     def on_new_request(self, request: Request) -> None:
         plan = self.plan_of(request)
@@ -79,12 +141,18 @@ class ConnectorScheduler:
             return
         plan = self.plan_of(request)
         assert plan is not None, "only requests with a plan claim tokens"
-        num_target = request.num_prompt_tokens - 1
+        num_local = self._claim_local.get(request.request_id, request.num_prompt_tokens - 1 - num_external_tokens)
         since = self._waiting_since.pop(request.request_id, None)
         self._pending_loads[request.request_id] = LoadSpec(
             req_id=request.request_id, token_ids=list(request.prompt_token_ids or []),
-            block_ids=list(blocks.get_block_ids()[0]), num_local=num_target - num_external_tokens,
-            num_target=num_target, plan=plan, source_wait_s=0.0 if since is None else time.perf_counter() - since)
+            block_ids=list(blocks.get_block_ids()[0]), num_local=num_local,
+            num_target=num_local + num_external_tokens, plan=plan,
+            source_wait_s=0.0 if since is None else time.perf_counter() - since,
+            decide_wait_s=self._decide_wait(request.request_id))
+
+    def _decide_wait(self, req_id: str) -> float | None:
+        asked = self._decide_asked.get(req_id)
+        return -asked if asked is not None and asked <= 0 else None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBenchMetadata:
         meta = KVBenchMetadata(scheduled_req_ids=frozenset(scheduler_output.num_scheduled_tokens))
@@ -103,12 +171,53 @@ class ConnectorScheduler:
             meta.loads.extend(self._pending_loads.values())
         self._pending_loads.clear()
         meta.saves, self._pending_saves = self._pending_saves, []
+        self._saves_sent |= {save.key for save in meta.saves if save.keep}
+        meta.decides, self._to_decide = self._to_decide, []
+        self._follow(scheduler_output, meta)
         return meta
+
+    def _follow(self, scheduler_output: SchedulerOutput, meta: KVBenchMetadata) -> None:
+        """Track the followed requests' blocks and mark those whose prompt this step finishes
+        (with all their blocks); note whether the step computes any prompt tokens."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        meta.prefilling = bool(scheduler_output.scheduled_new_reqs)
+        for new in scheduler_output.scheduled_new_reqs:
+            followed = self._followed.get(new.req_id)
+            if followed is not None:
+                followed.block_ids = list(new.block_ids[0])
+                self._check_prefilled(new.req_id, followed, new.num_computed_tokens, scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            count = scheduled.get(req_id, 0)
+            followed = self._followed.get(req_id)
+            if followed is None:
+                meta.prefilling |= count > 1  # a decode step computes one token per request
+                continue
+            new_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:  # resumed after a preemption: its whole block list
+                followed.block_ids = list(new_ids[0]) if new_ids is not None else []
+                followed.prefilled = False  # its prompt is computed again
+            elif new_ids is not None:
+                followed.block_ids.extend(new_ids[0])
+            computed = cached.num_computed_tokens[index]
+            meta.prefilling |= computed < followed.num_prompt_tokens
+            self._check_prefilled(req_id, followed, computed, count, meta)
+
+    @staticmethod
+    def _check_prefilled(req_id: str, followed: FollowedRequest, computed: int, count: int,
+                         meta: KVBenchMetadata) -> None:
+        if not followed.prefilled and computed < followed.num_prompt_tokens <= computed + count:
+            followed.prefilled = True
+            meta.prefilled[req_id] = list(followed.block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVBenchWorkerMetadata):
             self._unsaved_keys -= worker_meta.saved_keys
+            self._saves_sent -= worker_meta.saved_keys
+            for req_id, stop in worker_meta.claims.items():
+                if req_id in self._decided:  # (not when the request ended meanwhile)
+                    self._decided[req_id] = stop
         self._failed_loads |= set(getattr(connector_output, "failed_recving", None) or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -116,6 +225,11 @@ class ConnectorScheduler:
 
         self._failed_loads.discard(request.request_id)
         self._waiting_since.pop(request.request_id, None)
+        self._decided.pop(request.request_id, None)
+        decide_wait = self._decide_wait(request.request_id)
+        self._decide_asked.pop(request.request_id, None)
+        self._claim_local.pop(request.request_id, None)
+        self._followed.pop(request.request_id, None)
         prefix_cached = self._vllm_prefills.pop(request.request_id, None)
         plan = self.plan_of(request)
         self._bad_plans.discard(request.request_id)
@@ -133,8 +247,9 @@ class ConnectorScheduler:
                 return False, None  # its load reported them: vLLM frees its blocks now
             # vLLM prefilled it: the worker reports its figures in the next step, which vLLM runs
             # (the blocks stay held until then) even when no other request is left
-            self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, [], [], unclaimed, keep=False))
+            self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, [], [], unclaimed, keep=False,
+                                                decide_wait_s=decide_wait))
             return True, None
         self._pending_saves.append(SaveSpec(request.request_id, plan.save_as, tokens, list(block_ids), unclaimed,
-                                            adapter=plan.adapter))
+                                            adapter=plan.adapter, decide_wait_s=decide_wait if unclaimed else None))
         return True, {PLAN_KEY: {"save_as": plan.save_as, "num_tokens": len(tokens)}}

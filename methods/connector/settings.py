@@ -56,6 +56,11 @@ class ConnectorSettings:
     # The LoRA adapters the server serves (name -> PEFT folder), which the connector applies to the
     # rows it computes itself and PReCache's methods rebuild values with (kvbench.methods.connector.lora).
     adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+    # What a row the connector's partial forward computes costs against a row vLLM prefills, for a
+    # method that decides before its claim (SharingMethod.decides_before_claim): the claim stops
+    # where the rows it would compute cost more than the rows it reuses save, and vLLM prefills
+    # the rest. 1.5: measured on the CPU backend (benchmarks/bench_cold_start.py).
+    connector_row_cost: float = 1.5
 
     @property
     def asynchronous(self) -> bool:
@@ -70,7 +75,8 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step", "adapters"}
+        known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step", "adapters",
+                 "connector_row_cost"}
         if unknown := set(extra) - known:
             raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
         if "method" not in extra:
@@ -88,4 +94,8 @@ class ConnectorSettings:
         adapters = extra.get("adapters") or {}
         if not isinstance(adapters, dict) or not all(isinstance(v, str) for v in adapters.values()):
             raise MethodConfigError(f"adapters must map adapter names to PEFT folders, got {adapters!r}")
-        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget, dict(adapters))
+        row_cost = extra.get("connector_row_cost", 1.5)
+        if isinstance(row_cost, bool) or not isinstance(row_cost, int | float) or not 0 < row_cost < float("inf"):
+            raise MethodConfigError(f"connector_row_cost must be a number > 0, got {row_cost!r}")
+        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget, dict(adapters),
+                   float(row_cost))

@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -17,19 +17,26 @@ from kvbench.contracts import LoadStats, ServerInfo, WorkerStats, vllm_prefill_s
 from kvbench.methods.base import MethodConfigError, SharingMethod
 from kvbench.methods.connector.compute_tracker import ComputedRequests
 from kvbench.methods.connector.counters import ReuseCounters
+from kvbench.methods.connector.deliveries import RowDeliveries, RowsDelivery
+from kvbench.methods.connector.forward import run_to_end
 from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
 from kvbench.methods.connector.lora import VLora, load_v_lora
-from kvbench.methods.connector.materialize import materialize_steps
+from kvbench.methods.connector.materialize import LoadDecision, decide_steps, materialize_steps, prompt_rows
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
+from kvbench.methods.connector.specs import DecideSpec
 from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 logger = logging.getLogger("kvbench.connector")
 
 MAX_KEPT_REQUEST_STATS = 100_000
 MAX_PENDING_HIDDEN = 256  # residual streams kept for saves; more means requests aborted before theirs
+# Steps the method's deferred work may wait for one that computes no prompt tokens (then it runs
+# anyway: under a steady stream of prefills every step has one).
+MAX_DEFERRED_WAIT_STEPS = 16
+
 
 
 def store_codec(method: SharingMethod) -> KVCodec | None:
@@ -53,8 +60,14 @@ class ConnectorWorker:
         self.aligner: Any = None  # RopeAligner, likewise
         self.request_stats: dict[str, LoadStats] = {}
         self.computed_requests = ComputedRequests()  # what deferred method work waits for
-        self.loads = make_loads(lambda spec: materialize_steps(self, spec, self._keep_hidden), self._finish_load,
-                                block_size, settings.max_load_tokens_per_step)
+        self.loads = make_loads(
+            lambda spec: materialize_steps(self, spec, self._keep_hidden, self._decisions.pop(spec.req_id, None)),
+            self._finish_load, block_size, settings.max_load_tokens_per_step)
+        self._decisions: dict[str, LoadDecision] = {}  # decided ahead of their claim, for their load
+        self._unclaimed_decisions: dict[str, LoadStats] = {}  # decided ahead, nothing claimed: by key, till the save
+        self._claims: dict[str, int] = {}  # decided this step -> rows claimed (for the scheduler side)
+        self.deliveries = RowDeliveries()  # rows methods asked for, once computed (when_prefilled)
+        self._deferred_wait_steps = 0
         self._saved_this_step: set[str] = set()
         self._finished_sending: set[str] = set()
         self._saves_done_for: KVBenchMetadata | None = None
@@ -151,11 +164,11 @@ class ConnectorWorker:
     def computed(self, req_id: str) -> bool:
         return self.computed_requests.computed(req_id)
 
-    @property
-    def tensor_parallel_size(self) -> int:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        return get_tensor_model_parallel_world_size()
+    def when_prefilled(self, req_id: str, rows: torch.Tensor, deliver: RowsDelivery, key: str | None = None) -> None:
+        """Hand `deliver` the K, V [layers, len(rows), Hkv, hd] of the request's `rows` once its
+        prompt is computed (after the forward of the step that finishes it, its blocks still its
+        own): rows vLLM prefilled itself are final only then. `key`: its stats key."""
+        self.deliveries.ask(req_id, rows, deliver, key)
 
     def tensor_parallel_rank(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -237,19 +250,70 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------- the engine step
     def start_load_kv(self, meta: KVBenchMetadata) -> None:
-        self._do_saves(meta)  # first: a load in this same step may read a source saved now
-        self.computed_requests.step(meta.scheduled_req_ids)
+        self._do_saves(meta)  # first: a load or decision in this same step may read a source saved now
+        self.computed_requests.step(frozenset(meta.prefilled))
+        self._decide(meta.decides)
+        self._run_deferred(meta.prefilling)
+        layers = len(self.forward.layers) if self.forward is not None else 1
+        self.loads.step(meta.loads, meta.scheduled_req_ids, layers)
+
+    def _run_deferred(self, prefilling: bool) -> None:
+        """The method's deferred work, in a step that computes no prompt tokens where one comes
+        soon enough: in a step with a prefill it would land in that request's first token."""
+        if prefilling and self._deferred_wait_steps < MAX_DEFERRED_WAIT_STEPS:
+            self._deferred_wait_steps += 1
+            return
+        self._deferred_wait_steps = 0
         started = time.perf_counter()
         try:
             self.method.run_deferred()
         except Exception:  # method state updates must never take the engine down
             logger.exception("kvbench: deferred work of %s failed", self.method.name)
         self.deferred_s += time.perf_counter() - started  # off every request's first token, not off the step
-        layers = len(self.forward.layers) if self.forward is not None else 1
-        self.loads.step(meta.loads, meta.scheduled_req_ids, layers)
+
+    def _decide(self, specs: list[DecideSpec]) -> None:
+        """Decide what each request reuses ahead of its claim; the claim then covers the rows up
+        to the last reused one. A request that reuses nothing is vLLM's prefill: its decision's
+        figures are recorded now and the method observes its rows once vLLM computed them."""
+        for spec in specs:
+            started = time.perf_counter()
+            try:
+                if self.forward is None:
+                    raise RuntimeError("model not attached")
+                with torch.inference_mode():
+                    decision = run_to_end(decide_steps(self, spec, prompt_rows(spec)))
+                stop = decision.claim_stop(self.settings.connector_row_cost)
+            except Exception as exc:  # vLLM prefills it: a dense fallback before anything was placed
+                logger.exception("kvbench: deciding %s failed; vLLM prefills it", spec.key)
+                self._claims[spec.req_id] = spec.num_local
+                self.request_stats[spec.key] = {"method": self.method.name, "fallback": "dense", "reused_tokens": 0,
+                                                "error": f"{type(exc).__name__}: {exc}"}
+                continue
+            self._claims[spec.req_id] = stop
+            if stop > spec.num_local:
+                self._decisions[spec.req_id] = decision  # its load, in the step that claims it
+                continue
+            ctx = decision.ctx  # nothing to load: its figures now (the save adds vLLM's prefill's)
+            stats: dict[str, Any] = {
+                "method": self.method.name, "reused_tokens": 0, "decided_ahead_s": time.perf_counter() - started,
+                "exact_prefix_tokens": 0, "ph_without_source_tokens": decision.found.missing,
+                "source_missing_tokens": decision.found.evicted, "source_refused_tokens": decision.found.refused,
+                "eligible_tokens": ctx.stats.pop("eligible_tokens", sum(len(c.dst) for c in decision.found.reuses)),
+                "turn": spec.plan.turn, "agent": spec.plan.agent, **ctx.stats}
+            ctx.stats = stats
+            self.request_stats[spec.key] = cast(LoadStats, stats)  # counted on /metrics at its save
+            self._unclaimed_decisions[spec.key] = cast(LoadStats, stats)  # completed at its save
+            while len(self._unclaimed_decisions) > MAX_PENDING_HIDDEN:  # requests aborted before their save
+                self._unclaimed_decisions.pop(next(iter(self._unclaimed_decisions)))
+            self.computed_requests.loaded(spec.req_id)  # what the method queues waits for vLLM's prefill
+            try:
+                self.method.after_load(ctx)
+            except Exception:
+                logger.exception("kvbench: %s after deciding %s failed", self.method.name, spec.key)
 
     def wait_for_save(self, meta: KVBenchMetadata) -> None:
         self._do_saves(meta)  # steps without loads (or without a forward) still save
+        self.deliveries.deliver(meta.prefilled, self.rows_reader, self.request_stats)
 
     def _do_saves(self, meta: KVBenchMetadata) -> None:
         if self._saves_done_for is meta:
@@ -258,8 +322,12 @@ class ConnectorWorker:
         names = self.forward.layer_names if self.forward is not None else list(self.kv_caches)
         for save in meta.saves:
             if save.unclaimed is not None:  # vLLM prefilled it: no load reported its figures
-                stats = self.request_stats.setdefault(save.key, {})
-                stats.update(vllm_prefill_stats(self.method.name, *save.unclaimed))
+                # (a decision made ahead of its claim did: what it found and decided stays)
+                decided = dict(self._unclaimed_decisions.pop(save.key, {}))
+                if save.decide_wait_s is not None:
+                    decided["decide_wait_s"] = save.decide_wait_s
+                stats = cast(LoadStats, {**vllm_prefill_stats(self.method.name, *save.unclaimed), **decided})
+                self.request_stats[save.key] = stats
                 self.reuse_counters.add_request(dict(stats))
             if not save.keep:  # nothing reads its cache: nothing to copy before vLLM frees its blocks
                 self._finished_sending.add(save.req_id)
@@ -289,6 +357,9 @@ class ConnectorWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(saves done: blocks vLLM may free, loads ended, loads failed)."""
         self.computed_requests.finished(finished_req_ids)
+        for req_id in finished_req_ids:  # (aborted before their prompt was computed, or never loaded)
+            self._decisions.pop(req_id, None)
+        self.deliveries.drop(finished_req_ids)
         done, self._finished_sending = self._finished_sending, set()
         failed = self.loads.take_failed()
         return done, self.loads.take_finished() | failed, failed  # a failure also ends the wait
@@ -297,9 +368,10 @@ class ConnectorWorker:
         return self.loads.take_failed_blocks()
 
     def build_worker_meta(self) -> KVBenchWorkerMetadata | None:
-        if not self._saved_this_step:
+        if not self._saved_this_step and not self._claims:
             return None
-        meta, self._saved_this_step = KVBenchWorkerMetadata(self._saved_this_step), set()
+        meta = KVBenchWorkerMetadata(self._saved_this_step, self._claims)
+        self._saved_this_step, self._claims = set(), {}
         return meta
 
     def take_reuse_counts(self) -> dict[str, Any] | None:
@@ -344,6 +416,9 @@ class ConnectorWorker:
         self.deferred_s = 0.0
         self._hidden_for_save.clear()
         self._exact_rows_for_save.clear()
+        self._decisions.clear()
+        self._unclaimed_decisions.clear()
+        self.deliveries.clear()
         if keep_method_state:
             self.method.restart_peaks()
         else:

@@ -27,10 +27,12 @@ from kvbench.methods.delta.anchors import (
     gate_from_distances,
     token_weighted_corrections,
 )
+from kvbench.methods.delta.geometry import canonical_source_rows, flat, observed_rows
 from kvbench.methods.delta.jobs import (
     AcceptedCorrection,
     Fallback,
     LazyRows,
+    OpenDecisions,
     PendingAnchor,
     Prematch,
     Rows,
@@ -47,6 +49,9 @@ logger = logging.getLogger("kvbench.methods.delta.correction")
 
 class DeltaCorrection(SharingMethod):
     chained: ClassVar[bool] = True
+    # A gate may send segments dense: decided before the claim, so that vLLM prefills what it sends
+    # dense after the last reused row (and a turn it sends wholly dense, as NonShared would).
+    decides_before_claim: ClassVar[bool] = True
     low_rank: ClassVar[bool] = True
     matching: ClassVar[bool] = True
     correct_layer0: ClassVar[bool] = True
@@ -77,36 +82,13 @@ class DeltaCorrection(SharingMethod):
         self.memo = MatchMemo()  # distances of sources to anchor bases, by source segment
         self.prematches: list[Prematch] = []
         self.pending: list[PendingAnchor] = []  # each waits until its request is computed
-        self._corrections: dict[int, AcceptedCorrection] = {}  # by id(reuse)
-        self._fallbacks: dict[str, list[Fallback]] = {}
+        self.open = OpenDecisions()
         self.peak_bytes: dict[str, int] = {}
 
     def validate(self) -> None:
         if self.params.get("prematch") and not self.chained:
             raise MethodConfigError(f"{self.name}: prematch applies to chained sources only (a context-free "
                                     "reference's distances are always kept for the agents after the first)")
-
-    # -------------------------------------------------------------- geometry
-    @staticmethod
-    def _flat(x: torch.Tensor) -> torch.Tensor:
-        """[layers, n, heads, head_dim] -> [layers, n, features], dtype kept."""
-        return x.reshape(x.shape[0], x.shape[1], -1)
-
-    def _source_rows(self, reuse: SegmentReuse, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reused rows, keys in canonical (segment-local) positions, as [layers, n, D] in the
-        source's dtype. `exact=False` rotates in that dtype (about 0.4% error): enough to match
-        against anchors, whose distances are taken in bf16 anyway; an anchor's delta is the small
-        difference of two caches and needs the exact rotation."""
-        src = reuse.src
-        if len(src) and int(src[-1]) - int(src[0]) == len(src) - 1 and bool((src[1:] > src[:-1]).all()):
-            k, v = reuse.source.k[:, int(src[0]): int(src[-1]) + 1], reuse.source.v[:, int(src[0]): int(src[-1]) + 1]
-        else:
-            index = src.to(reuse.source.k.device)  # plans index on the CPU; the cache may be on a GPU
-            k, v = reuse.source.k.index_select(1, index), reuse.source.v.index_select(1, index)
-        canonical = reuse.dst - reuse.segment.start  # segment-local position of each row
-        assert self.core is not None
-        k = self.core.aligner.rotate(k, canonical - reuse.src, exact=exact)
-        return self._flat(k), self._flat(v)
 
     # -------------------------------------------------------------- sources
     def _reads_producer(self, segment: PlanSegment) -> bool:
@@ -150,10 +132,7 @@ class DeltaCorrection(SharingMethod):
     def select(self, ctx: LoadContext) -> list[SegmentReuse]:
         by_segment = {c.segment.id: c for c in ctx.candidates}
         chosen, decisions, eligible = [], [], 0
-        # One load at a time: anything left from a load that failed midway is stale.
-        self._corrections.clear()
-        self._fallbacks = {ctx.request_key: []}
-        fallbacks = self._fallbacks[ctx.request_key]
+        fallbacks = self.open.open(ctx.request_key)
         for segment in ctx.plan.segments:
             if segment.kind != "ph":
                 continue
@@ -177,13 +156,14 @@ class DeltaCorrection(SharingMethod):
             started = time.perf_counter()
             source = segment.source_agent if from_producer else "ref"
             edge = f"{source}->{ctx.plan.agent}"
-            rows = LazyRows(lambda reuse=reuse: self._source_rows(reuse, exact=False))
+            rows = LazyRows(lambda reuse=reuse: canonical_source_rows(self.core.aligner, reuse, exact=False))
             decision = self._decide(segment.id, edge, len(reuse.dst), rows, memo)
             decision.update(id=segment.id, rows_s=rows.seconds)
             observe = decision.pop("observe", True)  # a dense segment's rows teach the method
             if decision.pop("accept"):
                 correction_k, correction_v = decision.pop("correction")
-                self._corrections[id(reuse)] = AcceptedCorrection(correction_k, correction_v, segment.start, segment.id)
+                self.open.accept(ctx.request_key, AcceptedCorrection(correction_k, correction_v, segment.start,
+                                                                    segment.id, reuse))
                 chosen.append(reuse)
             elif observe:
                 fallbacks.append(Fallback(segment, reuse, edge))
@@ -206,7 +186,7 @@ class DeltaCorrection(SharingMethod):
             if decision.get("id") in accepted and decision.get("decision") == "accepted":
                 decision["decision"] = "dense_agent"
         for reuse in chosen:
-            self._corrections.pop(id(reuse), None)
+            self.open.withdraw(reuse)
         return []
 
     def threshold(self) -> float:
@@ -279,8 +259,9 @@ class DeltaCorrection(SharingMethod):
 
     def correct(self, layer: int, reuse: SegmentReuse, keys: torch.Tensor,
                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        entry = self._corrections.get(id(reuse))
-        if entry is None or (layer == 0 and not self.correct_layer0) or not self.params.get("apply_corrections", True):
+        entry = self.open.correction(reuse)
+        if (entry is None or (layer == 0 and not self.correct_layer0)
+                or not self.params.get("apply_corrections", True)):
             return keys, values
         started = time.perf_counter()
         heads, head_dim = keys.shape[1], keys.shape[2]
@@ -299,24 +280,23 @@ class DeltaCorrection(SharingMethod):
         return keys, values
 
     def after_load(self, ctx: LoadContext) -> None:
-        applied = {entry.segment_id: entry.apply_s for entry in self._corrections.values()}
+        entries, fallbacks = self.open.close(ctx.request_key)
+        applied = {entry.segment_id: entry.apply_s for entry in entries}
         for decision in ctx.stats.get("decisions", []):  # correction time spent inside the load's layers
             if decision.get("id") in applied:
                 decision["apply_s"] = applied[decision["id"]]
-        self._corrections.clear()
         if self.params.get("prematch") and self.chained and self.matching and ctx.plan.saved_key:
             for segment in ctx.plan.segments:  # this request's rows are a later edge's source
                 stop = min(segment.start + segment.length, len(ctx.tokens))
                 if segment.kind == "ph" and stop > segment.start:
                     rows = torch.arange(segment.start, stop)
                     self.prematches.append(Prematch(ctx.req_id, (ctx.plan.saved_key, segment.start, segment.id),
-                                                    segment.id, segment.start, lambda rows=rows: ctx.read_rows(rows)))
-        for fallback in self._fallbacks.pop(ctx.request_key, []):
-            # The segment was computed densely: its exact cache against the (aligned) source gives
-            # the correction this edge needed. Only the target rows are read now (their blocks
-            # belong to this request); rotations and factorization wait for run_deferred, after
-            # the first token.
-            target_k, target_v = ctx.read_rows(fallback.reuse.dst)
+                                                    segment.id, segment.start, ctx.final_rows(rows)))
+        for fallback in fallbacks:
+            # The segment was computed densely (by the load, or by vLLM after the claim): its exact
+            # cache against the (aligned) source gives the correction this edge needed. Only the
+            # target rows are read, once computed (their blocks belong to this request); rotations
+            # and factorization wait for run_deferred, after the first token.
             # One anchor per observation of a slot's content from one source (trajectory, source
             # agent, content): a base is only paired with corrections from the same source, and
             # the edges leaving that source share it (fan-out). The content key keeps a stale
@@ -325,7 +305,7 @@ class DeltaCorrection(SharingMethod):
             content = content_key(ctx.tokens[segment.start: segment.start + segment.length])
             anchor_id = f"{ctx.plan.trajectory}/{edge_source(fallback.edge)}/{content}"
             self.pending.append(PendingAnchor(ctx.req_id, segment.id, anchor_id, fallback.edge, fallback.reuse,
-                                              target_k, target_v))
+                                              ctx.final_rows(fallback.reuse.dst)))
 
     def run_deferred(self) -> None:
         rank_base = int(self.params["r_c"]) if self.low_rank else None
@@ -334,6 +314,10 @@ class DeltaCorrection(SharingMethod):
         jobs, self.pending = self._ready(self.pending)
         prematches, self.prematches = self._ready(self.prematches)
         for job in jobs:
+            rows = job.target()
+            if rows is None:  # the request ended before its prompt was computed: nothing observed
+                continue
+            job.target_k, job.target_v = rows
             self._observe(job, rank_base, rank_delta)
         for prematch in prematches:  # after the new anchors: they are matched too
             try:
@@ -343,12 +327,8 @@ class DeltaCorrection(SharingMethod):
         self._track_peak()
 
     def _observed_rows(self, job: PendingAnchor) -> tuple[Rows, Rows]:
-        """(source, dense target) rows of a fallback, keys in canonical positions, fp32."""
         assert self.core is not None
-        source_k, source_v = (x.float() for x in self._source_rows(job.source, exact=True))
-        # Target rows sit at dst = segment.start + canonical position: one constant shift back.
-        target_k = self._flat(self.core.aligner.rotate(job.target_k, -job.source.segment.start)).float()
-        return (source_k, source_v), (target_k, self._flat(job.target_v).float())
+        return observed_rows(self.core.aligner, job)
 
     def _observe(self, job: PendingAnchor, rank_base: int | None, rank_delta: int | None) -> None:
         """A dense fallback becomes an anchor of its slot: the source's cache and the correction."""
@@ -381,8 +361,11 @@ class DeltaCorrection(SharingMethod):
         if pool is None or len(pool.anchors) < 2:
             return  # nothing to match yet: a later edge computes what it needs
         assert self.core is not None
-        k, v = job.read()  # [layers, n, H, hd]; the blocks are this (saved, so still held) request's
-        current = (self._flat(self.core.aligner.rotate(k, -job.start, exact=False)), self._flat(v))
+        rows = job.read()  # [layers, n, H, hd], as computed
+        if rows is None:
+            return
+        k, v = rows
+        current = (flat(self.core.aligner.rotate(k, -job.start, exact=False)), flat(v))
         n = current[1].shape[1]
         entry = SegmentDistances(rows=n, check=current[1].index_select(
             1, SegmentDistances.check_rows(n).to(current[1].device)).clone())
@@ -418,6 +401,5 @@ class DeltaCorrection(SharingMethod):
         self.pending.clear()
         self.memo.clear()
         self.prematches.clear()
-        self._corrections.clear()
-        self._fallbacks.clear()
+        self.open.clear()
         self.peak_bytes.clear()
