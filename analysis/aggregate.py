@@ -18,7 +18,7 @@ DIMENSIONS = ["method_config", "method", "method_params", "model", "task", "shar
 QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "output_pgr", "pgr", "task_accuracy"]
 METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "reuse_ttft_s", "latency_s", "throughput_tok_s",
            "method_state_mib", "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed", *QUALITY_METRICS,
-           "task_items", "task_unparseable"]
+           "task_items", "task_unparseable", "saturated"]
 
 
 
@@ -55,6 +55,7 @@ def run_row(run: Run) -> dict:
         **{key: summary_number(run.summary.get(key)) for key in QUALITY_METRICS},
         "task_items": summary_number(run.summary.get("task_scored_trajectories")),
         "task_unparseable": summary_number(run.summary.get("task_unparseable")),
+        "saturated": float(run.saturated),  # averaged over repeats: the share that stopped over-saturated
     }
 
 

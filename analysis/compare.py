@@ -208,6 +208,20 @@ def evaluate_gates(baseline: list[Run], candidate: list[Run], gates: list[Gate],
     return pd.DataFrame(rows)
 
 
+def saturation_gate(baseline: list[Run], candidate: list[Run], pairs: dict[str, str] | None = None) -> dict | None:
+    """A gate row failing on cells the candidate ran over-saturated where the baseline did not (its
+    figures then describe a growing queue: no gate on them means anything); None where neither
+    side saturated."""
+    base, cand = cells(baseline), cells(candidate, pairs)
+    if not any(r.saturated for rs in (*base.values(), *cand.values()) for r in rs):
+        return None
+    newly = sorted(key for key in set(base) & set(cand)
+                   if any(r.saturated for r in cand[key]) and not any(r.saturated for r in base[key]))
+    return {"gate": "no cell newly saturated", "baseline": math.nan, "candidate": float(len(newly)),
+            "change": float(len(newly)), "direction": "lower is better",
+            "status": f"FAIL ({', '.join(newly)})" if newly else "pass"}
+
+
 def failed(gates: pd.DataFrame) -> int:
     return int(gates["status"].str.startswith("FAIL").sum()) if len(gates) else 0
 

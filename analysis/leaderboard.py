@@ -20,8 +20,8 @@ from kvbench.model.store import is_constructed
 
 SCHEMA = "kvbench-leaderboard"
 # 2: a row per model too (`model`), task accuracy on reuse turns. 3: `pgr` is KVShareArena's (over
-# a task's score), `output_pgr` the one over token F1 (named `pgr` before).
-SCHEMA_VERSION = 3
+# a task's score), `output_pgr` the one over token F1 (named `pgr` before). 4: `saturated`.
+SCHEMA_VERSION = 4
 SORT_RULE = ("PGR over the task where any run has one, else output PGR, else task accuracy on reuse turns, else "
              "task accuracy, descending (undefined last), then TTFT saved against NonShared descending")
 # The quality figures rows are ranked by, first present first: never by speed alone, which would put
@@ -31,7 +31,7 @@ PGR_COLUMNS = ["pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive", "pgr_gain_p_
                "output_pgr_low", "output_pgr_high", "output_pgr_gain_over_naive", "output_pgr_gain_p_value"]
 COLUMNS = ["model", "cell", "method", "shared_tokens", "qps", *PGR_COLUMNS, "exact_match_rate", "task_accuracy",
            "task_accuracy_reuse", "recompute_share", "ttft_saved", "p50_ttft_ms", "p50_workflow_ms",
-           "workflow_goodput_share", "method_state_mib", "realized_rho", "failed", "runs"]
+           "workflow_goodput_share", "method_state_mib", "realized_rho", "failed", "saturated", "runs"]
 ORACLE = {key: 1.0 for key in ("pgr", "pgr_low", "pgr_high", "output_pgr", "output_pgr_low", "output_pgr_high")}
 
 
@@ -79,6 +79,8 @@ def leaderboard(runs: list[Run]) -> pd.DataFrame:
             "p50_workflow_ms": mean_summary(cell_runs, "p50_workflow_ms"),
             "workflow_goodput_share": mean_summary(cell_runs, "workflow_goodput_share"),
             "method_state_mib": sum(r.memory()["method_state_mib"] for r in cell_runs) / len(cell_runs),
+            # the share of the cell's runs that stopped over-saturated: their figures are no steady state
+            "saturated": sum(r.saturated for r in cell_runs) / len(cell_runs),
             "runs": len(cell_runs),
         })
     table = pd.DataFrame(rows, columns=COLUMNS)
@@ -104,6 +106,10 @@ def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:
     if without_base:
         note += (f"\n`ttft_saved` is empty for {', '.join(without_base)}: no NonShared run of the same workload and "
                  "QPS is among the runs given (add `nonshared` to the sweep's --methods).\n")
+    saturated = sorted(set(table.loc[table["saturated"] > 0, "cell"]))
+    if saturated:
+        note += (f"\nSaturated (`saturated` > 0): {', '.join(saturated)} stopped early, backlog and TTFT growing without "
+                 "bound: their TTFT and goodput describe a growing queue, not a steady state at that QPS.\n")
     constructed = sorted(m for m in set(table["model"]) if is_constructed(m))
     if constructed:
         note += (f"\n{', '.join(constructed)}: constructed test models (docs/models.md), whose shared caches depend on "

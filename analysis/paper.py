@@ -59,7 +59,9 @@ def _fmt(value: float, ci: float | None = None, digits: int = 2) -> str:
 
 
 def _pivot(frame: pd.DataFrame, rows: list[str], columns: list[str], metric: str, digits: int = 2) -> pd.DataFrame:
-    cells = frame.assign(cell=[_fmt(v, c, digits) for v, c in zip(frame[metric], frame[f"{metric}_ci"])])
+    saturated = frame["saturated"] if "saturated" in frame else pd.Series(0.0, index=frame.index)
+    cells = frame.assign(cell=[_fmt(v, c, digits) + (" (sat.)" if s > 0 else "")  # stopped over-saturated
+                               for v, c, s in zip(frame[metric], frame[f"{metric}_ci"], saturated.fillna(0))])
     return cells.pivot_table(index=rows, columns=columns, values="cell", aggfunc="first")
 
 
@@ -87,6 +89,11 @@ def what_it_cost(frame: pd.DataFrame, columns: list[str], names: list[str]) -> l
     if not any(m in frame and frame[m].notna().any() for m in ("exact_match_rate", "output_pgr", "pgr", "task_accuracy")):
         lines += ["No run here was compared with a NonShared reference (`kvbench quality`) or scored on a task: "
                   "these latencies say what the methods save, not what they cost in outputs.", ""]
+    if "saturated" in frame and (frame["saturated"] > 0).any():
+        stopped = frame[frame["saturated"] > 0]
+        cells = "; ".join(f"{r.method_config} ctx={r.shared_tokens} qps={r.qps:g}" for r in stopped.itertuples())
+        lines += [f"**Saturated** (marked `(sat.)`): {cells} stopped early, backlog and TTFT growing without bound; "
+                  "their figures describe a growing queue, not a steady state at that QPS.", ""]
     idle = frame[(frame["method"] != "nonshared") & ~(frame["realized_rho"] > 0)]
     if len(idle):
         cells = "; ".join(f"{r.method_config} ctx={r.shared_tokens} qps={r.qps:g}" for r in idle.itertuples())

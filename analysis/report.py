@@ -78,6 +78,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                      "task_accuracy_reuse", "task_unparseable"]]
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     cold = [run.cell for run in runs if summary_number(run.summary.get("cold_start_dense_share")) >= 0.25]
+    saturated = [run.cell for run in runs if run.saturated]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", *[c for c in table if c.endswith("_workflow_ms")],
                         "workflow_throughput", "trajectory_token_throughput", "prefix_cache_hit_share", "reuse_share",
@@ -96,6 +97,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
              *([f"**Cold start**: in {', '.join(cold)}, over a quarter of the method's segment decisions went dense "
                 "because its anchor pools were still empty; their reuse and TTFT are cold-start figures "
                 "(`--num-warmups N --prime-method-state` measures the steady state).", ""] if cold else []),
+             *([f"**Saturated** (marked `[saturated]`): {', '.join(saturated)} stopped early, their backlog and TTFT "
+                "growing without bound: their figures describe a growing queue at that QPS, not a steady state "
+                "(this machine cannot serve it).", ""] if saturated else []),
              "## Quality (against a NonShared reference: `replay --reference`, `kvbench quality`)", "",
              _markdown(quality, ".3f") if compared else
              "No run here was compared with a reference or scored on a task: the tables above say what the "

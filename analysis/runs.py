@@ -32,6 +32,12 @@ class Run:
                 or self.path.name)
 
     @property
+    def saturated(self) -> bool:
+        """The run stopped over-saturated (kvbench.replay.saturation): its figures describe a
+        growing queue, not a steady state."""
+        return self.summary.get("saturated") is True
+
+    @property
     def is_floor(self) -> bool:
         """PGR's no-context floor (`replay --drop-shared`): its own kind of run, not a method's."""
         return self.config.get("prompt_mode") == "drop_shared"
@@ -176,7 +182,7 @@ def load_run(path: Path) -> Run:
         raw = json.loads(summary_path.read_text(encoding="utf-8"))
         if problems := summary_problems(raw):
             raise RunLoadError(f"cannot read the run in {path}: {run_files.SUMMARY}: " + "; ".join(problems[:5]))
-        requests = run_files.load_requests(path, rebuild=False).frame
+        requests = run_files.answered_requests(run_files.load_requests(path, rebuild=False).frame)
     except RunLoadError:
         raise
     except (json.JSONDecodeError, OSError, ValueError) as exc:

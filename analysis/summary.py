@@ -116,6 +116,8 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
     requests = read.frame
     if len(requests):
         requests["success"] = requests["success"].astype(bool)
+    answered = run_files.answered_requests(requests)  # in flight when an over-saturated run stopped: not failed
+    stopped, requests = len(requests) - len(answered), answered
     segments = config.get("segments") or [{}]
     # each journal read once, then split by segment (a run resumed many times has many)
     metrics = run_files.read_jsonl(result_dir / run_files.SERVER_METRICS)
@@ -147,6 +149,11 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         "method_stats_missing": len(missing),
         "method_stats_missing_requests": missing[:MAX_LISTED_MISSING],
         "aborted": last.get("aborted"),
+        # Over-saturated (kvbench.replay.saturation): the run stopped early; its figures describe
+        # a growing queue, not a steady state. The requests it stopped in flight are not failures.
+        "saturated": last.get("status") == "saturated",
+        "saturation": last.get("saturation"),
+        "saturation_stopped_requests": stopped,
         "interrupted": status.removeprefix("interrupted by ") if status.startswith("interrupted by ") else None,
         "segments": len(config.get("segments") or []),
         "requests_source": read.source,

@@ -9,6 +9,7 @@ from kvbench.analysis.metrics import percentile_key, reuse_figures, trajectory_t
 from kvbench.analysis.runs import Run, referenced_runs, summary_number
 
 PERCENTILES = (50, 90, 99)
+SATURATED_MARK = " [saturated]"  # after a run's name: it stopped over-saturated (kvbench.replay.saturation)
 QUALITY_KEYS = ("exact_match_rate", "exact_match_rate_reuse", "mean_token_f1", "mean_first_token_kl", "top1_agreement",
                 "output_pgr", "output_pgr_low", "output_pgr_high", "pgr", "pgr_low", "pgr_high", "task_accuracy",
                 "task_accuracy_reuse", "task_unparseable")
@@ -28,7 +29,8 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         ok = requests[requests["success"]]
         trajectories = trajectory_table(requests)
         row = {
-            "run": run.cell, "method": run.method, "qps": run.summary.get("request_rate"),  # the full grid cell
+            "run": run.cell + (SATURATED_MARK if run.saturated else ""),  # the full grid cell
+            "method": run.method, "qps": run.summary.get("request_rate"),
             "shared_tokens": run.shared_tokens,
             "completed": int(len(ok)), "failed": int((~requests["success"]).sum()),
             "failed_trajectories": int(requests["trajectory_id"].nunique() - len(trajectories)),

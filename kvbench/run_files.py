@@ -23,6 +23,9 @@ TASK_SCORES = "task_scores.parquet"  # a task trace's turns against their gold a
 QUALITY = "quality.parquet"  # each turn's output against a reference run's (analysis)
 QUALITY_PGR = "quality_pgr.json"  # PGR against a no-shared-context floor run (analysis)
 SUMMARY = "summary.json"  # written by analysis from the files above
+# error_type of a request in flight when an over-saturated run stopped: never answered, not a
+# failure; analysis leaves such records out (`answered_requests`)
+SATURATION_STOP = "saturated"
 FLOOR_LABEL = "no-context"  # the name of a `replay --drop-shared` run (PGR's floor) in reports
 
 
@@ -189,3 +192,10 @@ def load_requests(result_dir: Path, rebuild: bool = True) -> RequestsRead:
         except OSError as exc:
             why += f"; not rewritten: {exc.strerror or exc}"
     return RequestsRead(frame, f"{REQUESTS_JOURNAL} ({REQUESTS}: {why})")
+
+
+def answered_requests(frame: Any) -> Any:
+    """A run's request records (a DataFrame) without those an over-saturated run stopped in flight."""
+    if not len(frame) or "error_type" not in frame:
+        return frame
+    return frame[frame["error_type"] != SATURATION_STOP].reset_index(drop=True)

@@ -41,6 +41,10 @@ def plan_start(cfg: ReplayConfig, uses_connector: bool) -> RunStart:
     if cfg.resume:
         run_config = json.loads((result_dir / run_files.CONFIG).read_text())
         check_resumable(run_config, cfg)
+        last = (run_config.get("segments") or [{}])[-1]
+        if last.get("status") == "saturated":  # resuming would only queue the same overload again
+            raise ReplayError(f"{result_dir}: the run stopped over-saturated ({last.get('saturation', {}).get('at_s', '?')} "
+                              "s in): it is over, its figures marked saturated; replay a lower --qps into another folder")
     else:
         run_config = new_run_config(cfg)
     trajectories = cfg.trace.trajectories

@@ -17,12 +17,22 @@ from kvbench import __version__
 from kvbench.model.store import model_identity
 from kvbench.replay.reference import ReferenceRun, trajectory_digests
 from kvbench.replay.sampling import SamplingParams
+from kvbench.replay.saturation import SaturationRule
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
 
 class ReplayError(RuntimeError):
     """A replay could not run or finish; finished requests are on disk regardless."""
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """A finished run: its files are in `result_dir` (`kvbench.analysis.summary` summarizes them)."""
+
+    result_dir: Path
+    completed: int
+    failed: int
 
 
 @dataclass
@@ -62,6 +72,10 @@ class ReplayConfig:
     method_params: dict[str, Any] = field(default_factory=dict)
     extra_config: dict[str, Any] = field(default_factory=dict)  # model, method parameters, server args
     show_progress: bool = True
+    # A loaded run whose backlog and TTFT grow without bound by this rule stops early, marked
+    # saturated (kvbench.replay.saturation): its figures would measure how long it ran, not the
+    # server. None: it runs to its end whatever happens.
+    saturation: SaturationRule | None = None
 
 
 def git_sha() -> str | None:
@@ -107,6 +121,7 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
         "reference_run": cfg.reference.describe() if cfg.reference is not None else None,
         "trajectory_digests": trajectory_digests(cfg.trace.trajectories),
         "request_timeout_s": cfg.request_timeout_s,
+        "stop_on_saturation": cfg.saturation.to_dict() if cfg.saturation is not None else None,
         "trace_header": cfg.trace.header.model_dump(mode="json"),
         "tokenizer": cfg.tokenizer.name,
         "kvbench_version": __version__,

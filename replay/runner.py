@@ -11,8 +11,6 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,7 +24,8 @@ from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter
 from kvbench.replay.result_lock import result_dir_lock
 from kvbench.replay.resume import RunStart, plan_start
-from kvbench.replay.run_config import ReplayConfig, ReplayError
+from kvbench.replay.run_config import ReplayConfig, ReplayError, ReplayOutcome
+from kvbench.replay.saturation import SaturationVerdict, SaturationWatch
 from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.replay.servers import ReplayServers
@@ -53,15 +52,6 @@ async def _sleep_until(target_ns: int) -> None:
         await asyncio.sleep(0)
 
 
-@dataclass(frozen=True)
-class ReplayOutcome:
-    """A finished run: its files are in `result_dir` (`kvbench.analysis.summary` summarizes them)."""
-
-    result_dir: Path
-    completed: int
-    failed: int
-
-
 class Replayer:
     def __init__(self, config: ReplayConfig) -> None:
         from kvbench.methods.registry import method_class
@@ -80,6 +70,10 @@ class Replayer:
         self.backend = CompletionsBackend(self.servers.served_models, config.sampling, config.logprobs,
                                           config.request_timeout_s)  # models: filled when the servers are checked
         self.progress = ReplayProgress(config.method, 0, enabled=False)
+        # Loaded runs only: a single stream cannot outrun its server.
+        loaded = config.qps > 0 or config.use_trace_timestamps
+        self.saturation = SaturationWatch(config.saturation if loaded else None)
+        self._launch: asyncio.Task[None] | None = None  # the trajectories' scheduling: cancelled on saturation
 
     # -- the run -----------------------------------------------------------------------------
     async def run(self) -> ReplayOutcome:
@@ -224,7 +218,8 @@ class Replayer:
                 writer.close()
         self.segment["aborted"] = self.abort_reason
         self.segment["status"] = (f"interrupted by {signal.Signals(self.interrupted).name}" if self.interrupted
-                                  else "aborted" if self.abort_reason else "finished")
+                                  else "aborted" if self.abort_reason else
+                                  "saturated" if self.saturated is not None else "finished")
         self._write_config(run_config)
 
     def _write_failure(self, exc: OSError, recorded: list[dict[str, Any]]) -> str:
@@ -263,6 +258,19 @@ class Replayer:
 
     async def _run_all(self, session: aiohttp.ClientSession, trajectories: list[Trajectory], offsets: list[float],
                        builder: PromptBuilder, writer: ResultsWriter) -> None:
+        """Every trajectory at its arrival; an over-saturated run stops there (its requests in
+        flight recorded as stopped), a stop signal as before."""
+        self._launch = asyncio.create_task(self._launch_all(session, trajectories, offsets, builder, writer))
+        try:
+            await self._launch
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.saturated is None or (task is not None and task.cancelling()):
+                raise  # a stop signal: the run's own cancellation
+            logger.warning("kvbench: %s; the run stops (its figures are marked saturated)", self.saturated.describe())
+
+    async def _launch_all(self, session: aiohttp.ClientSession, trajectories: list[Trajectory], offsets: list[float],
+                          builder: PromptBuilder, writer: ResultsWriter) -> None:
         urls = self.config.base_urls
         single_stream = self.config.qps == 0 and not self.config.use_trace_timestamps
         tasks: list[asyncio.Task[None]] = []
@@ -289,10 +297,14 @@ class Replayer:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    @property
+    def saturated(self) -> SaturationVerdict | None:
+        return self.saturation.verdict
+
     def _should_stop(self) -> bool:
         if self.abort_reason is None:
             self.abort_reason = self.config.server_failure()
-        return self.abort_reason is not None
+        return self.abort_reason is not None or self.saturated is not None
 
     async def _run_trajectory(self, session: aiohttp.ClientSession, trajectory: Trajectory, url: str,
                               arrival_ns: int, builder: PromptBuilder, writer: ResultsWriter | None) -> None:
@@ -334,7 +346,11 @@ class Replayer:
                 if not finished[turn.turn_id].done():
                     finished[turn.turn_id].set_result(ok and turn.turn_id in outputs)
 
-        await asyncio.gather(*(run_turn(t) for t in trajectory.turns))
+        self.saturation.started += 1
+        try:
+            await asyncio.gather(*(run_turn(t) for t in trajectory.turns))
+        finally:
+            self.saturation.ended += 1
 
     async def _send(self, session: aiohttp.ClientSession, url: str, turn: Turn, prompt: TurnPrompt,
                     record: RequestRecord, writer: ResultsWriter | None, outputs: dict[str, list[int]]) -> bool:
@@ -348,8 +364,13 @@ class Replayer:
                 result = await self.backend.send(session, url, body, record.request_id)
         except asyncio.CancelledError:  # the run was stopped with this request in flight
             record.sent_ns, record.end_ns = queued_ns - self.t0_ns, time.perf_counter_ns() - self.t0_ns
-            why = f"by {signal.Signals(self.interrupted).name}" if self.interrupted else "by cancellation"
-            record.error_type, record.error_message = "interrupted", f"the run was stopped {why} before the answer ended"
+            if self.saturated is not None and not self.interrupted:
+                record.error_type = run_files.SATURATION_STOP
+                record.error_message = f"the run stopped before the answer ended: {self.saturated.describe()}"
+            else:
+                why = f"by {signal.Signals(self.interrupted).name}" if self.interrupted else "by cancellation"
+                record.error_type = "interrupted"
+                record.error_message = f"the run was stopped {why} before the answer ended"
             self._record(record, writer)
             raise
         output_ids = (result.output_token_ids or self.config.tokenizer.encode(result.output_text)) \
@@ -395,6 +416,10 @@ class Replayer:
             self._abort_on_write_failure(exc)
             return
         self.progress.add(record.success, record.ttft_ms, record.shared_tokens)
+        if record.success and (verdict := self.saturation.finished(record.end_ns / 1e9, record.ttft_ms)) is not None:
+            self.segment["saturation"] = verdict.to_dict()
+            if self._launch is not None:
+                self._launch.cancel()  # no new work; what is in flight is recorded as stopped
 
 
 

@@ -22,6 +22,10 @@ StubMode = Literal["ok", "hang", "stream_error", "http_500", "truncate"]
 class StubServer:
     mode: StubMode = "ok"
     token_delay_s: float = 0.0  # pause between streamed tokens
+    # Seconds each request holds the one stand-in engine before its first token, one request at
+    # a time: a server of bounded capacity (1 / prefill_s first tokens a second), so that a load
+    # above it queues without bound (over-saturation).
+    prefill_s: float = 0.0
     host: str = "127.0.0.1"
     port: int = 0
     max_model_len: int | None = None  # reported by /v1/models, as vLLM does
@@ -49,6 +53,7 @@ class StubServer:
     _thread: threading.Thread | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
+    _engine: asyncio.Lock | None = None
 
     @property
     def base_url(self) -> str:
@@ -73,6 +78,10 @@ class StubServer:
             return web.json_response({"error": {"message": "stub failure"}}, status=500)
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        if self.prefill_s:
+            self._engine = self._engine or asyncio.Lock()
+            async with self._engine:
+                await asyncio.sleep(self.prefill_s)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         max_tokens = int(body.get("max_tokens", 1))

@@ -374,7 +374,7 @@ def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
     result = _invoke("leaderboard", str(results), "-o", str(out))
     assert result.exit_code == 0, result.output
     board = json.loads((out / "leaderboard.json").read_text())
-    assert board["schema"] == "kvbench-leaderboard" and board["version"] == 3 and "PGR over the task" in board["sort"]
+    assert board["schema"] == "kvbench-leaderboard" and board["version"] == 4 and "PGR over the task" in board["sort"]
     rows = board["rows"]
     assert [r["method"] for r in rows] == ["nonshared", "fullshared"]  # quality first, though FullShared is faster
     assert [r["output_pgr"] for r in rows] == [0.5, 0.9]

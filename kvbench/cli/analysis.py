@@ -249,6 +249,7 @@ def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], met
         failed,
         markdown_report,
         mismatches,
+        saturation_gate,
         unknown_gate_metrics,
     )
     from kvbench.analysis.runs import RunLoadError, find_runs
@@ -279,6 +280,10 @@ def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], met
             raise click.UsageError(f"--gate compares nothing: {reason}")
     table = compare_table(base_runs, cand_runs, list(metrics or DEFAULT_COMPARE_METRICS), pairing)
     results = evaluate_gates(gated_base, gated_cand, parsed, noise)  # type: ignore[arg-type]
+    if parsed and (saturation := saturation_gate(gated_base, gated_cand, pairing)) is not None:
+        import pandas as pd
+
+        results = pd.concat([results, pd.DataFrame([saturation])], ignore_index=True)
     text = markdown_report(table, results, warnings)
     click.echo(text)
     if markdown_path is not None:

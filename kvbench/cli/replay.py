@@ -113,6 +113,10 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
                    "vLLM serves up to 20) [default: 20 with --reference, else 0].")
 @click.option("--drop-shared", is_flag=True,
               help="Leave every shared segment out of every prompt: the no-context floor of PGR.")
+@click.option("--stop-on-saturation/--no-stop-on-saturation", default=False, show_default=True,
+              help="Stop a loaded run whose backlog and TTFT grow without bound (both slopes beyond noise, TTFT "
+                   "doubled, after 20 s and 16 requests) and mark it saturated: its figures would measure how long it "
+                   "ran, not the server (kvbench sweep: on by default).")
 @server_options
 @allow_code_execution_option
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
@@ -122,13 +126,14 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
                    temperature: float, top_p: float, top_k: int, reference_dir: Path | None,
-                   logprobs: int | None, drop_shared: bool, server: ServerOptions) -> None:
+                   logprobs: int | None, drop_shared: bool, stop_on_saturation: bool, server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.goodput import parse_goodput
     from kvbench.analysis.metrics import parse_percentiles
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.experiment.servers import replay_server
     from kvbench.replay.runner import ReplayConfig, ReplayError
+    from kvbench.replay.saturation import SaturationRule
     from kvbench.replay.server import ServerError
 
     try:
@@ -179,7 +184,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         metadata=_parse_metadata(metadata), sampling=sampling, reference=reference, drop_shared=drop_shared,
         logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
-        method_params=params,
+        method_params=params, saturation=SaturationRule() if stop_on_saturation else None,
         extra_config={"model": model, "method_params": params,
                       "trace_path": str(trace_path.resolve()) if trace_path else None,
                       "max_load_tokens_per_step": server.max_load_tokens_per_step if not base_urls else None},
@@ -268,6 +273,16 @@ def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int
     return trace, tokenizer, served
 
 
+def saturation_note(summary: dict[str, Any]) -> str:
+    """What a saturated run's summary says about it, in a line."""
+    from kvbench.replay.saturation import SaturationVerdict
+
+    verdict = SaturationVerdict(**summary["saturation"]) if summary.get("saturation") else None
+    stopped = summary.get("saturation_stopped_requests") or 0
+    return ((verdict.describe() if verdict else "over-saturated") + f"; the run stopped there ({stopped} requests in "
+            "flight left unanswered): its figures describe a growing queue, not a steady state. Use a lower --qps.")
+
+
 COLD_START_WARN_SHARE = 0.25  # of segment decisions: below it, warming up would change little
 
 
@@ -315,6 +330,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     for label, value in rows:
         table.add_row(label, value)
     Console().print(table)
+    if summary.get("saturated"):
+        Console(stderr=True).print(f"[red]saturated:[/] {saturation_note(summary)}")
     if (warning := cold_start_warning(summary)) is not None:
         Console(stderr=True).print(f"[yellow]note:[/] {warning}")
 

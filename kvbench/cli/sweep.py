@@ -129,6 +129,9 @@ def _sweep_options(func):
         click.option("--goodput", "--slo", "goodput_specs", multiple=True, metavar="KEY:MS",
                      help="Latency bounds of goodput in every cell (as kvbench replay --goodput: ttft, tpot, e2el, "
                           "workflow)."),
+        click.option("--stop-on-saturation/--no-stop-on-saturation", default=True, show_default=True,
+                     help="Stop a loaded cell whose backlog and TTFT grow without bound and mark it saturated in "
+                          "every table (as kvbench replay --stop-on-saturation)."),
         allow_code_execution_option,
     ]):
         func = option(func)
@@ -184,7 +187,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
         **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",
-                                         "quality", "temperature")},
+                                         "quality", "temperature", "stop_on_saturation")},
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
         save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks, roles=options["roles"],

@@ -88,6 +88,9 @@ class SweepSpec:
     # with them afterwards (quality.parquet, PGR; the gain over FullShared's cell where there is one).
     quality: bool = False
     goodput: dict[str, float] = field(default_factory=dict)  # latency bounds of every cell (analysis/goodput.py)
+    # A loaded cell whose backlog and TTFT grow without bound stops early, marked saturated
+    # (kvbench.replay.saturation), instead of running its whole queue.
+    stop_on_saturation: bool = True
     # More arguments of `method_server_config` (JSON values): max_load_tokens_per_step,
     # max_store_bytes, max_model_len, extra_args...
     server_options: dict[str, Any] = field(default_factory=dict)
@@ -280,6 +283,7 @@ def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.replay.runner import ReplayConfig, ReplayError
     from kvbench.replay.sampling import SamplingParams
+    from kvbench.replay.saturation import SaturationRule
     from kvbench.tracegen.schema import Trace
 
     method = cell.method
@@ -291,6 +295,7 @@ def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace
         label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
         request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
         sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
+        saturation=SaturationRule() if spec.stop_on_saturation else None,
         server_pids={server.base_url: server.process.pid}, server_failure=server.failure,
         metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
         extra_config={"model": model, "method_params": method.params, "method_config": method.name,
