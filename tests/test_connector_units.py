@@ -493,3 +493,25 @@ def test_a_decision_goes_out_with_the_save_of_the_source_it_waits_for() -> None:
     scheduler.update_connector_output(SimpleNamespace(
         kv_connector_worker_meta=KVBenchWorkerMetadata({"run/t/A0.r0"}, {"c": 5}), failed_recving=None))
     assert scheduler.get_num_new_matched_tokens(consumer, 0) == (5, False)
+
+
+def test_the_worker_side_offers_every_service_methods_and_loads_use() -> None:
+    """Methods and loads reach the worker side through CoreServices and LoadServices: a member the
+    worker lost (a refactor) would fail inside vLLM, at the first load."""
+    import inspect
+
+    from kvbench.methods.base import CoreServices
+    from kvbench.methods.connector.materialize import LoadServices
+    from kvbench.methods.connector.worker import ConnectorWorker
+
+    worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}),
+                             block_size=16, static_forward_context={})
+    wanted = set()
+    for protocol in (CoreServices, LoadServices):
+        wanted |= set(getattr(protocol, "__annotations__", {}))
+        wanted |= {name for name, _ in inspect.getmembers(protocol) if not name.startswith("_")}
+    wanted -= set(dir(object)) | {"_is_protocol"}
+    missing = sorted(name for name in wanted
+                     if not hasattr(ConnectorWorker, name) and name not in vars(worker))
+    assert missing == []
+    assert {"num_layers", "tensor_parallel_size", "when_prefilled", "sum_over_ranks"} <= wanted

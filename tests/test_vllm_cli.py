@@ -27,12 +27,13 @@ def test_vllm_bench_serve_replays_a_mooncake_export(tiny_tokenizer_dir: Path, sm
             [sys.executable, "-m", "kvbench", "vllm", "bench", "serve", "--backend", "vllm", "--base-url", stub.base_url,
              "--model", "stub-model", "--tokenizer", str(tiny_tokenizer_dir), "--dataset-name", "timed_trace",
              "--dataset-path", str(export), "--timed-trace-chunk-hash-size", "512",
-             "--timed-trace-sec-multiplier", "0.001", "--num-prompts", "8", "--seed", "0"],
+             "--timed-trace-sec-multiplier", "0.001", "--temperature", "0", "--num-prompts", "8", "--seed", "0"],
             capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         assert len(stub.prompts) >= 8  # the prompts reached the server (plus vLLM's initial test request)
     assert "Successful requests:                     8" in result.stdout
     assert "Failed requests:                         0" in result.stdout
+    assert "Mean TTFT (ms):" in result.stdout  # the recipe of docs/interop.md reports time to first token
 
 
 def test_vllm_version_is_the_cpu_wheels() -> None:

@@ -170,6 +170,12 @@ class ConnectorWorker:
         own): rows vLLM prefilled itself are final only then. `key`: its stats key."""
         self.deliveries.ask(req_id, rows, deliver, key)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+
     def tensor_parallel_rank(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
 
