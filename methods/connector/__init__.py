@@ -20,6 +20,7 @@ What the sides compute with (the core services every method sees):
 - `forward.py`: the layer-by-layer partial forward over the model's own modules.
 - `rope.py`: re-rotating reused keys to new positions; `influence.py`: attention mass per row.
 - `compute_tracker.py`: which requests vLLM has computed (what deferred method work waits for).
+- `deliveries.py`: rows a method asked for, handed over once the request's prompt is computed.
 
 Only `adapter.py`, `metadata.py` and `metrics.py` import vLLM at module level, so the rest is testable without it.
 """

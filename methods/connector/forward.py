@@ -10,6 +10,7 @@ mlp), shared by Llama, Mistral, Qwen2 and most vLLM decoder models.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -85,6 +86,12 @@ class PartialForward:
     def rotary_emb(self) -> torch.nn.Module:
         return self.layers[0].self_attn.rotary_emb
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are: the plan's token ids and positions, built on the host,
+        go there (row indices stay on the host for the bookkeeping)."""
+        return next(self.layers[0].parameters()).device
+
     def run(self, tokens: torch.Tensor, block_ids: torch.Tensor, slots: torch.Tensor, compute: torch.Tensor,
             placed_rows: RowsForLayer, narrow: NarrowRows | None = None, group: LayerGroup | None = None,
             capture_layer: int | None = None, lora: VLora | None = None) -> ForwardStats:
@@ -109,12 +116,14 @@ class PartialForward:
         if group is not None and not len(group.rows):
             group = None
         stats = ForwardStats(computed_rows=len(compute))
-        positions = torch.arange(len(tokens), dtype=torch.long, device=tokens.device)
-        hidden = self.embed(tokens[compute]) if len(compute) else None
+        device = self.device
+        tokens = tokens.to(device)
+        positions = torch.arange(len(tokens), dtype=torch.long, device=device)
+        hidden = self.embed(tokens[compute.to(device)]) if len(compute) else None
         residual = None
         if group is not None and group.start == 0:  # the group enters with its token embeddings
-            compute, hidden, residual = self._join(compute, hidden, None, group.rows, self.embed(tokens[group.rows]),
-                                                   before_first_layer=True)
+            compute, hidden, residual = self._join(compute, hidden, None, group.rows,
+                                                   self.embed(tokens[group.rows.to(device)]), before_first_layer=True)
         layer_rows = 0
         for index, (layer, name) in enumerate(zip(self.layers, self.layer_names)):
             if index:
@@ -130,7 +139,7 @@ class PartialForward:
             if len(compute) == 0:
                 continue  # vLLM's CPU kernels crash (SIGFPE) on 0-row GEMMs and norms
             attn = layer.self_attn
-            q, k, v, residual = self._qkv(layer, hidden, residual, positions[compute], index, lora)
+            q, k, v, residual = self._qkv(layer, hidden, residual, positions[compute.to(device)], index, lora)
             if index == capture_layer:  # copies: vLLM's fused add-norm updates the residual in place
                 stats.captured = (compute.clone(), residual.clone())
             layout.write(cache, slots[compute], k, v)
@@ -219,9 +228,11 @@ class PartialForward:
 
     @staticmethod
     def _mlp(mlp: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        from vllm.model_executor.layers.activation import SiluAndMul
-
-        if not (hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj") and isinstance(mlp.act_fn, SiluAndMul)):
+        # vLLM's SiluAndMul, if vLLM's activations are loaded at all (a model of other modules, in
+        # a process without vLLM, has none: its MLP is called as it is)
+        activation = sys.modules.get("vllm.model_executor.layers.activation")
+        fused = activation is not None and isinstance(getattr(mlp, "act_fn", None), activation.SiluAndMul)
+        if not (fused and hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")):
             return mlp(hidden)
         gate_up, _ = _base(mlp.gate_up_proj)(hidden)
         d = gate_up.shape[-1] // 2
@@ -240,6 +251,7 @@ class PartialForward:
         `lora`: a V-only adapter applied throughout; `value_inputs` receives each layer's value
         projection input."""
         n = len(tokens)
+        tokens = tokens.to(self.device)
         positions = torch.arange(n, dtype=torch.long, device=tokens.device)
         hidden, residual = self.embed(tokens), None
         keys, values = [], []

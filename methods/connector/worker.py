@@ -105,7 +105,7 @@ class ConnectorWorker:
         layers = list(inner.layers)[inner.start_layer:inner.end_layer]
         names = [layer.self_attn.attn.layer_name for layer in layers]
         self.forward = PartialForward(model, names, self.layouts, self.kv_caches)
-        self.aligner = RopeAligner(self.forward.rotary_emb)
+        self.aligner = RopeAligner(self.forward.rotary_emb).to(self.forward.device)  # keys are re-rotated there
         self._adapters = self._load_adapters(layers[0].self_attn)
         self.method.bind(self)
         self.check_method_fits(self.method)
