@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -325,6 +325,41 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def stop_in_background(self) -> None:
+        """Stop without waiting (vLLM's orderly stop takes about 5 s, mostly waiting for its
+        processes to exit), so that the next server can start meanwhile; `wait_for_stopped_servers`
+        waits for every such stop. Call it before anything is measured, and before exiting."""
+        stopper = threading.Thread(target=self.stop, name=f"stopping vLLM at {self.base_url}")
+        stopper.start()
+        with _STOPPING_LOCK:
+            _STOPPING.append(stopper)
+
+
+_STOPPING: list[threading.Thread] = []  # servers stopping in the background
+_STOPPING_LOCK = threading.Lock()
+
+
+def wait_for_stopped_servers() -> None:
+    """Until every server stopped in the background has exited (none outlives its caller, and a
+    measurement never shares the machine with one)."""
+    while True:
+        with _STOPPING_LOCK:
+            if not _STOPPING:
+                return
+            stopper = _STOPPING.pop()
+        stopper.join()
+
+
+@contextlib.contextmanager
+def running_server(config: ServerConfig) -> Iterator[VLLMServer]:
+    """A started server for the block, stopped in the background after it (started in the calling
+    thread: its parent-death signal is bound to the thread that forks it)."""
+    server = VLLMServer(config).start()
+    try:
+        yield server
+    finally:
+        server.stop_in_background()
 
 
 def _wait_for_group_exit(pgid: int, timeout_s: float) -> None:

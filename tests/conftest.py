@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_helpers import serving
 
 from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 from kvbench.model.resolve import resolve_model
-from kvbench.replay.server import ServerConfig, VLLMServer, method_server_config
+from kvbench.replay.server import ServerConfig, VLLMServer, method_server_config, wait_for_stopped_servers
 
 # KV slots of the connector server: small enough that concurrent long requests get preempted.
 FULLSHARED_BLOCKS = 56
@@ -23,6 +24,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "default_model" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _servers_stopped_at_the_end() -> Iterator[None]:
+    """Servers stop in the background (vllm_helpers.serving): none outlives the session."""
+    yield
+    wait_for_stopped_servers()
 
 
 @pytest.fixture(scope="session")
@@ -45,8 +53,8 @@ def vllm_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) ->
     (with a plain chat template, for clients that send chat requests)."""
     log = Path(tmp_path_factory.mktemp("vllm")) / "server.log"
     template = Path(__file__).parent / "data" / "plain-chat-template.jinja"
-    with VLLMServer(ServerConfig(model=default_model, log_path=log, max_model_len=8192,
-                                 extra_args=["--chat-template", str(template)])) as server:
+    with serving(ServerConfig(model=default_model, log_path=log, max_model_len=8192,
+                              extra_args=["--chat-template", str(template)])) as server:
         yield server
 
 
@@ -58,7 +66,7 @@ def fullshared_server(default_model: str, tmp_path_factory: pytest.TempPathFacto
         max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
         worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=[WorkerRpc.ATTACH_MODEL],
         extra_args=["--num-gpu-blocks-override", str(FULLSHARED_BLOCKS)])
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield server
 
 
@@ -66,7 +74,7 @@ def method_server(method: str, model: str, tmp_path_factory: pytest.TempPathFact
     """Body of a module-scoped fixture: a connector server running `method` with its defaults."""
     config = method_server_config(method, model, max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield server
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from vllm_helpers import all_passed, method_check, replay_turns
+from vllm_helpers import all_passed, method_check, replay_turns, serving
 
 from kvbench.cli import main
 from kvbench.experiment.check_requests import ADAPTER_PREFIX
@@ -38,8 +38,8 @@ def adapters(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> di
 def rebase_server(default_model: str, adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[VLLMServer]:
     log = Path(tmp_path_factory.mktemp("rebase")) / "server.log"
-    with VLLMServer(method_server_config("precache-rebase", default_model, lora_modules=adapters, max_model_len=2048,
-                                         log_path=log)) as server:
+    with serving(method_server_config("precache-rebase", default_model, lora_modules=adapters, max_model_len=2048,
+                                      log_path=log)) as server:
         yield server
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from vllm_helpers import complete, dense_prefill, kv_error, max_dlogprob, new_key, request_stats
+from vllm_helpers import complete, dense_prefill, kv_error, max_dlogprob, new_key, request_stats, serving
 
 from kvbench.contracts import CONTRACT_VERSION, Plan
 from kvbench.replay.backend import stream_completion
@@ -29,7 +29,7 @@ def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
                                   log_path=Path(tmp_path_factory.mktemp("async-loads")) / "server.log")
     assert config.kv_transfer_config is not None
     config.kv_transfer_config["kv_connector_extra_config"]["fault_injection"] = "flagged"
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield server
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from vllm_helpers import all_passed, method_check
+from vllm_helpers import all_passed, method_check, serving
 
 from kvbench.cli import main
 from kvbench.replay.server import VLLMServer, method_server_config
@@ -26,7 +26,7 @@ def method_server(request: pytest.FixtureRequest, default_model: str,
     method = request.param
     config = method_server_config(method, default_model, max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield method, server
 
 

@@ -76,9 +76,9 @@ def test_rope_realignment_of_layer0_keys(server: VLLMServer, prompts: dict) -> N
 def test_fullshared_from_another_prefix_differs_measurably(server: VLLMServer, prompts: dict) -> None:
     source_key, target_key, dense_key, computed_key = new_key(), new_key(), new_key(), new_key()
     dense_prefill(server, prompts["p0"], source_key)
-    shared = complete(server, prompts["p1"], reuse_q(prompts, "p1", source_key, target_key), salt=target_key)
-    dense = dense_prefill(server, prompts["p1"], dense_key)
-    computed = complete(server, prompts["p1"], {"save_as": computed_key, "claim": "all", "segments": []}, salt=computed_key)
+    complete(server, prompts["p1"], reuse_q(prompts, "p1", source_key, target_key), salt=target_key)
+    dense_prefill(server, prompts["p1"], dense_key)
+    complete(server, prompts["p1"], {"save_as": computed_key, "claim": "all", "segments": []}, salt=computed_key)
     n = len(prompts["p1"]) - 1
     reuse_error = kv_error(server, target_key, dense_key, 0, n)["layers"]
     noise = kv_error(server, computed_key, dense_key, 0, n)["layers"]  # same path, no reuse
@@ -86,11 +86,11 @@ def test_fullshared_from_another_prefix_differs_measurably(server: VLLMServer, p
     for layer in (-2, -1):  # deeper layers carry the other agent's prefix
         for kv in ("k_rel", "v_rel"):
             assert reuse_error[layer][kv] > 2 * noise[layer][kv], (reuse_error, noise)
-    # The next-token distribution moves more than the computation noise does. Only that: how far
-    # it moves is the model's business, and the embedded model reads its context weakly (issue
-    # 23): on one build the shift was over 10x the noise, on this machine's build it is 2x
-    # (0.031 against 0.015, one bf16 step of its logits), while the caches differ by over 5x.
-    assert max_dlogprob(dense, shared) > max(max_dlogprob(dense, computed), 1e-3)
+    # Not asserted: that the next-token distribution moves more than the computation noise. On the
+    # embedded model (it reads its context weakly, issue 23) the shift is about one bf16 step of its
+    # logits (0.031), the same step a rounding flip on the computed path gives (seen at 0.015 and at
+    # 0.033 on two builds): below the resolution of the logprobs vLLM returns. What reuse costs in
+    # outputs is measured where the model's construction makes it visible (test_role_models_vllm.py).
     assert request_stats(server, target_key)["reused_tokens"] == len(prompts["q"])
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from vllm_helpers import all_passed, method_check
+from vllm_helpers import all_passed, method_check, serving
 
 from kvbench.cli import main
 from kvbench.replay.server import VLLMServer, method_server_config
@@ -25,7 +25,7 @@ TRACE = ["--qps", "0", "--num-trajectories", "2", "--shared-tokens", "1024", "--
 def polykv_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     config = method_server_config("polykv", default_model, max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp("polykv")) / "server.log")
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield server
 
 

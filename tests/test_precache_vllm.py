@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_helpers import all_passed, all_request_stats, method_check, replay_turns
+from vllm_helpers import all_passed, all_request_stats, method_check, replay_turns, serving
 
 from kvbench.contracts import WorkerRpc
 from kvbench.experiment.check_requests import ADAPTER_PREFIX
@@ -37,7 +37,7 @@ def route_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     config = ServerConfig(model=model, log_path=root / "server.log", max_model_len=4096,
                           kv_transfer_config=kv_transfer_config(request.param), worker_extension_cls=WORKER_EXTENSION,
                           post_start_rpcs=[WorkerRpc.ATTACH_MODEL], lora_modules=adapters, extra_args=["--enforce-eager"])
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield request.param, server
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from vllm_helpers import serving
 
 from kvbench.cli import main
 from kvbench.replay.server import VLLMServer, method_server_config
@@ -38,7 +39,7 @@ def always_faulty_server(default_model: str, tmp_path_factory: pytest.TempPathFa
     """FullShared whose every load fails: vLLM computes every prompt itself (dense fallback)."""
     config = method_server_config("fullshared", default_model, fault_injection="all", max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp("faulty")) / "server.log")
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield server
 
 

@@ -84,36 +84,42 @@ def test_transformers_answers_the_first_hop(recall_trace) -> None:
 
 
 @pytest.mark.engine
-def test_vllm_and_transformers_agree_on_the_shipped_weights(recall_trace, tmp_path: Path) -> None:
-    """Same greedy tokens; the first token's logprob within 0.05 nats (bf16 kernels differ)."""
+def test_vllm_and_transformers_agree_on_the_shipped_weights(recall_trace, vllm_server) -> None:
+    """Same greedy tokens; the first token's logprob within 0.05 nats (bf16 kernels differ). (The
+    session's plain server serves the embedded default, which is these weights.)"""
     from vllm_helpers import complete
 
-    from kvbench.replay.server import ServerConfig, VLLMServer
-
+    assert Path(vllm_server.config.model).resolve() == MODEL_DIR.resolve()
     tokenizer, trajectory = recall_trace
     prompt = _first_prompt(tokenizer, trajectory)
     expected, expected_logprob = _transformers_greedy(prompt, 3)
-    with VLLMServer(ServerConfig(model=str(MODEL_DIR), log_path=tmp_path / "server.log", max_model_len=4096)) as server:
-        choice = complete(server, prompt, max_tokens=3)
+    choice = complete(vllm_server, prompt, max_tokens=3)
     tokens = [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
     assert tokens == expected
     assert math.isclose(choice["logprobs"]["token_logprobs"][0], expected_logprob, abs_tol=0.05)
 
 
 @pytest.mark.engine
-def test_recall_accuracy_under_nonshared_and_fullshared_in_vllm(tmp_path: Path) -> None:
-    """The issue's required figure at 2K (NonShared >= 90%), through the experiment driver."""
-    from kvbench import run_files
-    from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+def test_recall_accuracy_under_nonshared_and_fullshared_in_vllm(tmp_path: Path, vllm_server, fullshared_server) -> None:
+    """The issue's required figure at 2K (NonShared >= 90%), replayed on the session's servers."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
     from kvbench.tracegen.tokenizer import load_tokenizer
 
-    spec = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("fullshared")], task="recall",
-                     points=[SweepPoint(2048, 0.0, 4)], num_warmups=0, seed=5, model=RECALL_MODEL,
-                     output_len=recall_output_len(load_tokenizer(RECALL_MODEL).encode))
+    trace = tmp_path / "recall.jsonl"
+    output_len = recall_output_len(load_tokenizer(RECALL_MODEL).encode)
+    made = CliRunner().invoke(main, ["gen-trace", "-o", str(trace), "--task", "recall", "--shared-tokens", "2048",
+                                     "--num-trajectories", "4", "--qps", "0", "--seed", "5",
+                                     "--output-len", str(output_len), "--model", RECALL_MODEL])
+    assert made.exit_code == 0, made.output
     accuracy = {}
-    for cell in run_sweep(spec, tmp_path):
-        summary = json.loads((cell.path / run_files.SUMMARY).read_text())
-        accuracy[cell.method.name] = summary["task_accuracy"]
+    for method, server in (("nonshared", vllm_server), ("fullshared", fullshared_server)):
+        out = tmp_path / method
+        result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--method", method, "--base-url",
+                                           server.base_url, "--qps", "0", "--num-warmups", "0", "--result-dir", str(out)])
+        assert result.exit_code == 0, result.output
+        accuracy[method] = json.loads((out / "summary.json").read_text())["task_accuracy"]
     assert accuracy["nonshared"] >= 0.9
     assert not math.isnan(accuracy["fullshared"])  # scored; its gap to NonShared is a reported figure
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_helpers import replay_turns
+from vllm_helpers import replay_turns, serving
 
 from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
@@ -33,7 +33,7 @@ def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
         worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=[WorkerRpc.ATTACH_MODEL],
         extra_args=["--enforce-eager"])
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield name, server
 
 

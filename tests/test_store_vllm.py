@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from vllm_helpers import serving
 
 from kvbench.cli import main
 from kvbench.replay.server import VLLMServer, method_server_config
@@ -35,7 +36,7 @@ def capped_server(default_model: str, cap: int, tmp_path_factory: pytest.TempPat
     # half a GiB of KV pool: vLLM CPU's own variable took whole GiB only, so 0.5 once stopped vLLM
     config = method_server_config("fullshared", default_model, max_store_bytes=cap, max_model_len=4096,
                                   cpu_kv_cache_gib=0.5, log_path=Path(tmp_path_factory.mktemp("capped")) / "server.log")
-    with VLLMServer(config) as server:
+    with serving(config) as server:
         yield server
 
 

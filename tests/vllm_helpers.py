@@ -13,8 +13,10 @@ from click.testing import CliRunner
 
 from kvbench.cli import main
 from kvbench.contracts import CONTRACT_VERSION, Plan
-from kvbench.replay.server import VLLMServer
+from kvbench.replay.server import VLLMServer, running_server
 from kvbench.replay.worker_rpc import WorkerClient
+
+serving = running_server  # a server for a fixture: stopped in the background, awaited at the session's end
 
 
 def new_key() -> str:

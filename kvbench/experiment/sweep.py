@@ -37,6 +37,9 @@ class MethodConfig:
         return self.label or self.method + "".join(f"-{k}{v}" for k, v in sorted(self.params.items()))
 
 
+# The plain NonShared configuration: the one whose server also runs a sweep's quality references.
+PLAIN_NONSHARED = MethodConfig("nonshared")
+
 @dataclass(frozen=True)
 class SweepPoint:
     """One (context, QPS) of a grid given point by point, with its own trajectory count and
@@ -249,28 +252,45 @@ def prepare_sweep(spec: SweepSpec, root: Path) -> SweepInputs:
 
 def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
                after_cell: AfterCell | None) -> list[SweepCell]:
-    from kvbench.replay.server import VLLMServer
+    from kvbench.replay.server import running_server, wait_for_stopped_servers
 
     inputs = prepare_sweep(spec, root)
-    tokenizer, model, traces, lora_modules = inputs.tokenizer, inputs.model, inputs.traces, inputs.lora_modules
     cells = spec.cells(root)
-    if spec.quality:
-        _run_quality_baselines(spec, root, traces, tokenizer, model, on_cell, lora_modules)
-    for method, group in itertools.groupby(cells, key=lambda cell: cell.method):
-        todo = []
-        for cell in group:
-            if cell_done(cell.path):
-                if on_cell:
-                    on_cell(f"{method.name} {cell.path.name} (done earlier)")
-            else:
-                todo.append(cell)
-        if not todo:
-            continue
-        with VLLMServer(inputs.server_config(spec, root, method)) as server:  # one start per method configuration
-            for cell in todo:
-                replay_cell(spec, root, cell, server, traces[cell.trace_id], tokenizer, model, after_cell)
-                if on_cell:
-                    on_cell(f"{method.name} {cell.path.name}")
+    groups: list[tuple[MethodConfig, list[SweepCell]]] = [
+        (method, list(group)) for method, group in itertools.groupby(cells, key=lambda cell: cell.method)]
+    baselines = _quality_baselines_todo(spec, root, inputs.traces)
+    if baselines:  # the references run on a plain NonShared server: its cells' first, on the same server
+        groups.sort(key=lambda group: group[0] != PLAIN_NONSHARED)
+        if not groups or groups[0][0] != PLAIN_NONSHARED:
+            groups.insert(0, (PLAIN_NONSHARED, []))
+    try:
+        for index, (method, group) in enumerate(groups):
+            todo = []
+            for cell in group:
+                if cell_done(cell.path):
+                    if on_cell:
+                        on_cell(f"{method.name} {cell.path.name} (done earlier)")
+                else:
+                    todo.append(cell)
+            with_baselines = bool(baselines) and index == 0
+            if not todo and not with_baselines:
+                continue
+            config = inputs.server_config(spec, root, method)
+            if not todo:
+                config.log_path = root / "quality" / "server.log"
+            # One start per method configuration, while the previous one's server stops; that
+            # one has exited before anything is measured.
+            with running_server(config) as server:
+                wait_for_stopped_servers()
+                if with_baselines:
+                    _run_quality_baselines(spec, root, inputs, baselines, server, on_cell)
+                for cell in todo:
+                    replay_cell(spec, root, cell, server, inputs.traces[cell.trace_id], inputs.tokenizer,
+                                inputs.model, after_cell)
+                    if on_cell:
+                        on_cell(f"{method.name} {cell.path.name}")
+    finally:
+        wait_for_stopped_servers()  # no server outlives the sweep
     if spec.quality:
         compare_cells(root, cells)
     return cells
@@ -313,39 +333,38 @@ def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace
     return summary
 
 
-def _run_quality_baselines(spec: SweepSpec, root: Path, traces: dict[str, Any], tokenizer: Any, model: str,
-                           on_cell: Callable[[str], None] | None, lora_modules: dict[str, str]) -> None:
-    """Per trace, on one plain vLLM server: the NonShared reference (with first-token logprobs)
-    and the floor (every shared segment dropped), single stream, over the trace's measured
-    trajectories."""
+def _quality_baselines_todo(spec: SweepSpec, root: Path, traces: dict[str, Any]) -> list[tuple[str, Path, bool]]:
+    """(trace, run folder, drop_shared) of the quality references and floors not yet done."""
+    if not spec.quality:
+        return []
+    return [(name, run, drop) for name in traces for run, drop in zip(quality_dirs(root, name), (False, True))
+            if not cell_done(run)]
+
+
+def _run_quality_baselines(spec: SweepSpec, root: Path, inputs: SweepInputs, todo: list[tuple[str, Path, bool]],
+                           server: Any, on_cell: Callable[[str], None] | None) -> None:
+    """Per trace, on a plain NonShared server started with the sweep's server options (the flags
+    its NonShared cells run with): the NonShared reference (with first-token logprobs) and the
+    floor (every shared segment dropped), single stream, over the trace's measured trajectories."""
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.replay.runner import ReplayConfig
-    from kvbench.replay.server import VLLMServer, method_server_config
     from kvbench.tracegen.schema import Trace
 
-    todo = [(name, run, drop) for name in traces for run, drop in zip(quality_dirs(root, name), (False, True))
-            if not cell_done(run)]
-    if not todo:
-        return
-    server_config = method_server_config("nonshared", model, cpu_kv_cache_gib=spec.cpu_kv_cache_gib,
-                                         log_path=root / "quality" / "server.log", lora_modules=lora_modules,
-                                         **{k: v for k, v in spec.server_options.items() if k in ("max_model_len",)})
-    with VLLMServer(server_config) as server:
-        for name, run, drop in todo:
-            trace = traces[name]
-            replay_and_summarize(ReplayConfig(
-                trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=tokenizer,
-                method="nonshared", base_urls=[server.base_url], result_dir=run, qps=0.0, seed=spec.seed,
-                num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,
-                logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(),
-                request_timeout_s=spec.request_timeout_s, show_progress=False,
-                server_pids={server.base_url: server.process.pid},  # type: ignore[union-attr]
-                server_failure=server.failure,
-                extra_config={"model": model, "method_params": {}, "method_config": "nonshared",
-                              "sweep_role": QUALITY_BASELINE,  # not a grid cell: tables leave it out
-                              "trace_path": str(root / "traces" / f"{name}.jsonl")}))
-            if on_cell:
-                on_cell(f"quality {'floor' if drop else 'reference'} {name}")
+    for name, run, drop in todo:
+        trace = inputs.traces[name]
+        replay_and_summarize(ReplayConfig(
+            trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=inputs.tokenizer,
+            method="nonshared", base_urls=[server.base_url], result_dir=run, qps=0.0, seed=spec.seed,
+            num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,
+            logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(),
+            request_timeout_s=spec.request_timeout_s, show_progress=False,
+            server_pids={server.base_url: server.process.pid}, server_failure=server.failure,
+            extra_config={"model": inputs.model, "method_params": {}, "method_config": "nonshared",
+                          "sweep_role": QUALITY_BASELINE,  # not a grid cell: tables leave it out
+                          "server_command": server.command(),
+                          "trace_path": str(root / "traces" / f"{name}.jsonl")}))
+        if on_cell:
+            on_cell(f"quality {'floor' if drop else 'reference'} {name}")
 
 
 def compare_cells(root: Path, cells: list[SweepCell]) -> None:
