@@ -90,6 +90,15 @@ class Plan:
     # The LoRA adapter this request runs with (its agent's; None: the base model). A cache written
     # under another adapter (PlanSegment.source_adapter) holds other values for the same tokens.
     adapter: str | None = None
+    # Whether a turn running at the same time may read this request's prompt: the connector then
+    # saves the prompt's rows as soon as the forward that finishes them has run, and such a reader
+    # goes ahead then, without waiting for this request's decode (its output rows still come with
+    # the whole save when it finishes). Added without a version bump: an older server ignores it,
+    # and its readers then wait for the whole save.
+    readable_after_prefill: bool = False
+    # Sources sent just before this request by a turn running at the same time: they may reach
+    # the engine after it, so the connector waits briefly for each to arrive (then for its prompt).
+    sources_in_flight: tuple[str, ...] = ()
     version: int = CONTRACT_VERSION
 
     @property
@@ -119,6 +128,15 @@ class Plan:
         """Every cache the request reads, each saved before its load starts."""
         return self.sources | set(self.prefix_sources)
 
+    def rows_read_from(self, key: str) -> int | None:
+        """How many of the first rows of cache `key` this request reads (its segments' source spans
+        end there); None where it may read all of them (an exact-prefix source, whose copy may run
+        into the output rows)."""
+        if key in self.prefix_sources:
+            return None
+        ends = [s.source_start + s.length for s in self.segments if s.source == key and s.source_start is not None]
+        return max(ends) if ends else None
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["segments"] = [asdict(s) for s in self.segments]
@@ -146,7 +164,8 @@ class Plan:
                    segments=tuple(PlanSegment.from_dict(s) for s in segments),
                    claim=claim, prefix_sources=tuple(str(k) for k in raw.get("prefix_sources") or ()),
                    inject_fault=bool(raw.get("inject_fault", False)), keep_cache=bool(raw.get("keep_cache", True)),
-                   adapter=raw.get("adapter"))
+                   adapter=raw.get("adapter"), readable_after_prefill=bool(raw.get("readable_after_prefill", False)),
+                   sources_in_flight=tuple(str(k) for k in raw.get("sources_in_flight") or ()))
 
     @classmethod
     def from_params(cls, kv_transfer_params: dict[str, Any] | None) -> Plan | None:

@@ -60,19 +60,23 @@ class PromptBuilder:
 
     def __init__(self, tokenizer: TraceTokenizer, prefix_ids: list[int], run_id: str,
                  reference_outputs: Mapping[tuple[str, str], list[int]] | None = None,
-                 drop_shared: bool = False, keep_unread_caches: bool = True) -> None:
+                 drop_shared: bool = False, keep_unread_caches: bool = True, concurrent_sources: bool = True) -> None:
         """`reference_outputs` (trajectory id, turn id) -> output ids: a reference run's outputs,
         fed to later turns instead of this run's own where it has them (reference-anchored
         replay). `drop_shared`: every shared segment left out of every prompt (the no-context
         floor of PGR). `keep_unread_caches`: the server keeps every turn's cache, also those no
-        later turn reads (what KV-error measurements compare afterwards)."""
+        later turn reads (what KV-error measurements compare afterwards). `concurrent_sources`: a
+        shared segment no predecessor holds is read from a turn running at the same time that
+        was sent first (Trajectory.concurrent_holders), as soon as that turn's prompt is computed."""
         self.tokenizer = tokenizer
         self.prefix_ids = list(prefix_ids)
         self.run_id = run_id
         self.reference_outputs = reference_outputs
         self.drop_shared = drop_shared
         self.keep_unread_caches = keep_unread_caches
+        self.concurrent_sources = concurrent_sources
         self._read: dict[str, set[str]] = {}  # trajectory id -> read_caches
+        self._concurrent: dict[str, set[str]] = {}  # trajectory id -> concurrent_sources
         self._text_ids: dict[str, list[int]] = {}
 
     def _ids_of_text(self, text: str) -> list[int]:
@@ -103,8 +107,9 @@ class PromptBuilder:
         return ids
 
     def build(self, trajectory: Trajectory, turn: Turn, outputs: dict[str, list[int]],
-              prompts: dict[str, TurnPrompt]) -> TurnPrompt:
-        """`outputs`/`prompts`: generated ids and prompts of the trajectory's finished turns."""
+              prompts: dict[str, TurnPrompt], started: Mapping[str, TurnPrompt] | None = None) -> TurnPrompt:
+        """`outputs`/`prompts`: generated ids and prompts of the trajectory's finished turns;
+        `started`: the prompts of its turns sent and not finished yet."""
         token_ids = list(self.prefix_ids)
         spans: list[SegmentSpan] = []
         for segment in turn.segments:
@@ -115,23 +120,24 @@ class PromptBuilder:
             spans.append(SegmentSpan(kind, key, len(token_ids), len(ids)))
             token_ids += ids
         prompt = TurnPrompt(token_ids, spans)
-        prompt.plan = self.plan(trajectory, turn, prompt, outputs, prompts)
+        prompt.plan = self.plan(trajectory, turn, prompt, outputs, prompts, started or {})
         return prompt
 
     def plan(self, trajectory: Trajectory, turn: Turn, prompt: TurnPrompt, outputs: dict[str, list[int]],
-             prompts: dict[str, TurnPrompt]) -> Plan:
+             prompts: dict[str, TurnPrompt], started: Mapping[str, TurnPrompt] | None = None) -> Plan:
         """Workload facts only (method parameters live in the server's connector config), so one
         trace replays against every method unchanged."""
         segments = []
+        sent = {**(started or {}), **prompts}
         for span in prompt.spans:
-            source = trajectory.source_of(turn, span.id) if span.kind == "ph" else None
+            source = self._source(trajectory, turn, span, sent)
             if source is None:
                 segments.append(PlanSegment(span.kind, span.id, span.start, span.length))
                 continue
             segments.append(PlanSegment(
                 span.kind, span.id, span.start, span.length,
                 source=cache_key(self.run_id, trajectory.trajectory_id, source),
-                source_start=_start_in_cache(span.id, source, prompts[source]), source_turn=source,
+                source_start=_start_in_cache(span.id, source, sent[source]), source_turn=source,
                 source_agent=trajectory.turn_by_id[source].agent,
                 source_adapter=trajectory.agents[trajectory.turn_by_id[source].agent].adapter))
         # The agent's own finished turns: its prompt may start with one of theirs, copied exactly.
@@ -140,12 +146,32 @@ class PromptBuilder:
                     save_as=cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id), segments=tuple(segments),
                     prefix_sources=tuple(cache_key(self.run_id, trajectory.trajectory_id, t.turn_id) for t in own),
                     keep_cache=self.keep_unread_caches or turn.turn_id in self._read_caches(trajectory),
-                    adapter=trajectory.agents[turn.agent].adapter)
+                    adapter=trajectory.agents[turn.agent].adapter,
+                    readable_after_prefill=turn.turn_id in self._concurrent_sources(trajectory),
+                    sources_in_flight=tuple(sorted({s.source for s in segments if s.source and s.source_turn is not None
+                                                    and s.source_turn not in prompts})))
+
+    def _source(self, trajectory: Trajectory, turn: Turn, span: SegmentSpan, sent: Mapping[str, TurnPrompt]) -> str | None:
+        """The turn whose cache this PH span is read from: the latest predecessor holding it, else
+        (concurrent_sources) the earliest concurrent turn holding it that was sent already."""
+        if span.kind != "ph":
+            return None
+        source = trajectory.source_of(turn, span.id)
+        if source is None and self.concurrent_sources:
+            source = next((t for t in trajectory.concurrent_holders(turn, span.id) if t in sent), None)
+        return source
 
     def _read_caches(self, trajectory: Trajectory) -> set[str]:
         if trajectory.trajectory_id not in self._read:
-            self._read[trajectory.trajectory_id] = read_caches(trajectory)
+            self._read[trajectory.trajectory_id] = read_caches(trajectory) | self._concurrent_sources(trajectory)
         return self._read[trajectory.trajectory_id]
+
+    def _concurrent_sources(self, trajectory: Trajectory) -> set[str]:
+        if not self.concurrent_sources or self.drop_shared:
+            return set()
+        if trajectory.trajectory_id not in self._concurrent:
+            self._concurrent[trajectory.trajectory_id] = concurrent_sources(trajectory)
+        return self._concurrent[trajectory.trajectory_id]
 
 
 def read_caches(trajectory: Trajectory) -> set[str]:
@@ -159,6 +185,13 @@ def read_caches(trajectory: Trajectory) -> set[str]:
                and not trajectory.is_ancestor(other.turn_id, turn.turn_id) for other in trajectory.turns):
             read.add(turn.turn_id)
     return read
+
+
+def concurrent_sources(trajectory: Trajectory) -> set[str]:
+    """Turns a concurrent turn may read a shared segment from (Trajectory.concurrent_holders of a
+    segment no predecessor holds): their prompt is saved as soon as it is computed."""
+    return {holder for turn in trajectory.turns for ph in trajectory.shared_keys(turn)
+            if trajectory.source_of(turn, ph) is None for holder in trajectory.concurrent_holders(turn, ph)}
 
 
 def _start_in_cache(ph: str, source_turn: str, source_prompt: TurnPrompt) -> int:

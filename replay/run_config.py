@@ -60,6 +60,9 @@ class ReplayConfig:
     # Reference-anchored replay: later turns read the reference run's outputs, not this run's.
     reference: ReferenceRun | None = None
     drop_shared: bool = False  # every shared segment left out of every prompt (PGR's floor)
+    # A shared segment no predecessor holds is read from a concurrent turn sent first, once that
+    # turn's prompt is computed (PromptBuilder.concurrent_sources). False: such turns prefill it.
+    concurrent_sources: bool = True
     logprobs: int = 0  # top-K logprobs of each first generated token, recorded (0: none)
     request_timeout_s: float = 600.0
     # Also keeps every turn's cache on the server, those no later turn reads too: KV-error and
@@ -118,6 +121,7 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
         "sampling": cfg.sampling.to_dict(),
         "logprobs": cfg.logprobs,
         "prompt_mode": prompt_mode(cfg),
+        "concurrent_sources": cfg.concurrent_sources,
         "reference_run": cfg.reference.describe() if cfg.reference is not None else None,
         "trajectory_digests": trajectory_digests(cfg.trace.trajectories),
         "request_timeout_s": cfg.request_timeout_s,
@@ -143,6 +147,9 @@ def check_resumable(run_config: dict[str, Any], cfg: ReplayConfig) -> None:
     recorded = SamplingParams.from_dict(run_config.get("sampling"))
     if recorded != cfg.sampling:
         raise ReplayError(f"--resume: {result_dir} was sampled with {recorded.to_dict()}, not {cfg.sampling.to_dict()}")
+    if run_config.get("concurrent_sources", True) != cfg.concurrent_sources:
+        flag = "--concurrent-sources" if run_config.get("concurrent_sources", True) else "--no-concurrent-sources"
+        raise ReplayError(f"--resume: {result_dir} was replayed with {flag}; resume it with the same")
     if run_config.get("prompt_mode", "free") != prompt_mode(cfg):
         raise ReplayError(f"--resume: {result_dir} was replayed in {run_config.get('prompt_mode', 'free')!r} "
                           f"mode, not {prompt_mode(cfg)!r}")

@@ -88,7 +88,7 @@ class Replayer:
                                 run_id=f"{run_config['run_id']}/s{segment}",
                                 reference_outputs=cfg.reference.outputs if cfg.reference is not None else None,
                                 drop_shared=cfg.drop_shared,
-                                keep_unread_caches=cfg.save_prompt_ids)
+                                keep_unread_caches=cfg.save_prompt_ids, concurrent_sources=cfg.concurrent_sources)
         sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self.servers.fetch_stats)
@@ -311,7 +311,8 @@ class Replayer:
         loop = asyncio.get_running_loop()
         finished: dict[str, asyncio.Future[bool]] = {t.turn_id: loop.create_future() for t in trajectory.turns}
         outputs: dict[str, list[int]] = {}
-        prompts: dict[str, TurnPrompt] = {}
+        prompts: dict[str, TurnPrompt] = {}  # finished turns'
+        started: dict[str, TurnPrompt] = {}  # turns sent (a concurrent turn may read their prompt)
 
         async def run_turn(turn: Turn) -> None:
             ok = True
@@ -335,7 +336,8 @@ class Replayer:
                     record.error_type, record.error_message = "dependency_failed", "an upstream turn failed"
                     self._record(record, writer)
                     return
-                prompt = builder.build(trajectory, turn, outputs, prompts)
+                prompt = builder.build(trajectory, turn, outputs, prompts, started)
+                started[turn.turn_id] = prompt  # (before any wait: turns started together read in trace order)
                 record.prompt_tokens = len(prompt.token_ids)  # real outputs may differ from max_tokens
                 record.reusable_tokens = prompt.reusable_tokens
                 if not turn.after:

@@ -69,12 +69,11 @@ def test_one_selection_without_filter_ratios_and_shares_never_below_the_final_on
 
 
 def test_filtering_past_the_model_is_refused_at_attach() -> None:
-    from kvbench.methods.connector.worker import ConnectorWorker
+    from kvbench.methods.connector.fits import check_method_fits
 
-    worker = SimpleNamespace(num_layers=4)
     with pytest.raises(MethodConfigError, match="last filtering layer"):
-        ConnectorWorker.check_method_fits(worker, blend(filter_ratios=[0.5, 0.3]))  # type: ignore[arg-type]
-    ConnectorWorker.check_method_fits(worker, blend(filter_ratios=[0.5]))  # type: ignore[arg-type]
+        check_method_fits(blend(filter_ratios=[0.5, 0.3]), 4, adapters_served=False)
+    check_method_fits(blend(filter_ratios=[0.5]), 4, adapters_served=False)
 
 
 def test_the_default_check_layer_leaves_a_layer_after_it() -> None:

@@ -247,3 +247,33 @@ def test_replay_stats_match_the_trace_spans(server: VLLMServer, tmp_path: Path) 
     assert grew["vllm:kvbench_recomputed_tokens_total"] == requests["recomputed_tokens"].sum()
     assert grew["vllm:kvbench_saves_total"] == len(requests) - 2  # each trajectory's last agent is not kept
     assert after["vllm:kvbench_store_bytes"] > 0
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_agents_reading_one_document_in_parallel_reuse_the_first_ones_prompt(server: VLLMServer, tmp_path: Path,
+                                                                               concurrent: bool) -> None:
+    """A fan-in's first agents read the same query at the same time: with concurrent sources the
+    later ones reuse the first one's prompt as soon as it is computed, while it still decodes (item 7
+    of issue 51); without, each prefills it."""
+    out, trace = tmp_path / "run", tmp_path / "fan-in.jsonl"
+    made = CliRunner().invoke(main, ["gen-trace", "-o", str(trace), "--workflow", "fan-in", "--agents", "4",
+                                     "--num-trajectories", "2", "--shared-tokens", "700", "--output-len", "24"])
+    assert made.exit_code == 0, made.output
+    flag = "--concurrent-sources" if concurrent else "--no-concurrent-sources"
+    result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--method", "fullshared", "--base-url",
+                                       server.base_url, "--qps", "0", "--num-warmups", "0", flag,
+                                       "--result-dir", str(out)], prog_name="kvbench")
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(out / "requests.parquet").set_index(["trajectory_id", "turn_id"])
+    assert requests["success"].all()
+    for trajectory, turns in requests.groupby(level="trajectory_id"):
+        turns = turns.droplevel(0)
+        readers = turns.loc[["A1.r0", "A2.r0"]]
+        if not concurrent:
+            assert (readers["reused_tokens"] == 0).all() and (readers["reusable_tokens"] == 0).all()
+            continue
+        assert (readers["reused_tokens"] == readers["reusable_tokens"]).all() and (readers["reused_tokens"] > 600).all()
+        # They went ahead once A0's prompt was saved, while A0 was still decoding its 24 tokens.
+        assert (readers["first_token_ns"] < turns.loc["A0.r0", "end_ns"]).all(), trajectory
+        source = json.loads(turns.loc["A0.r0", "method_stats"])
+        assert source.get("prompt_save_s", 0) > 0

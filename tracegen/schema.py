@@ -269,6 +269,18 @@ class Trajectory(_Strict):
                 return candidate.turn_id
         return None
 
+    def concurrent_holders(self, turn: Turn, ph: str) -> list[str]:
+        """Earlier turns (in trace order) that may run at the same time as `turn` and whose prompt
+        holds `ph`, earliest first: neither waits for the other, so each may read the other's
+        prompt as soon as it is computed. Only a shared context known up front (an output is read
+        by its producer's successors alone)."""
+        if ph.startswith(OUT_PREFIX):
+            return []
+        index = self._index[turn.turn_id]
+        return [other.turn_id for other in self.turns[:index]
+                if ph in self.shared_keys(other) and not self.is_ancestor(other.turn_id, turn.turn_id)
+                and not self.is_ancestor(turn.turn_id, other.turn_id)]
+
 
 def _strings(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []

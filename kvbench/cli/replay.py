@@ -113,6 +113,10 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
                    "vLLM serves up to 20) [default: 20 with --reference, else 0].")
 @click.option("--drop-shared", is_flag=True,
               help="Leave every shared segment out of every prompt: the no-context floor of PGR.")
+@click.option("--concurrent-sources/--no-concurrent-sources", default=True, show_default=True,
+              help="A shared segment no earlier agent of the workflow holds (agents reading one document in "
+                   "parallel) is read from the cache of a turn running at the same time that was sent first, as soon "
+                   "as that turn's prompt is computed; --no-concurrent-sources: each such turn prefills it.")
 @click.option("--stop-on-saturation/--no-stop-on-saturation", default=False, show_default=True,
               help="Stop a loaded run whose backlog and TTFT grow without bound (both slopes beyond noise, TTFT "
                    "doubled, after 20 s and 16 requests) and mark it saturated: its figures would measure how long it "
@@ -126,7 +130,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
                    temperature: float, top_p: float, top_k: int, reference_dir: Path | None,
-                   logprobs: int | None, drop_shared: bool, stop_on_saturation: bool, server: ServerOptions) -> None:
+                   logprobs: int | None, drop_shared: bool, concurrent_sources: bool, stop_on_saturation: bool,
+                   server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.goodput import parse_goodput
     from kvbench.analysis.metrics import parse_percentiles
@@ -182,6 +187,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles,
         goodput=goodput, label=label,
         metadata=_parse_metadata(metadata), sampling=sampling, reference=reference, drop_shared=drop_shared,
+        concurrent_sources=concurrent_sources,
         logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
         request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
         method_params=params, saturation=SaturationRule() if stop_on_saturation else None,

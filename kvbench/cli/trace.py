@@ -150,7 +150,8 @@ def validate_command(file: Path, model: str | None, max_model_len: int | None) -
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
 def stats_command(file: Path, as_json: bool) -> None:
-    """Sizes, prompt-length percentiles, shared tokens per edge, maximum reuse per agent."""
+    """Sizes, prompt-length percentiles, shared tokens per edge, maximum reuse per agent, and the
+    segments turns running at the same time share (agents reading one document in parallel)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -179,6 +180,14 @@ def stats_command(file: Path, as_json: bool) -> None:
         agents.add_row(agent, str(stats["turns_per_agent"][agent]), f"{fraction:.3f}")
     console.print(agents)
     console.print(f"overall maximum reuse fraction: {stats['max_reuse_fraction']:.3f}")
+    if stats["concurrent_shared_tokens_per_edge"]:
+        concurrent = Table("edge", "mean shared tokens", title="Shared by turns running at the same time (read once "
+                           "the earlier one's prompt is computed; not in the fractions above)")
+        for edge, tokens in stats["concurrent_shared_tokens_per_edge"].items():
+            concurrent.add_row(edge, f"{tokens:,.0f}")
+        console.print(concurrent)
+        console.print(f"shared tokens only a concurrent turn holds: {stats['concurrent_reusable_fraction_of_shared']:.3f} "
+                      "of all shared tokens")
 
 
 @trace_group.command("export")

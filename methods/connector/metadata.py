@@ -21,6 +21,9 @@ class KVBenchMetadata(KVConnectorMetadata):
     # Whether this step computes prompt tokens of any request (a prefill's first token waits for
     # the step): the method's deferred work then waits for a step without one.
     prefilling: bool = False
+    # Prompts this step's forward finishes, of requests a concurrent turn may read
+    # (Plan.readable_after_prefill): copied into the store after the forward, in wait_for_save.
+    prompt_saves: list[SaveSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -28,6 +31,8 @@ class KVBenchWorkerMetadata(KVConnectorWorkerMetadata):
     saved_keys: set[str] = field(default_factory=set)
     # request -> the rows [0, stop) the connector materializes for it, decided this step (DecideSpec)
     claims: dict[str, int] = field(default_factory=dict)
+    # key -> the prompt rows saved this step ahead of the request's end (KVBenchMetadata.prompt_saves)
+    prompt_saved: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBenchWorkerMetadata:
         if not isinstance(other, KVBenchWorkerMetadata):
@@ -37,4 +42,7 @@ class KVBenchWorkerMetadata(KVConnectorWorkerMetadata):
         claims = dict(self.claims)
         for req_id, stop in other.claims.items():
             claims[req_id] = min(stop, claims.get(req_id, stop))
-        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys, claims)
+        prompt_saved = dict(self.prompt_saved)
+        for key, rows in other.prompt_saved.items():
+            prompt_saved[key] = min(rows, prompt_saved.get(key, rows))
+        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys, claims, prompt_saved)

@@ -14,12 +14,17 @@ prefills the rest itself, in the same forward, at its own speed (a turn the gate
 dense is a plain vLLM prefill). The scheduler follows every request it claimed or had decided:
 its blocks, and the step whose forward finishes its prompt (KVBenchMetadata.prefilled), when the
 worker may read its final rows.
+
+A request a concurrent turn may read (Plan.readable_after_prefill) is followed too, and its prompt
+is saved right after that forward (KVBenchMetadata.prompt_saves): a reader whose segments lie in
+those rows (Plan.rows_read_from) goes ahead then, instead of waiting for the source's decode.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +42,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvbench.connector")
 
+# How long a request waits for a source sent just before it (Plan.sources_in_flight) to reach the
+# engine; one that never comes (its request failed on the way) then costs no more than this.
+IN_FLIGHT_GRACE_S = 2.0
+MAX_REGISTERED_KEYS = 100_000  # keys of requests seen, remembered to tell "saved" from "not here yet"
+
 
 @dataclass
 class FollowedRequest:
@@ -46,6 +56,7 @@ class FollowedRequest:
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     prefilled: bool = False
+    prompt_save: SaveSpec | None = None  # its prompt, saved once computed (Plan.readable_after_prefill)
 
 
 class ConnectorScheduler:
@@ -67,6 +78,8 @@ class ConnectorScheduler:
         self._claim_local: dict[str, int] = {}  # claimed request -> the local hit it was claimed above
         self._followed: dict[str, FollowedRequest] = {}
         self._saves_sent: set[str] = set()  # keys whose save went to the workers, not confirmed yet
+        self._prompt_saved: dict[str, int] = {}  # unsaved keys whose first rows are saved (their prompt)
+        self._registered: OrderedDict[str, None] = OrderedDict()  # save keys of requests seen, latest last
 
     def decides_first(self, plan: Plan) -> bool:
         """Whether the worker decides what this request reuses before it is claimed (synchronous
@@ -85,19 +98,44 @@ class ConnectorScheduler:
                              request.request_id, exc)
             return None
 
+    def _source_on_its_way(self, plan: Plan, req_id: str) -> bool:
+        """A source sent just before this request has not reached the engine yet (for a while)."""
+        if all(key in self._registered for key in plan.sources_in_flight):
+            return False
+        since = self._waiting_since.setdefault(req_id, time.perf_counter())
+        return time.perf_counter() - since < IN_FLIGHT_GRACE_S
+
+    def _unreadable(self, plan: Plan) -> set[str]:
+        """The caches the request reads that are not saved yet (as far as it reads them)."""
+        return {key for key in plan.waits_for & self._unsaved_keys
+                if (rows := plan.rows_read_from(key)) is None or self._prompt_saved.get(key, 0) < rows}
+
+    def _follow_prompt_save(self, request: Request, plan: Plan, claimed: bool) -> None:
+        """Follow a request a concurrent turn may read, to save its prompt once computed."""
+        if not plan.readable_after_prefill or not plan.saved_key or request.request_id in self._followed:
+            return
+        prompt = list(request.prompt_token_ids or [])[:request.num_prompt_tokens]
+        # (`unclaimed`: vLLM prefilled it, so its rows are exact; the save records no figures)
+        save = SaveSpec(request.request_id, plan.saved_key, prompt, [], None if claimed else (len(prompt), 0),
+                        adapter=plan.adapter)
+        self._followed[request.request_id] = FollowedRequest(request.num_prompt_tokens, prompt_save=save)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self.plan_of(request)
         if plan is None:
             return 0, False
         if not plan.claimed(self.method.loads_request):  # vLLM prefills it in its own batches; it is still saved when it finishes
             self._vllm_prefills[request.request_id] = num_computed_tokens
+            self._follow_prompt_save(request, plan, claimed=False)
             return 0, False
         if request.request_id in self._failed_loads:  # asked again after a failed async load
             self._failed_loads.discard(request.request_id)
             return 0, False
         req_id = request.request_id
         num_target = request.num_prompt_tokens - 1
-        if unsaved := plan.waits_for & self._unsaved_keys:
+        if plan.sources_in_flight and self._source_on_its_way(plan, req_id):
+            return None, False
+        if unsaved := self._unreadable(plan):
             self._waiting_since.setdefault(req_id, time.perf_counter())
             if self.decides_first(plan) and req_id not in self._decided and unsaved <= self._saves_sent | {
                     save.key for save in self._pending_saves}:
@@ -117,9 +155,10 @@ class ConnectorScheduler:
             asked = self._decide_asked.get(req_id)
             if asked is not None and asked > 0:  # the first claim after the answer: how long it took
                 self._decide_asked[req_id] = -(time.perf_counter() - asked)
-        self._followed.setdefault(req_id, FollowedRequest(request.num_prompt_tokens))
         self._claim_local[req_id] = num_computed_tokens
         count = max(0, stop - num_computed_tokens)
+        self._follow_prompt_save(request, plan, claimed=count > 0)
+        self._followed.setdefault(req_id, FollowedRequest(request.num_prompt_tokens))
         if count == 0:  # the method reuses nothing before vLLM's own rows: vLLM prefills it all
             self._vllm_prefills[req_id] = num_computed_tokens
         return count, count > 0 and self.settings.asynchronous
@@ -135,6 +174,9 @@ class ConnectorScheduler:
         plan = self.plan_of(request)
         if plan is not None and plan.saved_key:
             self._unsaved_keys.add(plan.saved_key)  # consumers arriving now must wait for it
+            self._registered[plan.saved_key] = None
+            while len(self._registered) > MAX_REGISTERED_KEYS:
+                self._registered.popitem(last=False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -209,12 +251,21 @@ class ConnectorScheduler:
         if not followed.prefilled and computed < followed.num_prompt_tokens <= computed + count:
             followed.prefilled = True
             meta.prefilled[req_id] = list(followed.block_ids)
+            if followed.prompt_save is not None:
+                followed.prompt_save.block_ids = list(followed.block_ids)
+                meta.prompt_saves.append(followed.prompt_save)
+                followed.prompt_save = None  # once: a preempted request's prompt is the same
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVBenchWorkerMetadata):
             self._unsaved_keys -= worker_meta.saved_keys
             self._saves_sent -= worker_meta.saved_keys
+            for key in worker_meta.saved_keys:
+                self._prompt_saved.pop(key, None)
+            for key, rows in worker_meta.prompt_saved.items():
+                if key in self._unsaved_keys:  # (not when its whole save came first)
+                    self._prompt_saved[key] = rows
             for req_id, stop in worker_meta.claims.items():
                 if req_id in self._decided:  # (not when the request ended meanwhile)
                     self._decided[req_id] = stop
@@ -237,6 +288,7 @@ class ConnectorScheduler:
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED or request.num_computed_tokens == 0:
             self._unsaved_keys.discard(plan.save_as)  # never saved; do not block consumers
+            self._prompt_saved.pop(plan.save_as, None)
             return False, None
         # K/V exists for every computed token: the prompt and all generated tokens but the last.
         tokens = list(request.all_token_ids[: request.num_computed_tokens])

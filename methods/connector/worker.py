@@ -18,6 +18,7 @@ from kvbench.methods.base import MethodConfigError, SharingMethod
 from kvbench.methods.connector.compute_tracker import ComputedRequests
 from kvbench.methods.connector.counters import ReuseCounters
 from kvbench.methods.connector.deliveries import RowDeliveries, RowsDelivery
+from kvbench.methods.connector.fits import check_method_fits
 from kvbench.methods.connector.forward import run_to_end
 from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
@@ -26,7 +27,7 @@ from kvbench.methods.connector.materialize import LoadDecision, decide_steps, ma
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
-from kvbench.methods.connector.specs import DecideSpec
+from kvbench.methods.connector.specs import DecideSpec, SaveSpec
 from kvbench.methods.connector.store import SavedKV, SegmentStore
 
 logger = logging.getLogger("kvbench.connector")
@@ -69,6 +70,8 @@ class ConnectorWorker:
         self.deliveries = RowDeliveries()  # rows methods asked for, once computed (when_prefilled)
         self._deferred_wait_steps = 0
         self._saved_this_step: set[str] = set()
+        self._prompts_saved_this_step: dict[str, int] = {}  # key -> rows, saved ahead of the request's end
+        self._prompt_save_s: dict[str, float] = {}  # -> the copy's time, for the request's stats at its save
         self._finished_sending: set[str] = set()
         self._saves_done_for: KVBenchMetadata | None = None
         # save key -> (rows, their residual stream [rows, hidden], layer) captured at the load,
@@ -125,28 +128,7 @@ class ConnectorWorker:
                 for name, path in self.settings.adapters.items()}
 
     def check_method_fits(self, method: SharingMethod) -> None:
-        """Selective recomputation narrows after its check layer, so that layer needs one after it;
-        a recomputed layer group must lie inside the model."""
-        if method.needs_adapters and not self._adapters:
-            raise MethodConfigError(f"{method.name} rebuilds values per LoRA adapter, and the server serves none "
-                                    "(serve the trace's adapters: kvbench replay does it for a trace with adapters)")
-        layers, check, checks = self.num_layers, method.check_layer(), method.check_layers()
-        if check is not None and not 0 <= check < layers - 1:
-            raise MethodConfigError(f"{method.name}: check_layer must be in [0, {layers - 2}] for this "
-                                    f"{layers}-layer model, got {check}")
-        if checks and checks[-1] >= layers - 1:
-            raise MethodConfigError(f"{method.name}: its last filtering layer ({checks[-1]}) must have a layer after "
-                                    f"it in this {layers}-layer model: fewer filtering steps")
-        group = method.recompute_layers()
-        if group is not None and not 0 <= group[0] < group[1] <= layers:
-            raise MethodConfigError(f"{method.name}: recomputed layers [{group[0]}, {group[1]}) must be a non-empty "
-                                    f"range inside this {layers}-layer model's [0, {layers})")
-        if group is not None and len(checks) > 1:
-            raise MethodConfigError(f"{method.name}: gradual filtering (several check layers) needs every row "
-                                    "computed up to the first, not a recomputed layer group")
-        if group is not None and check is not None and not group[0] <= check < group[1] - 1:
-            raise MethodConfigError(f"{method.name}: the check layer ({check}) must lie in the recomputed layers "
-                                    f"[{group[0]}, {group[1]}) with a layer of them after it")
+        check_method_fits(method, self.num_layers, adapters_served=bool(self._adapters))
 
     # ---------------------------------------------------------------- CoreServices for methods
     @property
@@ -319,7 +301,27 @@ class ConnectorWorker:
 
     def wait_for_save(self, meta: KVBenchMetadata) -> None:
         self._do_saves(meta)  # steps without loads (or without a forward) still save
+        self._save_prompts(meta.prompt_saves)
         self.deliveries.deliver(meta.prefilled, self.rows_reader, self.request_stats)
+
+    def _save_prompts(self, saves: list[SaveSpec]) -> None:
+        """The prompts this step's forward finished, of requests a concurrent turn may read:
+        into the store now (the request's whole save replaces the entry when it finishes). The
+        method sees only that whole save (after_save)."""
+        names = self.forward.layer_names if self.forward is not None else list(self.kv_caches)
+        for save in saves:
+            started = time.perf_counter()
+            try:
+                exact = None if save.unclaimed is not None else self._exact_rows_for_save.get(save.key, 0)
+                entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.get(save.key), exact)
+                self.store.put(save.key, entry)
+            except Exception:  # its readers then wait for its whole save
+                logger.exception("kvbench: saving the prompt of %s failed", save.key)
+                continue
+            self._prompts_saved_this_step[save.key] = entry.num_tokens
+            self._prompt_save_s[save.key] = time.perf_counter() - started
+            while len(self._prompt_save_s) > MAX_PENDING_HIDDEN:  # requests aborted before their save
+                self._prompt_save_s.pop(next(iter(self._prompt_save_s)))
 
     def _do_saves(self, meta: KVBenchMetadata) -> None:
         if self._saves_done_for is meta:
@@ -348,6 +350,8 @@ class ConnectorWorker:
                 stats = self.request_stats.setdefault(save.key, {})
                 self.reuse_counters.add_save(self.store.bytes)
                 stats["save_s"] = time.perf_counter() - started
+                if (prompt_save_s := self._prompt_save_s.pop(save.key, None)) is not None:
+                    stats["prompt_save_s"] = prompt_save_s  # its prompt, saved at its prefill for concurrent readers
                 stored = self.store.stored_nbytes(save.key)
                 if stored is not None:  # what the store holds for it (compressed or not), measured
                     stats.update(store_entry_bytes=stored, store_entry_tokens=entry.num_tokens,
@@ -374,10 +378,10 @@ class ConnectorWorker:
         return self.loads.take_failed_blocks()
 
     def build_worker_meta(self) -> KVBenchWorkerMetadata | None:
-        if not self._saved_this_step and not self._claims:
+        if not self._saved_this_step and not self._claims and not self._prompts_saved_this_step:
             return None
-        meta = KVBenchWorkerMetadata(self._saved_this_step, self._claims)
-        self._saved_this_step, self._claims = set(), {}
+        meta = KVBenchWorkerMetadata(self._saved_this_step, self._claims, self._prompts_saved_this_step)
+        self._saved_this_step, self._claims, self._prompts_saved_this_step = set(), {}, {}
         return meta
 
     def take_reuse_counts(self) -> dict[str, Any] | None:
@@ -422,6 +426,7 @@ class ConnectorWorker:
         self.deferred_s = 0.0
         self._hidden_for_save.clear()
         self._exact_rows_for_save.clear()
+        self._prompt_save_s.clear()
         self._decisions.clear()
         self._unclaimed_decisions.clear()
         self.deliveries.clear()
