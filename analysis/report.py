@@ -10,6 +10,7 @@ import pandas as pd
 
 from kvbench.analysis import plots
 from kvbench.analysis.runs import Run, summary_number
+from kvbench.analysis.savings import reuse_turn_savings
 from kvbench.analysis.tables import method_table, ttft_by_agent
 from kvbench.model.store import is_constructed
 
@@ -89,6 +90,8 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "store_refused", "peak_server_rss_mib",
                     "peak_kv_cache_usage_perc"]]
     models = sorted({run.model_name for run in runs})
+    savings = reuse_turn_savings(runs)
+    savings.to_csv(out_dir / "reuse_turn_savings.csv", index=False)
     lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
              "Model: " + ", ".join(f"`{m}`" + (" (a constructed test model, docs/models.md)" if is_constructed(m) else "")
                                   for m in models), "",
@@ -100,6 +103,11 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
              *([f"**Saturated** (marked `[saturated]`): {', '.join(saturated)} stopped early, their backlog and TTFT "
                 "growing without bound: their figures describe a growing queue at that QPS, not a steady state "
                 "(this machine cannot serve it).", ""] if saturated else []),
+             *(["## What reuse saves: reuse turns against NonShared's (p50 TTFT ratio, 95% interval over "
+                "trajectories)", "",
+                "Reuse turns: turns some earlier agent's cache could serve; first turns reuse nothing (there a "
+                "method should cost nothing). A ratio whose interval holds 1 is no finding.", "",
+                _markdown(savings), ""] if len(savings) else []),
              "## Quality (against a NonShared reference: `replay --reference`, `kvbench quality`)", "",
              _markdown(quality, ".3f") if compared else
              "No run here was compared with a reference or scored on a task: the tables above say what the "

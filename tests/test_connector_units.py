@@ -406,6 +406,46 @@ def test_a_method_that_decides_first_claims_up_to_its_last_reused_row_and_vllm_p
     assert saving and save.unclaimed == (21, 4)  # its figures: vLLM's prefill above its prefix-cache hit
 
 
+def test_an_agent_whose_last_turn_reused_most_is_claimed_without_a_decision_step() -> None:
+    """Deciding first costs an engine step; an agent whose last turn reused at least
+    direct_claim_share of its eligible rows is claimed at once (its load decides), one whose last
+    turn went dense decides first again. The choice holds for the request once made."""
+    from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
+    from kvbench.methods.connector.scheduler import ConnectorScheduler
+
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}))
+    segments = (PlanSegment("ph", "q", 4, 6, source="run/t/A0.r0", source_start=4),)
+    cold = _request("a", Plan("t", "A1.r0", "A1", "run/t/A1.r0", segments), prompt=12)
+    assert scheduler.get_num_new_matched_tokens(cold, 0) == (None, False)  # no history: it decides first
+    # The worker reports A1's turn (its load reused 95% of what it could) and A2's (dense).
+    scheduler.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=KVBenchWorkerMetadata(reuse_shares={"A1": 0.95, "A2": 0.0}), failed_recving=None))
+    assert scheduler.get_num_new_matched_tokens(cold, 0) == (None, False)  # still its decision's: chosen once
+    warm = _request("b", Plan("t2", "A1.r0", "A1", "run/t2/A1.r0", segments), prompt=12)
+    assert scheduler.get_num_new_matched_tokens(warm, 0) == (11, False)  # claimed at once
+    dense = _request("c", Plan("t2", "A2.r0", "A2", "run/t2/A2.r0", segments), prompt=12)
+    assert scheduler.get_num_new_matched_tokens(dense, 0) == (None, False)
+    # Above 1: always decides first.
+    always = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas", "direct_claim_share": 1.01}),
+                                load_method("kvcmas", {}))
+    always.update_connector_output(SimpleNamespace(
+        kv_connector_worker_meta=KVBenchWorkerMetadata(reuse_shares={"A1": 1.0}), failed_recving=None))
+    later = _request("d", Plan("t3", "A1.r0", "A1", "run/t3/A1.r0", segments), prompt=12)
+    assert always.get_num_new_matched_tokens(later, 0) == (None, False)
+
+
+def test_the_worker_reports_each_agents_reused_share_once() -> None:
+    from kvbench.methods.connector.worker import ConnectorWorker
+
+    worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}),
+                             block_size=4, static_forward_context={})
+    worker._record_stats("run/t/A1.r0", {"agent": "A1", "eligible_tokens": 100, "reused_tokens": 80})  # type: ignore[typeddict-unknown-key]
+    worker._record_stats("run/t/A0.r0", {"agent": "A0", "eligible_tokens": 0, "reused_tokens": 0})  # type: ignore[typeddict-unknown-key]
+    meta = worker.build_worker_meta()
+    assert meta is not None and meta.reuse_shares == {"A1": 0.8}  # A0 could reuse nothing: no figure
+    assert worker.build_worker_meta() is None
+
+
 def test_rows_of_a_request_are_delivered_after_the_forward_that_finishes_its_prompt() -> None:
     """The method's observations of rows vLLM prefilled: delivered in wait_for_save of the step
     that finished the prompt (its blocks still its own), read through the request's blocks; a
@@ -515,3 +555,20 @@ def test_the_worker_side_offers_every_service_methods_and_loads_use() -> None:
                      if not hasattr(ConnectorWorker, name) and name not in vars(worker))
     assert missing == []
     assert {"num_layers", "tensor_parallel_size", "when_prefilled", "sum_over_ranks"} <= wanted
+
+
+def test_rows_are_read_from_the_blocks_holding_them_in_the_order_asked() -> None:
+    """read_rows reads only the blocks the rows lie in, whatever their order; through vLLM 0.32's
+    GPU layout (a logical [blocks, Hkv, block size, 2 x head size] view) on host tensors."""
+    from kvbench.methods.connector.paged import KVHalvesLayout, read_rows
+
+    block_size = 4
+    caches = [torch.randn(10, HEADS, block_size, 2 * HEAD_DIM) for _ in range(LAYERS)]
+    block_ids = torch.tensor([7, 2, 4])  # the request's rows 0-3, 4-7, 8-11
+    rows = torch.tensor([9, 0, 5, 1])
+    k, v = read_rows([(KVHalvesLayout(HEAD_DIM), cache) for cache in caches], block_ids, rows, block_size)
+    for layer, cache in enumerate(caches):
+        for i, row in enumerate(rows.tolist()):
+            block, slot = int(block_ids[row // block_size]), row % block_size
+            assert torch.equal(k[layer, i], cache[block, :, slot, :HEAD_DIM])
+            assert torch.equal(v[layer, i], cache[block, :, slot, HEAD_DIM:])

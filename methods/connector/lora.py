@@ -78,3 +78,17 @@ def load_v_lora(name: str, folder: str | Path, num_layers: int, kv_rows: slice, 
     a_all = torch.stack([zeros_a if t is None else t for t in a_layers]).to(device=device, dtype=dtype)
     b_all = torch.stack([zeros_b if t is None else t for t in b_layers]).to(device=device, dtype=dtype)
     return VLora(name, a_all, b_all, scaling)
+
+
+def served_adapters(adapters: dict[str, str], attention: torch.nn.Module, num_layers: int, ranks: int,
+                    rank: int) -> dict[str, VLora]:
+    """The served adapters' value terms (name -> PEFT folder), B cut to this tensor-parallel rank's
+    KV heads (vLLM replicates a KV head over ranks when there are fewer heads than ranks)."""
+    if not adapters:
+        return {}
+    local, head_dim = int(attention.num_kv_heads), int(attention.head_dim)
+    total = int(getattr(attention, "total_num_kv_heads", local))
+    first = rank * local if total >= ranks else rank * total // ranks
+    rows = slice(first * head_dim, (first + local) * head_dim)
+    device = next(attention.parameters()).device
+    return {name: load_v_lora(name, path, num_layers, rows, device) for name, path in adapters.items()}

@@ -33,6 +33,9 @@ class KVBenchWorkerMetadata(KVConnectorWorkerMetadata):
     claims: dict[str, int] = field(default_factory=dict)
     # key -> the prompt rows saved this step ahead of the request's end (KVBenchMetadata.prompt_saves)
     prompt_saved: dict[str, int] = field(default_factory=dict)
+    # agent -> the share of its eligible rows its turn finished this step reused (how a method
+    # that decides first chooses to claim that agent's next turn directly)
+    reuse_shares: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBenchWorkerMetadata:
         if not isinstance(other, KVBenchWorkerMetadata):
@@ -45,4 +48,7 @@ class KVBenchWorkerMetadata(KVConnectorWorkerMetadata):
         prompt_saved = dict(self.prompt_saved)
         for key, rows in other.prompt_saved.items():
             prompt_saved[key] = min(rows, prompt_saved.get(key, rows))
-        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys, claims, prompt_saved)
+        shares = dict(self.reuse_shares)
+        for agent, share in other.reuse_shares.items():
+            shares[agent] = min(share, shares.get(agent, share))
+        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys, claims, prompt_saved, shares)

@@ -80,11 +80,21 @@ class ConnectorScheduler:
         self._saves_sent: set[str] = set()  # keys whose save went to the workers, not confirmed yet
         self._prompt_saved: dict[str, int] = {}  # unsaved keys whose first rows are saved (their prompt)
         self._registered: OrderedDict[str, None] = OrderedDict()  # save keys of requests seen, latest last
+        self._reuse_shares: dict[str, float] = {}  # agent -> its last finished turn's reused share
+        self._first_choice: dict[str, bool] = {}  # request -> whether it decides first (decides_first)
 
-    def decides_first(self, plan: Plan) -> bool:
+    def decides_first(self, plan: Plan, req_id: str | None = None) -> bool:
         """Whether the worker decides what this request reuses before it is claimed (synchronous
-        loads only: an asynchronous load already runs in steps of its own)."""
-        return plan.claim == "method" and self.method.decides_before_claim and not self.settings.asynchronous
+        loads only: an asynchronous load already runs in steps of its own), unless its agent's last
+        turn reused most of what it could (ConnectorSettings.direct_claim_share): then the load
+        decides, without the extra engine step. Chosen once per request."""
+        if req_id is not None and req_id in self._first_choice:
+            return self._first_choice[req_id]
+        choice = (plan.claim == "method" and self.method.decides_before_claim and not self.settings.asynchronous
+                  and self._reuse_shares.get(plan.agent, 0.0) < self.settings.direct_claim_share)
+        if req_id is not None:
+            self._first_choice[req_id] = choice
+        return choice
 
     def plan_of(self, request: Request) -> Plan | None:
         """The request's plan; a plan this kvbench cannot read is logged and the request served
@@ -137,14 +147,14 @@ class ConnectorScheduler:
             return None, False
         if unsaved := self._unreadable(plan):
             self._waiting_since.setdefault(req_id, time.perf_counter())
-            if self.decides_first(plan) and req_id not in self._decided and unsaved <= self._saves_sent | {
+            if self.decides_first(plan, req_id) and req_id not in self._decided and unsaved <= self._saves_sent | {
                     save.key for save in self._pending_saves}:
                 # Its last sources are saved in the next step's worker call (or were in an earlier
                 # one): the worker decides right after them, in the same step.
                 self._ask_decision(request, num_computed_tokens, plan)
             return None, False  # a source is still being produced: ask again next step
         stop = num_target
-        if self.decides_first(plan):
+        if self.decides_first(plan, req_id):
             if req_id not in self._decided:  # ask the worker; the request waits one step
                 self._ask_decision(request, num_computed_tokens, plan)
                 return None, False
@@ -266,6 +276,7 @@ class ConnectorScheduler:
             for key, rows in worker_meta.prompt_saved.items():
                 if key in self._unsaved_keys:  # (not when its whole save came first)
                     self._prompt_saved[key] = rows
+            self._reuse_shares.update(worker_meta.reuse_shares)
             for req_id, stop in worker_meta.claims.items():
                 if req_id in self._decided:  # (not when the request ended meanwhile)
                     self._decided[req_id] = stop
@@ -277,6 +288,7 @@ class ConnectorScheduler:
         self._failed_loads.discard(request.request_id)
         self._waiting_since.pop(request.request_id, None)
         self._decided.pop(request.request_id, None)
+        self._first_choice.pop(request.request_id, None)
         decide_wait = self._decide_wait(request.request_id)
         self._decide_asked.pop(request.request_id, None)
         self._claim_local.pop(request.request_id, None)

@@ -61,6 +61,11 @@ class ConnectorSettings:
     # where the rows it would compute cost more than the rows it reuses save, and vLLM prefills
     # the rest. 1.5: measured on the CPU backend (benchmarks/bench_cold_start.py).
     connector_row_cost: float = 1.5
+    # Deciding first costs an engine step: such a method claims an agent's turn directly (deciding
+    # inside the load, computing what it sends dense itself) while that agent's last turn reused at
+    # least this share of its eligible rows (the steady state), and decides first otherwise (a
+    # cold start, or a gate that sends context dense). Above 1: always decides first.
+    direct_claim_share: float = 0.75
 
     @property
     def asynchronous(self) -> bool:
@@ -76,7 +81,7 @@ class ConnectorSettings:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step", "adapters",
-                 "connector_row_cost"}
+                 "connector_row_cost", "direct_claim_share"}
         if unknown := set(extra) - known:
             raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
         if "method" not in extra:
@@ -97,5 +102,8 @@ class ConnectorSettings:
         row_cost = extra.get("connector_row_cost", 1.5)
         if isinstance(row_cost, bool) or not isinstance(row_cost, int | float) or not 0 < row_cost < float("inf"):
             raise MethodConfigError(f"connector_row_cost must be a number > 0, got {row_cost!r}")
+        direct = extra.get("direct_claim_share", 0.75)
+        if isinstance(direct, bool) or not isinstance(direct, int | float) or not 0 <= direct < float("inf"):
+            raise MethodConfigError(f"direct_claim_share must be a number >= 0, got {direct!r}")
         return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget, dict(adapters),
-                   float(row_cost))
+                   float(row_cost), float(direct))

@@ -22,7 +22,7 @@ from kvbench.methods.connector.fits import check_method_fits
 from kvbench.methods.connector.forward import run_to_end
 from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
-from kvbench.methods.connector.lora import VLora, load_v_lora
+from kvbench.methods.connector.lora import VLora, served_adapters
 from kvbench.methods.connector.materialize import LoadDecision, decide_steps, materialize_steps, prompt_rows
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
@@ -71,6 +71,7 @@ class ConnectorWorker:
         self._deferred_wait_steps = 0
         self._saved_this_step: set[str] = set()
         self._prompts_saved_this_step: dict[str, int] = {}  # key -> rows, saved ahead of the request's end
+        self._reuse_shares: dict[str, float] = {}  # agent -> its last turn's reused share, to report
         self._prompt_save_s: dict[str, float] = {}  # -> the copy's time, for the request's stats at its save
         self._finished_sending: set[str] = set()
         self._saves_done_for: KVBenchMetadata | None = None
@@ -115,17 +116,10 @@ class ConnectorWorker:
         logger.info("kvbench connector: model attached (%d layers)", len(layers))
 
     def _load_adapters(self, attention: torch.nn.Module) -> dict[str, VLora]:
-        """The served adapters' value terms, B cut to this rank's KV heads (vLLM replicates a KV
-        head over ranks when there are fewer heads than ranks)."""
-        if not self.settings.adapters:
+        if not self.settings.adapters:  # (the rank needs vLLM's distributed state)
             return {}
-        local, head_dim = int(attention.num_kv_heads), int(attention.head_dim)
-        total, ranks = int(getattr(attention, "total_num_kv_heads", local)), self.tensor_parallel_size
-        first = self.tensor_parallel_rank() * local if total >= ranks else self.tensor_parallel_rank() * total // ranks
-        rows = slice(first * head_dim, (first + local) * head_dim)
-        device = next(attention.parameters()).device
-        return {name: load_v_lora(name, path, self.num_layers, rows, device)
-                for name, path in self.settings.adapters.items()}
+        return served_adapters(self.settings.adapters, attention, self.num_layers, self.tensor_parallel_size,
+                               self.tensor_parallel_rank())
 
     def check_method_fits(self, method: SharingMethod) -> None:
         check_method_fits(method, self.num_layers, adapters_served=bool(self._adapters))
@@ -191,15 +185,10 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- helpers of the loads
     def rows_reader(self, block_ids: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """Reads K, V [layers, len(rows), Hkv, hd] of a request's rows from the paged cache."""
-        def read_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            n_read = int(rows.max()) + 1 if len(rows) else 0
-            ks, vs = [], []
-            for name in self.forward.layer_names:
-                k, v = self.layouts[name].read(self.kv_caches[name], block_ids, n_read)
-                ks.append(k.index_select(0, rows))
-                vs.append(v.index_select(0, rows))
-            return torch.stack(ks), torch.stack(vs)
-        return read_rows
+        from kvbench.methods.connector.paged import read_rows
+
+        caches = [(self.layouts[name], self.kv_caches[name]) for name in self.forward.layer_names]
+        return lambda rows: read_rows(caches, block_ids, rows, self.block_size)
 
     def influence(self, layer: int, q: torch.Tensor, q_rows: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Attention mass each row of the request receives at `layer` from the query rows `q_rows`
@@ -233,8 +222,16 @@ class ConnectorWorker:
     def _record_stats(self, key: str, stats: LoadStats) -> None:
         self.request_stats[key] = stats
         self.reuse_counters.add_request(dict(stats))
+        self._note_reuse_share(stats)
         while len(self.request_stats) > MAX_KEPT_REQUEST_STATS:
             self.request_stats.pop(next(iter(self.request_stats)))
+
+    def _note_reuse_share(self, stats: LoadStats | dict[str, Any]) -> None:
+        """The share of its eligible rows a turn reused, by agent, for the scheduler side's choice
+        to claim that agent's next turn directly (ConnectorSettings.direct_claim_share)."""
+        eligible, agent = stats.get("eligible_tokens") or 0, stats.get("agent")
+        if agent and eligible > 0:
+            self._reuse_shares[str(agent)] = float(stats.get("reused_tokens") or 0) / float(eligible)
 
     # ---------------------------------------------------------------- the engine step
     def start_load_kv(self, meta: KVBenchMetadata) -> None:
@@ -290,6 +287,7 @@ class ConnectorWorker:
                 "turn": spec.plan.turn, "agent": spec.plan.agent, **ctx.stats}
             ctx.stats = stats
             self.request_stats[spec.key] = cast(LoadStats, stats)  # counted on /metrics at its save
+            self._note_reuse_share(stats)
             self._unclaimed_decisions[spec.key] = cast(LoadStats, stats)  # completed at its save
             while len(self._unclaimed_decisions) > MAX_PENDING_HIDDEN:  # requests aborted before their save
                 self._unclaimed_decisions.pop(next(iter(self._unclaimed_decisions)))
@@ -378,10 +376,11 @@ class ConnectorWorker:
         return self.loads.take_failed_blocks()
 
     def build_worker_meta(self) -> KVBenchWorkerMetadata | None:
-        if not self._saved_this_step and not self._claims and not self._prompts_saved_this_step:
+        if not (self._saved_this_step or self._claims or self._prompts_saved_this_step or self._reuse_shares):
             return None
-        meta = KVBenchWorkerMetadata(self._saved_this_step, self._claims, self._prompts_saved_this_step)
-        self._saved_this_step, self._claims, self._prompts_saved_this_step = set(), {}, {}
+        meta = KVBenchWorkerMetadata(self._saved_this_step, self._claims, self._prompts_saved_this_step,
+                                     self._reuse_shares)
+        self._saved_this_step, self._claims, self._prompts_saved_this_step, self._reuse_shares = set(), {}, {}, {}
         return meta
 
     def take_reuse_counts(self) -> dict[str, Any] | None:
