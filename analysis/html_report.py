@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from kvbench.analysis.runs import Run
+from kvbench.model.store import embedded_name
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:13px;display:block;overflow-x:auto}
@@ -32,7 +33,14 @@ def provenance(run: Run) -> dict[str, object]:
     keys = ("run_id", "date", "method", "method_params", "model", "model_identity", "request_rate", "num_trajectories",
             "num_warmups", "prime_method_state", "sampling", "goodput", "kvbench_version", "git_sha", "host",
             "vllm_version", "server_command")
-    return {"path": str(run.path), **{key: config.get(key) for key in keys if key in config}}
+    out: dict[str, object] = {"path": str(run.path), **{key: config.get(key) for key in keys if key in config}}
+    model = config.get("model")
+    if isinstance(model, str) and (name := embedded_name(model)) != model:
+        # an embedded model's path is this machine's cache: name it as any machine resolves it
+        out["model"] = name
+        if isinstance(out.get("server_command"), list):
+            out["server_command"] = [name if arg == model else arg for arg in out["server_command"]]  # type: ignore[union-attr]
+    return out
 
 
 def write_html_report(markdown_path: Path, runs: list[Run], title: str) -> Path:

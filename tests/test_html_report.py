@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import matplotlib.image
+import pandas as pd
 import pytest
 from click.testing import CliRunner
 
@@ -67,3 +68,16 @@ def test_a_page_that_fails_to_load_an_image_is_seen(tmp_path: Path) -> None:
     dom = _render(browser, page, "--dump-dom")
     assert 'data-images-loaded="0"' in dom.stdout
     assert any(":CONSOLE" in line and "undefinedFn" in line for line in dom.stderr.splitlines())
+
+
+def test_provenance_names_an_embedded_model_as_any_machine_resolves_it() -> None:
+    from kvbench.analysis.html_report import provenance
+    from kvbench.analysis.runs import Run
+    from kvbench.model.resolve import resolve_model
+
+    path = resolve_model(None)  # the shipped model: a path of this checkout
+    run = Run(Path("r"), {"config": {"model": path, "server_command": ["python", "--model", path, "--port", "1"]}},
+              pd.DataFrame())
+    shown = provenance(run)
+    assert shown["model"] == "kvbench:recall-v1"
+    assert shown["server_command"] == ["python", "--model", "kvbench:recall-v1", "--port", "1"]
