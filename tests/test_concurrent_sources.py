@@ -195,3 +195,11 @@ def test_trace_stats_show_segments_shared_by_concurrent_turns(tiny_tokenizer_dir
     sequential = generate_trace(TraceSpec(shared_tokens=40, output_len=4, num_trajectories=1, seed=1),
                                 load_tokenizer(str(tiny_tokenizer_dir)))
     assert trace_stats(Trace(header=sequential[0], trajectories=sequential[1]))["concurrent_shared_tokens_per_edge"] == {}
+
+
+def test_tensor_parallel_ranks_report_the_smaller_figures() -> None:
+    ours = KVBenchWorkerMetadata({"a"}, {"r": 8}, {SOURCE: 10}, {"A1": 0.9})
+    theirs = KVBenchWorkerMetadata({"b"}, {"r": 6, "s": 3}, {SOURCE: 9, READER: 4}, {"A1": 0.5, "A2": 1.0})
+    merged = ours.aggregate(theirs)
+    assert merged.saved_keys == {"a", "b"} and merged.claims == {"r": 6, "s": 3}
+    assert merged.prompt_saved == {SOURCE: 9, READER: 4} and merged.reuse_shares == {"A1": 0.5, "A2": 1.0}

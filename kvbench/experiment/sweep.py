@@ -40,6 +40,7 @@ class MethodConfig:
 # The plain NonShared configuration: the one whose server also runs a sweep's quality references.
 PLAIN_NONSHARED = MethodConfig("nonshared")
 
+
 @dataclass(frozen=True)
 class SweepPoint:
     """One (context, QPS) of a grid given point by point, with its own trajectory count and

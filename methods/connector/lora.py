@@ -84,8 +84,6 @@ def served_adapters(adapters: dict[str, str], attention: torch.nn.Module, num_la
                     rank: int) -> dict[str, VLora]:
     """The served adapters' value terms (name -> PEFT folder), B cut to this tensor-parallel rank's
     KV heads (vLLM replicates a KV head over ranks when there are fewer heads than ranks)."""
-    if not adapters:
-        return {}
     local, head_dim = int(attention.num_kv_heads), int(attention.head_dim)
     total = int(getattr(attention, "total_num_kv_heads", local))
     first = rank * local if total >= ranks else rank * total // ranks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -42,13 +43,18 @@ class KVBenchWorkerMetadata(KVConnectorWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into kvbench worker metadata")
         # Tensor-parallel ranks save their own heads under the same key, and decide alike (their
         # decisions come from sums over ranks); the smaller claim is the safe one should they not.
-        claims = dict(self.claims)
-        for req_id, stop in other.claims.items():
-            claims[req_id] = min(stop, claims.get(req_id, stop))
-        prompt_saved = dict(self.prompt_saved)
-        for key, rows in other.prompt_saved.items():
-            prompt_saved[key] = min(rows, prompt_saved.get(key, rows))
-        shares = dict(self.reuse_shares)
-        for agent, share in other.reuse_shares.items():
-            shares[agent] = min(share, shares.get(agent, share))
-        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys, claims, prompt_saved, shares)
+        # Likewise the smaller figure of saved prompt rows and of reused shares.
+        return KVBenchWorkerMetadata(self.saved_keys | other.saved_keys, _smaller(self.claims, other.claims),
+                                     _smaller(self.prompt_saved, other.prompt_saved),
+                                     _smaller(self.reuse_shares, other.reuse_shares))
+
+
+N = TypeVar("N", int, float)
+
+
+def _smaller(ours: dict[str, N], theirs: dict[str, N]) -> dict[str, N]:
+    """Both ranks' keys, each with the smaller of its values where both report it."""
+    merged = dict(ours)
+    for key, value in theirs.items():
+        merged[key] = min(value, merged.get(key, value))
+    return merged
