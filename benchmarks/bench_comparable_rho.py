@@ -28,7 +28,7 @@ from kvbench.analysis.deviation import write_matrix
 from kvbench.analysis.runs import find_runs
 from kvbench.experiment.calibrate import best_step, calibrate_threshold, profile_layers, what_limits, within
 from kvbench.experiment.sweep import TASK_ROLES, MethodConfig, SweepPoint, SweepSpec, run_sweep
-from kvbench.methods.registry import method_class
+from kvbench.methods.registry import method_spec
 from kvbench.model.resolve import resolve_model
 from kvbench.replay.server import VLLMServer, method_server_config
 from kvbench.tracegen.generate import TraceSpec, generate_trace
@@ -44,10 +44,10 @@ REFERENCES = ("nonshared", "fullshared")
 def calibrate_method(method: str, model: str, trace: Trace, tokenizer: Any, target: float, warmups: int,
                      tolerance: float, log_dir: Path) -> dict[str, Any]:
     """The method's setting for the target rho on the calibration trace, with what it realized."""
-    cls = method_class(method)
+    cls = method_spec(method)
     config = method_server_config(method, resolve_model(model), {}, log_path=log_dir / f"{method}.log")
     with VLLMServer(config) as server:
-        if getattr(cls, "layer_profiled", False):
+        if cls.layer_profiled:
             profile = profile_layers(trace, tokenizer, method, server.base_url, resolve_model(model), target)
             return {"params": {"layers": list(profile.layers)}, "profiled_turns": profile.turns,
                     "layer_deviation": [round(d, 6) for d in profile.deviation]}

@@ -1,5 +1,5 @@
 """Benchmark: causal self-attention of n rows on the CPU, torch's SDPA against vLLM's CPU kernel
-over a scratch paged cache (`kvbench.methods.connector.forward.cpu_self_attention`, the context-free
+over a scratch paged cache (`kvbench.methods.core.forward.cpu_self_attention`, the context-free
 reference prefill's attention). Prints ms per call of each and their ratio.
 
     .venv/bin/python benchmarks/bench_self_attention.py [--tokens 2048,8192] [--q-heads 8] [--kv-heads 4]
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvbench.methods.connector.forward import cpu_self_attention
-from kvbench.methods.connector.paged import CpuPackedLayout
+from kvbench.methods.core.forward import cpu_self_attention
+from kvbench.methods.core.paged import CpuPackedLayout
 
 
 def ms_per_call(fn: Callable[[], object], repeats: int) -> float:

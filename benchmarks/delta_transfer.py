@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvbench.methods.connector.rope import RopeAligner
+from kvbench.methods.core.rope import RopeAligner
 from kvbench.methods.delta.anchors import AnchorPool, interpolated_delta
 from kvbench.model.resolve import resolve_model
 from kvbench.model.store import first_context_layer

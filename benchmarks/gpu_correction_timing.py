@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.connector.rope import RopeAligner
+from kvbench.methods.core.rope import RopeAligner
 from kvbench.methods.delta.anchors import (
     Anchor,
     anchor_distances,

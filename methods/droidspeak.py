@@ -16,35 +16,11 @@ or a source that vLLM prefilled without the connector) are computed densely."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from pydantic import Field, field_validator
-
-from kvbench.methods.base import LoadContext, MethodParams, SegmentReuse, SharingMethod
-from kvbench.methods.registry import register_method
+from kvbench.methods.api.base import LoadContext, SegmentReuse, SharingMethod
+from kvbench.methods.specs.droidspeak import SPEC
 
 
-class DroidSpeakParams(MethodParams):
-    layers: list[int] | None = Field(None, description="the recomputed layer group [start, stop); default: the "
-                                     "deepest round((1 - reuse_ratio) * L) layers, at least 2")
-    reuse_ratio: float = Field(0.8, ge=0, lt=1, description="share of the layers that keep the reused K/V "
-                               "(sizes the default group)")
-
-    @field_validator("layers")
-    @classmethod
-    def _a_layer_range(cls, layers: list[int] | None) -> list[int] | None:
-        if layers is not None and not (len(layers) == 2 and 0 <= layers[0] < layers[1]):
-            raise ValueError("layers must be [start, stop) with 0 <= start < stop")
-        return layers
-
-
-@register_method
-class DroidSpeak(SharingMethod):
-    name = "droidspeak"
-    summary = ("reuse, then recompute one contiguous layer group for all shared tokens from the source's saved "
-               "residual stream (deepest 20% of layers, at least 2)")
-    Params = DroidSpeakParams
-    layer_profiled: ClassVar[bool] = True  # `kvbench calibrate` profiles its layer group
+class DroidSpeak(SharingMethod, spec=SPEC):
 
     def recompute_layers(self) -> tuple[int, int] | None:
         if self.params["layers"] is not None:

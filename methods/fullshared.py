@@ -3,11 +3,9 @@ positions, with no correction. The fastest and least accurate reuse: the upper b
 
 from __future__ import annotations
 
-from kvbench.methods.base import SharingMethod
-from kvbench.methods.registry import register_method
+from kvbench.methods.api.base import SharingMethod
+from kvbench.methods.specs.fullshared import SPEC
 
 
-@register_method
-class FullShared(SharingMethod):
-    name = "fullshared"
-    summary = "reuse the source agent's K/V of every shared segment, re-aligned, no correction"
+class FullShared(SharingMethod, spec=SPEC):
+    """The method `SPEC` declares, as its module docstring describes."""

@@ -16,19 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import Field
 
-from kvbench.methods.base import MethodParams
 from kvbench.methods.delta.anchors import Correction
 from kvbench.methods.delta.correction import DeltaCorrection, PendingAnchor, Rows
 from kvbench.methods.delta.match_memo import SegmentDistances
 from kvbench.methods.delta.stored import Stored, store
-from kvbench.methods.registry import register_method
-
-
-class GraphFlowParams(MethodParams):
-    rho: float = Field(0.8, ge=0, le=1, description="target reuse ratio: each segment is corrected or prefilled "
-                       "densely, whichever keeps the reused share of eligible shared tokens nearer to it")
+from kvbench.methods.specs.graphflow import SPEC
 
 
 @dataclass
@@ -66,15 +59,10 @@ class ReuseBudget:
         self.reused += tokens if reused else 0
 
 
-@register_method
-class GraphFlow(DeltaCorrection):
-    name = "graphflow"
-    summary = "one calibrated correction per (slot, target agent), no online matching; rho: reuse budget"
-    Params = GraphFlowParams
+class GraphFlow(DeltaCorrection, spec=SPEC):
     chained = False
     low_rank = False
     matching = False
-    threshold_name = "rho"  # `kvbench calibrate` bisects it like a gate threshold
 
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)

@@ -6,10 +6,8 @@ a rejected match prefills the segment densely and becomes a new anchor."""
 from __future__ import annotations
 
 from kvbench.methods.delta.correction import DeltaCorrection
-from kvbench.methods.registry import register_method
+from kvbench.methods.specs.kvcmas import SPEC
 
 
-@register_method
-class KVCMAS(DeltaCorrection):
-    name = "kvcmas"
-    summary = "chained low-rank delta correction from an online anchor pool (V=10, r=32, tau=0.3)"
+class KVCMAS(DeltaCorrection, spec=SPEC):
+    """The method `SPEC` declares, as its module docstring describes."""

@@ -4,11 +4,8 @@ corrected from a context-free reference of each segment, prefilled on first sigh
 from __future__ import annotations
 
 from kvbench.methods.delta.correction import DeltaCorrection
-from kvbench.methods.registry import register_method
+from kvbench.methods.specs.kvcmas_nonchained import SPEC
 
 
-@register_method
-class KVCMASNonChained(DeltaCorrection):
-    name = "kvcmas-nonchained"
-    summary = "KVCMAS corrected from a context-free reference (Fig. 6 ablation)"
+class KVCMASNonChained(DeltaCorrection, spec=SPEC):
     chained = False

@@ -10,13 +10,10 @@ docs/methods.md, "Faithfulness", says why."""
 from __future__ import annotations
 
 from kvbench.methods.kvcomm import KVComm
-from kvbench.methods.registry import register_method
+from kvbench.methods.specs.kvcomm_ref import SPEC
 
 
-@register_method
-class KVCommRef(KVComm):
-    name = "kvcomm-ref"
-    summary = "KVComm as its code runs: BOS-prefixed references, outputs from the producer's cache, per-agent fallback"
+class KVCommRef(KVComm, spec=SPEC):
     reference_prefix = True
     outputs_from_producer = True
     whole_agent_fallback = True

@@ -4,14 +4,9 @@ quality figure."""
 
 from __future__ import annotations
 
-from kvbench.methods.base import SharingMethod
-from kvbench.methods.registry import register_method
+from kvbench.methods.api.base import SharingMethod
+from kvbench.methods.specs.nonshared import SPEC
 
 
-@register_method
-class NonShared(SharingMethod):
-    name = "nonshared"
-    summary = ("plain vLLM prefill of every prompt (vLLM's own prefix cache still reuses each agent's own "
-               "prefix)")
-    approximate = False
-    uses_connector = False
+class NonShared(SharingMethod, spec=SPEC):
+    """The method `SPEC` declares, as its module docstring describes."""

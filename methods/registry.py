@@ -1,91 +1,113 @@
-"""The method registry: `--method NAME` -> the `SharingMethod` subclass that implements it.
+"""The method registry: `--method NAME` -> its `MethodSpec` (kvbench.methods.api.spec).
 
-A method is one file in this package whose class carries `@register_method`; the class itself
-holds its name, one-line summary, whether it is approximate, and its parameters (a pydantic
-model). `kvbench methods`, the docs' table and every CLI check read them from here. Methods
-outside kvbench register through the `kvbench.methods` entry-point group (a module to import).
+The top floor of `kvbench.methods`, and torch-free: it imports the specs only. Every module of
+`kvbench.methods.specs` holding a `SPEC` is a built-in method; methods outside kvbench register
+through the `kvbench.methods` entry-point group (an entry point names a `MethodSpec`, or a module
+holding `SPEC`), or at run time with `register`. The CLI, the replay client and the docs read
+specs; the connector loads an implementation by the dotted path `kv_transfer_config` gives it.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import importlib.util
 import pkgutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from kvbench.methods.api.spec import MethodSpec
 
 if TYPE_CHECKING:
-    from kvbench.methods.base import SharingMethod
+    from kvbench.methods.api.base import SharingMethod
 
 CONNECTOR_CLASS = "KVBenchConnector"
 CONNECTOR_MODULE = "kvbench.methods.connector.adapter"
 WORKER_EXTENSION = "kvbench.methods.connector.worker_ext.KVBenchWorkerExtension"
 ENTRY_POINT_GROUP = "kvbench.methods"
-REGISTER_MARK = "@register_method"
+SPECS_PACKAGE = "kvbench.methods.specs"
+SPECS_FOLDER = Path(__file__).parent / "specs"
 
-M = TypeVar("M", bound="type[SharingMethod]")
-_METHODS: dict[str, type[SharingMethod]] = {}
+_METHODS: dict[str, MethodSpec] = {}
 _discovered = False
 
 
-def register_method(cls: M) -> M:
-    """Class decorator: make a SharingMethod subclass available as `--method cls.name`."""
-    from kvbench.methods.base import SharingMethod
+def builtin_spec_modules() -> list[str]:
+    """The modules of the built-in specs, found without importing them (the layering test reads
+    this list as the registry's imports)."""
+    return sorted(f"{SPECS_PACKAGE}.{m.name}" for m in pkgutil.iter_modules([str(SPECS_FOLDER)]) if not m.ispkg)
 
-    if not (isinstance(cls, type) and issubclass(cls, SharingMethod)) or cls is SharingMethod:
-        raise TypeError(f"@register_method needs a SharingMethod subclass, got {cls!r}")
-    if not cls.name or cls.name == SharingMethod.name or not cls.summary:
-        raise TypeError(f"{cls.__qualname__}: a registered method sets `name` and a one-line `summary`")
-    if (known := _METHODS.get(cls.name)) is not None and known.__qualname__ != cls.__qualname__:
-        raise ValueError(f"method name {cls.name!r} is taken by {known.__module__}.{known.__qualname__}")
-    _METHODS[cls.name] = cls
-    return cls
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Make `spec` available as `--method spec.name` (a name is taken once)."""
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(f"register needs a MethodSpec, got {spec!r}")
+    if (known := _METHODS.get(spec.name)) is not None and known != spec:
+        raise ValueError(f"method name {spec.name!r} is taken by {known.implementation}")
+    _METHODS[spec.name] = spec
+    return spec
+
+
+def _spec_of(found: Any, where: str) -> MethodSpec:
+    spec = getattr(found, "SPEC", None) if isinstance(found, ModuleType) else found
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(f"{where} names neither a MethodSpec nor a module holding SPEC")
+    return spec
 
 
 def _discover() -> None:
-    """Import this package's method files (those that register a class) and the entry points."""
     global _discovered
     if _discovered:
         return
     _discovered = True
-    package = Path(__file__).parent
-    for module in pkgutil.iter_modules([str(package)]):
-        path = package / f"{module.name}.py"
-        if not module.ispkg and module.name != "registry" and REGISTER_MARK in path.read_text(encoding="utf-8"):
-            importlib.import_module(f"kvbench.methods.{module.name}")
+    for module in builtin_spec_modules():
+        register(_spec_of(importlib.import_module(module), module))
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        entry.load()
+        register(_spec_of(entry.load(), f"entry point {entry.name} ({entry.value})"))
 
 
-def all_methods() -> dict[str, type[SharingMethod]]:
-    """Every registered method by name, sorted."""
+def all_methods() -> dict[str, MethodSpec]:
+    """Every registered method's spec by name, sorted."""
     _discover()
     return dict(sorted(_METHODS.items()))
 
 
-def method_class(name: str) -> type[SharingMethod]:
+def method_spec(name: str) -> MethodSpec:
     methods = all_methods()
     if name not in methods:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(methods)}")
     return methods[name]
 
 
+def method_class(name: str) -> type[SharingMethod]:
+    """The implementation of `name` (imports torch and the method: for its tests and tools that
+    run methods in their own process, not for the client)."""
+    from kvbench.methods.api.base import load_implementation
+
+    return load_implementation(method_spec(name).implementation)
+
+
 def validate_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """A method's parameters with defaults filled in, checked before a server is started for it
     (raises ValueError naming the bad ones)."""
-    return method_class(name)(params).params
+    return method_spec(name).parse_params(params)
+
+
+def method_keys(name: str) -> dict[str, str]:
+    """The keys of kv_connector_extra_config naming a method: its name and its implementation."""
+    return {"method": name, "implementation": method_spec(name).implementation}
 
 
 def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_store_bytes: int | None = None,
                        fault_injection: str | None = None,
                        max_load_tokens_per_step: int | None = None) -> dict[str, Any] | None:
     """The server's --kv-transfer-config for a method (None for plain vLLM)."""
-    if not method_class(name).uses_connector:
+    spec = method_spec(name)
+    if not spec.uses_connector:
         if params:
             raise ValueError(f"method {name!r} takes no parameters")
         return None
-    extra: dict[str, Any] = {"method": name, "params": dict(params or {})}
+    extra: dict[str, Any] = {**method_keys(name), "params": dict(params or {})}
     if max_store_bytes is not None:
         extra["max_store_bytes"] = max_store_bytes
     if fault_injection is not None:
@@ -105,7 +127,7 @@ def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_stor
 def methods_table() -> str:
     """A markdown table of the methods: name, approximate or exact, summary, parameters."""
     rows = ["| method | output | what it does | parameters (default) |", "|---|---|---|---|"]
-    for name, cls in all_methods().items():
-        params = ", ".join(f"`{p}`={default}" for p, default, _ in cls.Params.describe()) or "none"
-        rows.append(f"| `{name}` | {'approximate' if cls.approximate else 'exact'} | {cls.summary} | {params} |")
+    for name, spec in all_methods().items():
+        params = ", ".join(f"`{p}`={default}" for p, default, _ in spec.Params.describe()) or "none"
+        rows.append(f"| `{name}` | {'approximate' if spec.approximate else 'exact'} | {spec.summary} | {params} |")
     return "\n".join(rows)

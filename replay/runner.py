@@ -54,10 +54,10 @@ async def _sleep_until(target_ns: int) -> None:
 
 class Replayer:
     def __init__(self, config: ReplayConfig) -> None:
-        from kvbench.methods.registry import method_class
+        from kvbench.methods.registry import method_spec
 
         self.config = config
-        self.method_info = method_class(config.method)
+        self.method_info = method_spec(config.method)  # its flags only: the client imports no method
         self.abort_reason: str | None = None
         self.interrupted: int | None = None  # the stop signal that ended the run
         self.writer: ResultsWriter | None = None  # set once the run reached its servers

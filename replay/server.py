@@ -406,9 +406,9 @@ def method_server_config(method: str, model: str, params: dict[str, Any] | None 
     extension and the model handed to the connector once the server is up. The connector's
     settings (load spreading, store cap, injected faults) mean nothing to plain vLLM and are
     left out for it."""
-    from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, method_class
+    from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, method_spec
 
-    uses_connector = method_class(method).uses_connector
+    uses_connector = method_spec(method).uses_connector
     transfer = kv_transfer_config(method, params, max_load_tokens_per_step=max_load_tokens_per_step if uses_connector else None,
                                   max_store_bytes=max_store_bytes if uses_connector else None,
                                   fault_injection=fault_injection if uses_connector else None)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from kvbench.cli import main
-from kvbench.methods.connector.lora import load_v_lora
+from kvbench.methods.core.lora import load_v_lora
 
 LAYERS, HIDDEN, KV_ROWS = 2, 12, 8
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.base import LoadContext, SegmentReuse
-from kvbench.methods.connector.rope import RopeAligner
-from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.api.base import LoadContext, SegmentReuse
+from kvbench.methods.core.rope import RopeAligner
+from kvbench.methods.core.store import SavedKV
 from kvbench.methods.delta.anchors import (
     AnchorPool,
     Correction,
@@ -409,7 +409,7 @@ def _anchors(method) -> int:
 
 
 def test_method_parameters_are_validated() -> None:
-    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.api.base import MethodConfigError
 
     with pytest.raises(MethodConfigError, match=r"kvcmas: tau: Input should be less than or equal to 1 \(got 2\)"):
         method_class("kvcmas")({"tau": 2})
@@ -511,7 +511,7 @@ def test_a_reference_is_matched_once_for_every_agent_reading_it() -> None:
 
 
 def test_prematch_is_validated() -> None:
-    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.api.base import MethodConfigError
 
     with pytest.raises(MethodConfigError, match=r"prematch: Input should be a valid boolean \(got 'yes'\)"):
         method_class("kvcmas")({"prematch": "yes"})
@@ -820,7 +820,7 @@ def test_graphflow_starts_its_budget_afresh_when_a_measured_run_follows_warm_ups
 def test_coded_bases_are_compressed_and_still_match() -> None:
     """KVComm's `base_codec`: full-size bases kept by PolyKV's codec take >= 2.5x fewer bytes than
     bf16 and still single out the right anchor; corrections are kept as they are."""
-    from kvbench.methods.connector.kv_codec import make_codec
+    from kvbench.methods.core.kv_codec import make_codec
     from kvbench.methods.delta.stored import BaseCodec, Coded
 
     contents = [_low_rank_plus_noise(64, 8, 0.1, seed=s) for s in range(3)]

@@ -108,8 +108,9 @@ def test_the_load_budget_reaches_the_connector() -> None:
 
     from kvbench.cli import main
     from kvbench.cli.server_options import ServerOptions
-    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.api.base import MethodConfigError
     from kvbench.methods.connector.settings import ConnectorSettings
+    from kvbench.methods.registry import method_keys
 
     options = ServerOptions(model=None, max_model_len=None, cpu_kv_cache_gib=2.0, startup_timeout_s=60.0,
                             method_params=(), vllm_args=(), max_load_tokens_per_step=512, max_store_bytes=None,
@@ -119,7 +120,7 @@ def test_the_load_budget_reaches_the_connector() -> None:
     # plain vLLM: no connector to configure
     assert options.server_config("nonshared", {}, "model").kv_transfer_config is None
     with pytest.raises(MethodConfigError, match="max_load_tokens_per_step"):
-        ConnectorSettings.from_extra_config({"method": "kvcmas", "max_load_tokens_per_step": -1})
+        ConnectorSettings.from_extra_config({**method_keys("kvcmas"), "max_load_tokens_per_step": -1})
     # every command that starts a server takes the flag
     for command in ("replay", "serve", "calibrate"):
         result = CliRunner().invoke(main, [command, "--help"])

@@ -102,7 +102,7 @@ def _templated(template: str) -> tuple[TraceTokenizer, object]:
     hf.chat_template = template
     hf.bos_token = "<bos-text>"
     plain = load_tokenizer(None)
-    return dataclasses.replace(plain, prompt_prefix_ids=[0], chat=hf), hf
+    return dataclasses.replace(plain, prompt_prefix_ids=[0], chat_tokenizer=hf), hf
 
 
 @pytest.mark.parametrize("template", [_TEMPLATE, _NO_SYSTEM])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbench.methods.base import MethodConfigError
+from kvbench.methods.api.base import MethodConfigError
 from kvbench.methods.cacheblend import CacheBlend
 from kvbench.methods.connector.materialize import Narrowing, count_rows, served_entries
 

@@ -16,7 +16,8 @@ from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.connector import scheduler as scheduler_module
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.scheduler import ConnectorScheduler
-from kvbench.methods.connector.settings import ConnectorSettings, load_method
+from kvbench.methods.connector.settings import ConnectorSettings
+from kvbench.methods.registry import method_class, method_keys
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
@@ -54,7 +55,7 @@ def _reader_plan(stop: int = 8, in_flight: bool = True) -> Plan:
 
 
 def _scheduler() -> ConnectorScheduler:
-    return ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}), load_method("fullshared", {}))
+    return ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys("fullshared")}), method_class("fullshared")({}))
 
 
 def test_a_reader_goes_ahead_once_the_sources_prompt_is_saved_not_its_whole_cache() -> None:
@@ -129,7 +130,7 @@ def test_the_worker_saves_a_prompt_after_the_forward_and_its_whole_save_replaces
             blocks = kv[block_ids]
             return blocks[:, 0].reshape(-1, heads, head_dim)[:rows], blocks[:, 1].reshape(-1, heads, head_dim)[:rows]
 
-    worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": "fullshared"}), load_method("fullshared", {}),
+    worker = ConnectorWorker(ConnectorSettings.from_extra_config({**method_keys("fullshared")}), method_class("fullshared")({}),
                              block_size=block_size, static_forward_context={})
     worker.forward = SimpleNamespace(layer_names=list(caches), layers=list(caches))
     worker.layouts, worker.kv_caches = dict.fromkeys(caches, Layout()), caches

@@ -10,24 +10,25 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.base import MethodConfigError
+from kvbench.methods.api.base import MethodConfigError
 from kvbench.methods.connector.loads import AsyncLoads, LoadJob, SyncLoads
 from kvbench.methods.connector.materialize import count_rows, find_candidates, served_entries
-from kvbench.methods.connector.settings import ConnectorSettings, load_method
+from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import LoadSpec
-from kvbench.methods.connector.store import SavedKV, SegmentStore
+from kvbench.methods.core.store import SavedKV, SegmentStore
+from kvbench.methods.registry import method_class, method_keys
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 4
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"method": "fullshared", "colour": 1}, "unknown kv_connector_extra_config key"),
+    ({**method_keys("fullshared"), "colour": 1}, "unknown kv_connector_extra_config key"),
     ({"params": {}}, "needs 'method'"),
-    ({"method": "fullshared", "max_store_bytes": 0}, "max_store_bytes must be > 0"),
-    ({"method": "fullshared", "fault_injection": "sometimes"}, "fault_injection must be"),
-    ({"method": "fullshared", "fault_injection": "1.5"}, "fault_injection must be"),
-    ({"method": "fullshared", "max_load_tokens_per_step": -1}, "max_load_tokens_per_step must be"),
-    ({"method": "fullshared", "max_load_tokens_per_step": True}, "max_load_tokens_per_step must be"),
+    ({**method_keys("fullshared"), "max_store_bytes": 0}, "max_store_bytes must be > 0"),
+    ({**method_keys("fullshared"), "fault_injection": "sometimes"}, "fault_injection must be"),
+    ({**method_keys("fullshared"), "fault_injection": "1.5"}, "fault_injection must be"),
+    ({**method_keys("fullshared"), "max_load_tokens_per_step": -1}, "max_load_tokens_per_step must be"),
+    ({**method_keys("fullshared"), "max_load_tokens_per_step": True}, "max_load_tokens_per_step must be"),
 ])
 def test_connector_settings_reject_bad_config(extra: dict, message: str) -> None:
     with pytest.raises(MethodConfigError, match=message):
@@ -35,11 +36,11 @@ def test_connector_settings_reject_bad_config(extra: dict, message: str) -> None
 
 
 def test_connector_settings_fault_modes_pick_their_loads() -> None:
-    flagged = ConnectorSettings.from_extra_config({"method": "fullshared", "fault_injection": "flagged"})
+    flagged = ConnectorSettings.from_extra_config({**method_keys("fullshared"), "fault_injection": "flagged"})
     assert flagged.fails_load("k", flagged=True) and not flagged.fails_load("k", flagged=False)
-    every = ConnectorSettings.from_extra_config({"method": "fullshared", "fault_injection": "all"})
+    every = ConnectorSettings.from_extra_config({**method_keys("fullshared"), "fault_injection": "all"})
     assert every.fails_load("k", flagged=False)
-    assert not ConnectorSettings.from_extra_config({"method": "fullshared"}).fails_load("k", flagged=True)
+    assert not ConnectorSettings.from_extra_config({**method_keys("fullshared")}).fails_load("k", flagged=True)
 
 
 def _saved(tokens: list[int]) -> SavedKV:
@@ -181,8 +182,8 @@ def test_a_consumer_waits_for_its_unsaved_source_and_an_aborted_producer_release
     from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}),
-                                   load_method("fullshared", {}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys("fullshared")}),
+                                   method_class("fullshared")({}))
     producer = _request("p", Plan("t", "A0.r0", "A0", "run/t/A0.r0"))
     consumer = _request("c", Plan("t", "A1.r0", "A1", "run/t/A1.r0",
                                   (PlanSegment("ph", "q", 0, 5, source="run/t/A0.r0", source_start=0),)))
@@ -223,8 +224,8 @@ def test_a_request_that_reuses_nothing_is_left_to_vllm(method: str, params: dict
 
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": method, "params": params}),
-                                   load_method(method, params))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys(method), "params": params}),
+                                   method_class(method)(params))
     first = Plan("t", "A0.r0", "A0", "run/t/A0.r0", (PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 6)))
     scheduler.on_new_request(_request("a0", first))
     assert _claim(scheduler, _request("a0", first), 2, stop=9) == ((7, False) if loads_first else (0, False))
@@ -248,7 +249,7 @@ def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
 
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": method}), load_method(method, {}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys(method)}), method_class(method)({}))
     last = Plan("t", "A3.r0", "A3", "run/t/A3.r0", (PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 6)),
                 keep_cache=False)
     assert last.saved_key is None and Plan.from_params(last.to_params()) == last
@@ -267,7 +268,7 @@ def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
         from kvbench.methods.connector.metadata import KVBenchMetadata
         from kvbench.methods.connector.worker import ConnectorWorker
 
-        worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": method}), load_method(method, {}),
+        worker = ConnectorWorker(ConnectorSettings.from_extra_config({**method_keys(method)}), method_class(method)({}),
                                  block_size=16, static_forward_context={})
         worker.wait_for_save(KVBenchMetadata(saves=[save]))
         stats = worker.stats(clear=False)
@@ -290,8 +291,8 @@ def test_an_unclaimed_request_reports_what_vllm_computed() -> None:
 def test_an_unreadable_plan_is_served_without_the_connector() -> None:
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "fullshared"}),
-                                   load_method("fullshared", {}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys("fullshared")}),
+                                   method_class("fullshared")({}))
     request = _request("r", Plan("t", "A0.r0", "A0", "k"))
     request.kv_transfer_params["kvbench"]["version"] = 999
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -350,11 +351,11 @@ def test_row_accounting(check: int | None, group: tuple[int, int] | None, stages
 def test_parameters_that_need_every_request_loaded_are_refused_after_start_up() -> None:
     """The scheduler side decided at start-up which requests the connector loads; new parameters
     that need every request loaded (a stream saved past layer 0) would find sources without one."""
-    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.api.base import MethodConfigError
     from kvbench.methods.connector.worker import ConnectorWorker
 
-    settings = ConnectorSettings.from_extra_config({"method": "relaycaching"})
-    worker = ConnectorWorker(settings, load_method("relaycaching", {}), 16, {})
+    settings = ConnectorSettings.from_extra_config({**method_keys("relaycaching")})
+    worker = ConnectorWorker(settings, method_class("relaycaching")({}), 16, {})
     with pytest.raises(MethodConfigError, match="start the server with them"):
         worker.set_params({"start_layer": 1})
     assert worker.set_params({"tau_dev": 2.0})["tau_dev"] == 2.0 and worker.method.params["start_layer"] == 0
@@ -369,7 +370,7 @@ def test_a_method_that_decides_first_claims_up_to_its_last_reused_row_and_vllm_p
 
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys("kvcmas")}), method_class("kvcmas")({}))
     segments = (PlanSegment("pf", "system", 0, 4), PlanSegment("ph", "q", 4, 6, source="run/t/A0.r0", source_start=4),
                 PlanSegment("pf", "text", 10, 2), PlanSegment("ph", "out:A0.r0", 12, 6, source="run/t/A0.r0",
                                                               source_start=12))
@@ -413,7 +414,7 @@ def test_an_agent_whose_last_turn_reused_most_is_claimed_without_a_decision_step
     from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys("kvcmas")}), method_class("kvcmas")({}))
     segments = (PlanSegment("ph", "q", 4, 6, source="run/t/A0.r0", source_start=4),)
     cold = _request("a", Plan("t", "A1.r0", "A1", "run/t/A1.r0", segments), prompt=12)
     assert scheduler.get_num_new_matched_tokens(cold, 0) == (None, False)  # no history: it decides first
@@ -426,8 +427,8 @@ def test_an_agent_whose_last_turn_reused_most_is_claimed_without_a_decision_step
     dense = _request("c", Plan("t2", "A2.r0", "A2", "run/t2/A2.r0", segments), prompt=12)
     assert scheduler.get_num_new_matched_tokens(dense, 0) == (None, False)
     # Above 1: always decides first.
-    always = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas", "direct_claim_share": 1.01}),
-                                load_method("kvcmas", {}))
+    always = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys("kvcmas"), "direct_claim_share": 1.01}),
+                                method_class("kvcmas")({}))
     always.update_connector_output(SimpleNamespace(
         kv_connector_worker_meta=KVBenchWorkerMetadata(reuse_shares={"A1": 1.0}), failed_recving=None))
     later = _request("d", Plan("t3", "A1.r0", "A1", "run/t3/A1.r0", segments), prompt=12)
@@ -437,7 +438,7 @@ def test_an_agent_whose_last_turn_reused_most_is_claimed_without_a_decision_step
 def test_the_worker_reports_each_agents_reused_share_once() -> None:
     from kvbench.methods.connector.worker import ConnectorWorker
 
-    worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}),
+    worker = ConnectorWorker(ConnectorSettings.from_extra_config({**method_keys("kvcmas")}), method_class("kvcmas")({}),
                              block_size=4, static_forward_context={})
     worker._record_stats("run/t/A1.r0", {"agent": "A1", "eligible_tokens": 100, "reused_tokens": 80})  # type: ignore[typeddict-unknown-key]
     worker._record_stats("run/t/A0.r0", {"agent": "A0", "eligible_tokens": 0, "reused_tokens": 0})  # type: ignore[typeddict-unknown-key]
@@ -463,7 +464,7 @@ def test_rows_of_a_request_are_delivered_after_the_forward_that_finishes_its_pro
             v = blocks[:, 1].reshape(-1, HEADS, HEAD_DIM)[:rows]
             return k, v
 
-    worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}),
+    worker = ConnectorWorker(ConnectorSettings.from_extra_config({**method_keys("kvcmas")}), method_class("kvcmas")({}),
                              block_size=block_size, static_forward_context={})
     worker.forward = SimpleNamespace(layer_names=list(caches))
     worker.layouts, worker.kv_caches = dict.fromkeys(caches, Layout()), caches
@@ -486,7 +487,7 @@ def test_a_decided_claim_ends_where_the_rows_the_connector_would_compute_cost_mo
     """The claim stops at the end of a reused segment, or claims nothing: a large segment sent dense
     ahead of a few reused rows goes to vLLM's prefill with them (the connector's forward costs
     `row_cost` vLLM rows a row); a short glue ahead of a long reuse is the connector's."""
-    from kvbench.methods.base import LoadContext, SegmentReuse
+    from kvbench.methods.api.base import LoadContext, SegmentReuse
     from kvbench.methods.connector.materialize import Candidates, LoadDecision
 
     def decision(reused: list[tuple[int, int]], n: int = 1000, local: int = 0) -> LoadDecision:
@@ -519,7 +520,7 @@ def test_a_decision_goes_out_with_the_save_of_the_source_it_waits_for() -> None:
     from kvbench.methods.connector.metadata import KVBenchWorkerMetadata
     from kvbench.methods.connector.scheduler import ConnectorScheduler
 
-    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}))
+    scheduler = ConnectorScheduler(ConnectorSettings.from_extra_config({**method_keys("kvcmas")}), method_class("kvcmas")({}))
     source_plan = Plan("t", "A0.r0", "A0", "run/t/A0.r0")
     consumer = _request("c", Plan("t", "A1.r0", "A1", "run/t/A1.r0",
                                   (PlanSegment("ph", "q", 0, 5, source="run/t/A0.r0", source_start=0),)))
@@ -540,11 +541,11 @@ def test_the_worker_side_offers_every_service_methods_and_loads_use() -> None:
     worker lost (a refactor) would fail inside vLLM, at the first load."""
     import inspect
 
-    from kvbench.methods.base import CoreServices
+    from kvbench.methods.api.base import CoreServices
     from kvbench.methods.connector.materialize import LoadServices
     from kvbench.methods.connector.worker import ConnectorWorker
 
-    worker = ConnectorWorker(ConnectorSettings.from_extra_config({"method": "kvcmas"}), load_method("kvcmas", {}),
+    worker = ConnectorWorker(ConnectorSettings.from_extra_config({**method_keys("kvcmas")}), method_class("kvcmas")({}),
                              block_size=16, static_forward_context={})
     wanted = set()
     for protocol in (CoreServices, LoadServices):
@@ -560,7 +561,7 @@ def test_the_worker_side_offers_every_service_methods_and_loads_use() -> None:
 def test_rows_are_read_from_the_blocks_holding_them_in_the_order_asked() -> None:
     """read_rows reads only the blocks the rows lie in, whatever their order; through vLLM 0.32's
     GPU layout (a logical [blocks, Hkv, block size, 2 x head size] view) on host tensors."""
-    from kvbench.methods.connector.paged import KVHalvesLayout, read_rows
+    from kvbench.methods.core.paged import KVHalvesLayout, read_rows
 
     block_size = 4
     caches = [torch.randn(10, HEADS, block_size, 2 * HEAD_DIM) for _ in range(LAYERS)]

@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from kvbench.cli import main
 from kvbench.contracts import CONTRACT_VERSION, ContractError, Plan, PlanSegment, ServerInfo, WorkerRpc, WorkerStats
 from kvbench.methods import registry
-from kvbench.methods.base import SharingMethod
+from kvbench.methods.api.base import load_implementation
+from kvbench.methods.api.spec import MethodSpec
+from kvbench.methods.core.errors import MethodConfigError
 from kvbench.replay.server import ServerError
 from kvbench.replay.stub import StubServer
 from kvbench.replay.worker_rpc import WorkerClient
@@ -83,24 +85,38 @@ def test_replaying_against_a_server_of_another_method_says_so(tiny_tokenizer_dir
     assert "runs method 'kvcmas', not 'fullshared'" in result.output and "Traceback" not in result.output
 
 
-def test_register_method_checks_what_it_registers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_register_checks_what_it_registers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_METHODS", dict(registry.all_methods()))
-
-    class NoSummary(SharingMethod):
-        name = "no-summary"
-
-    class Taken(SharingMethod):
-        name = "fullshared"
-        summary = "another fullshared"
-
-    with pytest.raises(TypeError, match="needs a SharingMethod subclass"):
-        registry.register_method(dict)
+    with pytest.raises(TypeError, match="needs a MethodSpec"):
+        registry.register(dict)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sets `name` and a one-line `summary`"):
-        registry.register_method(NoSummary)
-    with pytest.raises(ValueError, match="method name 'fullshared' is taken by kvbench.methods.fullshared.FullShared"):
-        registry.register_method(Taken)
+        MethodSpec(name="no-summary", summary="", implementation="x:Y")
+    with pytest.raises(TypeError, match="implementation must be 'package.module:Class'"):
+        MethodSpec(name="dotless", summary="s", implementation="x.Y")
+    with pytest.raises(TypeError, match="threshold 'nope' is not one of its parameters"):
+        MethodSpec(name="t", summary="s", implementation="x:Y", threshold_name="nope")
+    taken = MethodSpec(name="fullshared", summary="another fullshared", implementation="elsewhere:FullShared")
+    with pytest.raises(ValueError, match="method name 'fullshared' is taken by kvbench.methods.fullshared:FullShared"):
+        registry.register(taken)
     with pytest.raises(ValueError, match="unknown method 'telepathy'; available: cacheblend, droidspeak"):
-        registry.method_class("telepathy")
+        registry.method_spec("telepathy")
+
+
+def test_every_spec_names_its_implementation_and_matches_it() -> None:
+    """What the client reads (the spec) is what the worker runs: each implementation's class
+    carries its spec's name and flags."""
+    for name, spec in registry.all_methods().items():
+        cls = registry.method_class(name)
+        assert cls.spec is spec and cls.name == name and cls.Params is spec.Params
+        assert (cls.approximate, cls.uses_connector, cls.needs_adapters) == \
+            (spec.approximate, spec.uses_connector, spec.needs_adapters)
+
+
+def test_an_implementation_that_cannot_be_loaded_is_named() -> None:
+    with pytest.raises(MethodConfigError, match="cannot load the method implementation 'kvbench.nowhere:X'"):
+        load_implementation("kvbench.nowhere:X")
+    with pytest.raises(MethodConfigError, match="is not a SharingMethod subclass"):
+        load_implementation("kvbench.methods.api.spec:MethodSpec")
 
 
 def test_the_claim_policy_crosses_the_boundary() -> None:

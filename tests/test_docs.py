@@ -8,6 +8,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -20,25 +21,33 @@ def _python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.fixture
-def recompute_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> type:
-    """The page's method file, registered for this test only."""
-    method_code, _ = _python_blocks(ROOT / "docs" / "adding-a-method.md")
-    monkeypatch.setattr(registry, "_METHODS", dict(registry.all_methods()))  # the example's registration stays here
-    module_path = tmp_path / "recompute_head.py"
-    module_path.write_text(method_code)
-    spec = importlib.util.spec_from_file_location("recompute_head", module_path)
+def _load(code: str, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """`code` imported as module `name` for this test only (where the page saves it)."""
+    path = tmp_path / f"{name.rsplit('.', 1)[-1]}.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "recompute_head", module)
+    monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
-    return module.RecomputeHead
+    return module
+
+
+@pytest.fixture
+def recompute_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> type:
+    """The page's spec and implementation, registered for this test only."""
+    spec_code, method_code, _ = _python_blocks(ROOT / "docs" / "adding-a-method.md")
+    monkeypatch.setattr(registry, "_METHODS", dict(registry.all_methods()))  # the example's registration stays here
+    spec = _load(spec_code, "kvbench.methods.specs.recompute_head", tmp_path, monkeypatch).SPEC
+    implementation = _load(method_code, "kvbench.methods.recompute_head", tmp_path, monkeypatch).RecomputeHead
+    registry.register(spec)
+    return implementation
 
 
 def test_adding_a_method_example_registers_and_passes_its_test(recompute_head: type) -> None:
-    _, test_code = _python_blocks(ROOT / "docs" / "adding-a-method.md")
+    _, _, test_code = _python_blocks(ROOT / "docs" / "adding-a-method.md")
     cls = registry.method_class("recompute-head")
-    assert cls is recompute_head and cls.approximate
+    assert cls is recompute_head and cls.approximate and cls.name == "recompute-head"
     assert cls({}).params == {"head_tokens": 16, "store_codec": "none"}  # every method: store_codec
     with pytest.raises(ValueError, match="head_tokens: Input should be greater than or equal to 0"):
         cls({"head_tokens": -1})

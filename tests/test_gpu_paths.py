@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.base import LoadContext, SegmentReuse
-from kvbench.methods.connector.paged import KVHalvesLayout
-from kvbench.methods.connector.rope import RopeAligner
-from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.api.base import LoadContext, SegmentReuse
+from kvbench.methods.core.paged import KVHalvesLayout
+from kvbench.methods.core.rope import RopeAligner
+from kvbench.methods.core.store import SavedKV
 from kvbench.methods.delta.anchors import Anchor, anchor_distances, gate_from_distances, interpolated_delta
 from kvbench.methods.delta.stored import EXACT_EIGH_MAX_FEATURES, LowRank
 from kvbench.methods.registry import method_class

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.methods.connector.influence import attention_mass
+from kvbench.methods.core.influence import attention_mass
 
 
 def test_mass_is_causal_and_sums_to_queries_times_heads() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.connector.kv_codec import (
+from kvbench.methods.core.kv_codec import (
     LLOYD_MAX_3BIT_MSE,
     PolyKVCodec,
     fwht,

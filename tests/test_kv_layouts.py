@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.connector.paged import KVHalvesLayout, UnsupportedCacheError, layout_for
+from kvbench.methods.core.paged import KVHalvesLayout, UnsupportedCacheError, layout_for
 
 vllm_layout = pytest.importorskip("vllm.v1.kv_cache_layout")
 interface = pytest.importorskip("vllm.v1.kv_cache_interface")

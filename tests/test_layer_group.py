@@ -28,7 +28,7 @@ def test_group_never_exceeds_the_model(rho: float, group: tuple[int, int]) -> No
 
 
 def test_layer_selective_methods_reject_bad_parameters() -> None:
-    from kvbench.methods.base import MethodConfigError
+    from kvbench.methods.api.base import MethodConfigError
     from kvbench.methods.registry import method_class
 
     for bad in ([3, 1], [0], [-1, 2], [0.5, 2]):

@@ -111,13 +111,13 @@ def test_a_server_that_does_not_start_fails_its_methods_invariants_and_the_rest_
 
     from kvbench.experiment.check_requests import CheckSpec
     from kvbench.experiment.method_check import run_checks, startup_failure
-    from kvbench.methods.connector.paged import UnsupportedCacheError, layout_for
+    from kvbench.methods.core.paged import UnsupportedCacheError, layout_for
     from kvbench.model.resolve import resolve_model
     from kvbench.replay.server import ServerError
 
     with pytest.raises(UnsupportedCacheError) as refused:  # an MLA latent cache, as vLLM's worker log shows it
         layout_for(torch.empty(512, 16, 576, device="meta"), None, "FLASHMLA")
-    refusal = f"kvbench.methods.connector.paged.UnsupportedCacheError: {refused.value}"
+    refusal = f"kvbench.methods.core.paged.UnsupportedCacheError: {refused.value}"
 
     @contextlib.contextmanager
     def servers(method: str):

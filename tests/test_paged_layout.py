@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from kvbench.methods.connector.paged import CpuPackedLayout
+from kvbench.methods.core.paged import CpuPackedLayout
 
 
 def _cpu_has(flag: str) -> bool:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.connector.forward import PartialForward
-from kvbench.methods.connector.paged import KVHalvesLayout
+from kvbench.methods.core.forward import PartialForward
+from kvbench.methods.core.paged import KVHalvesLayout
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
@@ -208,7 +208,7 @@ def test_the_worker_aligner_re_rotates_keys_where_the_model_is(device: str, monk
     """As the worker builds it at attach (RopeAligner of the model's rotary module, moved to the
     model's device): keys moved by one shift per row (a scattered reuse: the elementwise path)
     and by one shift for all (the GEMM path) land where a dense forward puts them."""
-    from kvbench.methods.connector.rope import RopeAligner
+    from kvbench.methods.core.rope import RopeAligner
 
     n = 45
     model, forward, *_ = _setup(device, monkeypatch, n)

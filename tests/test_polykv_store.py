@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.base import MethodConfigError
-from kvbench.methods.connector.kv_codec import make_codec
-from kvbench.methods.connector.store import CompressedKV, SavedKV, SegmentStore
+from kvbench.methods.api.base import MethodConfigError
+from kvbench.methods.core.kv_codec import make_codec
+from kvbench.methods.core.store import CompressedKV, SavedKV, SegmentStore
 from kvbench.methods.registry import method_class
 
 

@@ -1,5 +1,5 @@
 """PReCache's methods without an engine: the adapters' value terms, the LR cache and the rebuilt
-values (kvbench.methods.precache, kvbench.methods.connector.lora)."""
+values (kvbench.methods.precache.base, kvbench.methods.core.lora)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.base import MethodConfigError, SegmentReuse
-from kvbench.methods.connector.forward import run_to_end
-from kvbench.methods.connector.lora import VLora, load_v_lora
+from kvbench.methods.api.base import MethodConfigError, SegmentReuse
 from kvbench.methods.connector.settings import ConnectorSettings
-from kvbench.methods.connector.store import SavedKV
-from kvbench.methods.precache import LowRankReuse
-from kvbench.methods.registry import method_class
+from kvbench.methods.core.forward import run_to_end
+from kvbench.methods.core.lora import VLora, load_v_lora
+from kvbench.methods.core.store import SavedKV
+from kvbench.methods.precache.base import LowRankReuse
+from kvbench.methods.registry import method_class, method_keys
 from kvbench.model.adapters import PEFT_CONFIG, build_random_adapter
 
 LAYERS, HIDDEN, KV_HEADS, HEAD_DIM, RANK = 3, 16, 2, 4, 8
@@ -155,10 +155,10 @@ def test_load_v_lora_reads_peft_folders_and_refuses_adapters_beyond_v_proj(defau
 
 
 def test_connector_settings_take_the_served_adapters() -> None:
-    settings = ConnectorSettings.from_extra_config({"method": "precache-rebase", "adapters": {"a": "/x/a"}})
+    settings = ConnectorSettings.from_extra_config({**method_keys("precache-rebase"), "adapters": {"a": "/x/a"}})
     assert settings.adapters == {"a": "/x/a"}
     with pytest.raises(MethodConfigError, match="adapters must map"):
-        ConnectorSettings.from_extra_config({"method": "precache-rebase", "adapters": ["/x/a"]})
+        ConnectorSettings.from_extra_config({**method_keys("precache-rebase"), "adapters": ["/x/a"]})
 
 
 def test_a_plans_exact_sources_are_the_caches_written_under_its_adapter() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.connector.rope import RopeAligner
+from kvbench.methods.core.rope import RopeAligner
 
 
 @pytest.mark.parametrize("neox", [True, False])

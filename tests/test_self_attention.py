@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.methods.connector.forward import cpu_self_attention
-from kvbench.methods.connector.paged import CpuPackedLayout
+from kvbench.methods.core.forward import cpu_self_attention
+from kvbench.methods.core.paged import CpuPackedLayout
 
 
 def _layouts() -> list[CpuPackedLayout]:

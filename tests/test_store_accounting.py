@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 
 from kvbench.analysis.metrics import realized_rho, recompute_share, reuse_figures
 from kvbench.cli.server_options import ServerOptions, server_options
-from kvbench.methods.connector.store import SavedKV, SegmentStore
+from kvbench.methods.core.store import SavedKV, SegmentStore
 
 
 def _entry(tokens: int) -> SavedKV:

@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from kvbench.model.resolve import resolve_model
@@ -15,14 +16,26 @@ from kvbench.model.store import EMBEDDED_PREFIX, embedded_name
 
 @dataclass
 class TraceTokenizer:
-    """A fast (Rust) tokenizer used without special tokens, so segment ids concatenate exactly."""
+    """A fast (Rust) tokenizer used without special tokens, so segment ids concatenate exactly.
+    Loaded with `tokenizers` alone (no transformers, no torch: a replay client needs neither)."""
 
     name: str  # portable name recorded in trace headers
     backend: Any  # tokenizers.Tokenizer
     prompt_prefix_ids: list[int]  # what the tokenizer puts before any text (e.g. BOS)
-    # The transformers tokenizer when the model has a chat template (its apply_chat_template),
-    # else None: benchmark workloads frame their prompts with it.
-    chat: Any = None
+    # Where transformers loads the tokenizer from, when the model has a chat template (None: it
+    # has none), and that tokenizer once loaded. `chat` loads it on first use: only benchmark
+    # workloads and chat imports frame their prompts with it.
+    chat_source: str | None = None
+    chat_tokenizer: Any = None
+
+    @property
+    def chat(self) -> Any:
+        """The transformers tokenizer (its apply_chat_template), or None without a chat template."""
+        if self.chat_tokenizer is None and self.chat_source is not None:
+            from transformers import AutoTokenizer
+
+            self.chat_tokenizer = AutoTokenizer.from_pretrained(self.chat_source)
+        return self.chat_tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -44,12 +57,69 @@ class TraceTokenizer:
         return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
 
 
+def _local_files(path: str) -> tuple[Path, dict[str, Any]] | None:
+    """tokenizer.json and tokenizer_config.json of a local model folder, or of a hub model in the
+    local Hugging Face cache (None: neither; transformers then downloads it)."""
+    folder = Path(path)
+    if not (folder / "tokenizer.json").is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(path, "tokenizer.json")
+        except ValueError:  # not a hub name
+            return None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    return folder / "tokenizer.json", config
+
+
+def _token_text(token: Any) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _prefix_ids(backend: Any, config: dict[str, Any]) -> list[int]:
+    """What the tokenizer puts before text: its post-processor's, with `add_bos_token` of
+    tokenizer_config.json applied as transformers applies it."""
+    with_specials = backend.encode("x").ids
+    plain = backend.encode("x", add_special_tokens=False).ids
+    prefix = with_specials[: len(with_specials) - len(plain)] if with_specials[-len(plain):] == plain else []
+    bos = _token_text(config.get("bos_token"))
+    bos_id = backend.token_to_id(bos) if bos else None
+    if config.get("add_bos_token") is True and bos_id is not None and prefix[:1] != [bos_id]:
+        prefix = [bos_id, *prefix]
+    elif config.get("add_bos_token") is False and bos_id is not None and prefix[:1] == [bos_id]:
+        prefix = prefix[1:]
+    return list(prefix)
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(model: str | None) -> TraceTokenizer:
     """Tokenizer of `--model`/`--tokenizer` (None: the embedded default model)."""
+    path = resolve_model(model)
+    name = model if model is not None and not model.startswith(EMBEDDED_PREFIX) else embedded_name(path)
+    found = _local_files(path)
+    if found is None:
+        return _via_transformers(path, model, name)
+    from tokenizers import Tokenizer
+
+    tokenizer_json, config = found
+    try:
+        backend = Tokenizer.from_file(str(tokenizer_json))
+    except Exception as exc:
+        raise ValueError(f"cannot load a tokenizer for {model or path!r}: {exc}") from exc
+    has_template = bool(config.get("chat_template")) or (tokenizer_json.parent / "chat_template.jinja").is_file()
+    return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=_prefix_ids(backend, config),
+                          chat_source=str(tokenizer_json.parent) if has_template else None)
+
+
+def _via_transformers(path: str, model: str | None, name: str) -> TraceTokenizer:
+    """A model without a tokenizer.json kvbench can read (a slow tokenizer, a hub name not yet
+    cached): transformers loads it (and converts a slow one)."""
     from transformers import AutoTokenizer
 
-    path = resolve_model(model)
     try:
         hf = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -61,6 +131,6 @@ def load_tokenizer(model: str | None) -> TraceTokenizer:
     with_specials = hf("x").input_ids
     plain = backend.encode("x", add_special_tokens=False).ids
     prefix = with_specials[: len(with_specials) - len(plain)] if with_specials[-len(plain):] == plain else []
-    name = model if model is not None and not model.startswith(EMBEDDED_PREFIX) else embedded_name(path)
-    chat = hf if getattr(hf, "chat_template", None) else None
-    return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=list(prefix), chat=chat)
+    templated = bool(getattr(hf, "chat_template", None))
+    return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=list(prefix),
+                          chat_source=path if templated else None, chat_tokenizer=hf if templated else None)

@@ -45,18 +45,17 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.experiment.calibrate import calibrate_threshold, flat_rho, summary_dict, what_limits, within
     from kvbench.experiment.servers import server_url
-    from kvbench.methods.registry import method_class
+    from kvbench.methods.registry import method_spec
     from kvbench.replay.server import ServerError
 
     params = check_method(method, server.method_params)
-    cls = method_class(method) if method != "nonshared" else None
-    if cls is not None and getattr(cls, "layer_profiled", False):
+    cls = method_spec(method) if method != "nonshared" else None
+    if cls is not None and cls.layer_profiled:
         trace, tokenizer, served = load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
                                                output_len, seed)
         _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, server)
         return
-    threshold = getattr(cls, "threshold_name", None)
-    if cls is None or threshold not in cls.Params.model_fields:
+    if cls is None or cls.threshold_name is None:
         raise click.BadParameter(f"{method!r} has no reliability gate, reuse budget or layer group to calibrate",
                                  param_hint="--method")
     trace, tokenizer, served = load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,

@@ -195,11 +195,11 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                       "trace_path": str(trace_path.resolve()) if trace_path else None,
                       "max_load_tokens_per_step": server.max_load_tokens_per_step if not base_urls else None},
     )
-    from kvbench.methods.registry import method_class
+    from kvbench.methods.registry import method_spec
     from kvbench.replay.result_lock import ResultDirError, result_dir_lock
     from kvbench.replay.resume import check_result_dir
 
-    if method_class(method).needs_adapters and not config.trace.header.adapters:
+    if method_spec(method).needs_adapters and not config.trace.header.adapters:
         raise click.UsageError(f"--method {method} rebuilds each agent's values from its LoRA adapter, and this "
                                "trace's agents use none (gen-trace --adapter ROLE=PATH; kvbench model adapters)")
 

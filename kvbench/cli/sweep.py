@@ -54,7 +54,7 @@ def _benchmarks(tasks: list[str], files: dict[str, str]) -> dict[str, str | None
 def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[Any]:
     """`kvcmas:V=5,10` (repeatable) -> one configuration per value combination of that method."""
     from kvbench.experiment.sweep import MethodConfig
-    from kvbench.methods.registry import method_class, validate_params
+    from kvbench.methods.registry import method_spec, validate_params
 
     grids: dict[str, dict[str, list[Any]]] = {m: {} for m in methods}
     for spec in param_specs:
@@ -68,7 +68,7 @@ def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[An
     configs = []
     for method in methods:
         try:
-            method_class(method)
+            method_spec(method)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--methods") from None
         keys = sorted(grids[method])

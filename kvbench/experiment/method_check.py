@@ -309,7 +309,7 @@ def run_checks(spec: CheckSpec, invariants: Sequence[Invariant],
 
 def startup_failure(message: str) -> str:
     """The line of a failed start-up that says why: the connector's refusal of the cache when
-    there is one (kvbench.methods.connector.paged.UnsupportedCacheError), else the first line."""
+    there is one (kvbench.methods.core.paged.UnsupportedCacheError), else the first line."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     refusal = [line for line in lines if "UnsupportedCacheError" in line or "MethodConfigError" in line]
     return (refusal or lines or ["(no message)"])[-1 if refusal else 0]

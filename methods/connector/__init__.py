@@ -13,14 +13,15 @@
 - `counters.py`, `metrics.py`: reuse totals on vLLM's own connector-stats path, and the
   `vllm:kvbench_*` Prometheus metrics they become on `/metrics`.
 
-What the sides compute with (the core services every method sees):
+What the sides track for methods (they compute with kvbench.methods.core: the store, codecs,
+paged layouts, partial forward, RoPE, LoRA terms):
 
-- `store.py`, `kv_codec.py`: the byte-capped segment store of saved caches and its codecs.
-- `paged.py`: reading and writing rows of vLLM's paged KV caches, per platform layout.
-- `forward.py`: the layer-by-layer partial forward over the model's own modules.
-- `rope.py`: re-rotating reused keys to new positions; `influence.py`: attention mass per row.
 - `compute_tracker.py`: which requests vLLM has computed (what deferred method work waits for).
 - `deliveries.py`: rows a method asked for, handed over once the request's prompt is computed.
+- `fits.py`: whether a method's parameters fit the model and the adapters served.
+
+The connector loads a method from the implementation path in its settings (the spec's, handed
+over by `kv_transfer_config`), never through the registry, which sits above it.
 
 Only `adapter.py`, `metadata.py` and `metrics.py` import vLLM at module level, so the rest is testable without it.
 """

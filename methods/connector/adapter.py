@@ -51,7 +51,7 @@ class KVBenchConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
-        method = load_method(settings.method, settings.params)  # validates the parameters on both sides
+        method = load_method(settings)  # validates the parameters on both sides
         self.scheduler_side: ConnectorScheduler | None = None
         self.worker_side: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -9,7 +9,7 @@ from typing import Any, cast
 import torch
 
 from kvbench.contracts import CONTRACT_VERSION, FidelityRequest, LayerFidelity, SegmentFidelity
-from kvbench.methods.connector.store import SegmentStore
+from kvbench.methods.core.store import SegmentStore
 
 
 def kv_error(store: SegmentStore, key: str, reference: str, start: int = 0, stop: int | None = None) -> dict[str, Any]:
@@ -101,8 +101,8 @@ def fidelity_measures(target_k: torch.Tensor, target_v: torch.Tensor, reused_k: 
 def segment_fidelity(worker: Any, request: FidelityRequest) -> SegmentFidelity:
     """`fidelity_measures` of a request's segment, both caches prefilled densely here by the
     model served (the connector's partial forward, context-free: a whole prompt from position 0)."""
-    from kvbench.methods.connector.forward import run_to_end
-    from kvbench.methods.connector.influence import attention_mass
+    from kvbench.methods.core.forward import run_to_end
+    from kvbench.methods.core.influence import attention_mass
 
     if worker.forward is None:
         raise RuntimeError("model not attached (call kvbench_attach_model first)")

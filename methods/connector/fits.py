@@ -3,7 +3,7 @@ parameters change), with a message naming what to change, never midway through a
 
 from __future__ import annotations
 
-from kvbench.methods.base import MethodConfigError, SharingMethod
+from kvbench.methods.api.base import MethodConfigError, SharingMethod
 
 
 def check_method_fits(method: SharingMethod, layers: int, adapters_served: bool) -> None:

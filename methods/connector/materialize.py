@@ -18,12 +18,12 @@ from typing import Any, Protocol, cast
 import torch
 
 from kvbench.contracts import LoadStats
-from kvbench.methods.base import CoreServices, LoadContext, SegmentReuse, SharingMethod
+from kvbench.methods.api.base import CoreServices, LoadContext, SegmentReuse, SharingMethod
 from kvbench.methods.connector.compute_tracker import ComputedRequests
-from kvbench.methods.connector.forward import LayerGroup, PartialForward
 from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import DecideSpec, LoadSpec
-from kvbench.methods.connector.store import SavedKV, SegmentStore
+from kvbench.methods.core.forward import LayerGroup, PartialForward
+from kvbench.methods.core.store import SavedKV, SegmentStore
 
 
 class LoadServices(CoreServices, Protocol):
@@ -35,7 +35,7 @@ class LoadServices(CoreServices, Protocol):
     store: SegmentStore
     forward: PartialForward
     kv_caches: dict[str, torch.Tensor]
-    layouts: dict[str, Any]  # layer name -> its kvbench.methods.connector.paged layout
+    layouts: dict[str, Any]  # layer name -> its kvbench.methods.core.paged layout
     computed_requests: ComputedRequests
 
     def tensor_parallel_rank(self) -> int: ...

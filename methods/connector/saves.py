@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from kvbench.methods.connector.specs import SaveSpec
-from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.core.store import SavedKV
 
 # (layer name, block ids, rows) -> K, V [rows, Hkv, hd] of one layer, read from the paged cache
 ReadLayer = Callable[[str, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]

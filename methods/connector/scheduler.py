@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbench.contracts import PLAN_KEY, ContractError, Plan
-from kvbench.methods.base import SharingMethod
+from kvbench.methods.api.base import SharingMethod
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import DecideSpec, LoadSpec, SaveSpec

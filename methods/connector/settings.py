@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.methods.base import MethodConfigError, SharingMethod
+from kvbench.methods.api.base import MethodConfigError, SharingMethod, load_implementation
 
 DEFAULT_MAX_STORE_BYTES = 4 << 30
 FAULT_MODES = ("all", "flagged", "flagged_nonfinite_rank0")
@@ -27,18 +27,22 @@ def fault_hash(key: str) -> float:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
 
 
-def load_method(name: str, params: dict[str, Any]) -> SharingMethod:
-    from kvbench.methods.registry import method_class
-
+def load_method(settings: ConnectorSettings) -> SharingMethod:
+    """The method the settings name, built from its implementation's dotted path (no registry
+    lookup in the workers: what the client resolved is what runs)."""
+    cls = load_implementation(settings.implementation)
+    if cls.name != settings.method:
+        raise MethodConfigError(f"{settings.implementation} implements {cls.name!r}, not {settings.method!r}")
     try:
-        return method_class(name)(params)
-    except ValueError as exc:  # unknown name, or a method that runs without the connector
+        return cls(settings.params)
+    except ValueError as exc:
         raise MethodConfigError(str(exc)) from None
 
 
 @dataclass
 class ConnectorSettings:
     method: str
+    implementation: str  # the method's class, "package.module:Class" (its spec's)
     params: dict[str, Any]
     max_store_bytes: int
     # Tests of the dense fallback: "all" raises inside every load, a fraction (e.g. "0.25") inside
@@ -54,7 +58,7 @@ class ConnectorSettings:
     # batch for long, nor hold up the short loads queued behind it.
     max_load_tokens_per_step: int = 0
     # The LoRA adapters the server serves (name -> PEFT folder), which the connector applies to the
-    # rows it computes itself and PReCache's methods rebuild values with (kvbench.methods.connector.lora).
+    # rows it computes itself and PReCache's methods rebuild values with (kvbench.methods.core.lora).
     adapters: dict[str, str] = dataclasses.field(default_factory=dict)
     # What a row the connector's partial forward computes costs against a row vLLM prefills, for a
     # method that decides before its claim (SharingMethod.decides_before_claim): the claim stops
@@ -80,12 +84,13 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {"method", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step", "adapters",
-                 "connector_row_cost", "direct_claim_share"}
+        known = {"method", "implementation", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step",
+                 "adapters", "connector_row_cost", "direct_claim_share"}
         if unknown := set(extra) - known:
             raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
-        if "method" not in extra:
-            raise MethodConfigError("kv_connector_extra_config needs 'method'")
+        if "method" not in extra or "implementation" not in extra:
+            raise MethodConfigError("kv_connector_extra_config needs 'method' and 'implementation' (its class, "
+                                    "'package.module:Class'; kvbench.methods.registry.kv_transfer_config writes both)")
         max_bytes = int(extra.get("max_store_bytes", DEFAULT_MAX_STORE_BYTES))
         if max_bytes <= 0:
             raise MethodConfigError(f"max_store_bytes must be > 0, got {max_bytes}")
@@ -105,5 +110,6 @@ class ConnectorSettings:
         direct = extra.get("direct_claim_share", 0.75)
         if isinstance(direct, bool) or not isinstance(direct, int | float) or not 0 <= direct < float("inf"):
             raise MethodConfigError(f"direct_claim_share must be a number >= 0, got {direct!r}")
-        return cls(str(extra["method"]), dict(extra.get("params") or {}), max_bytes, fault, budget, dict(adapters),
+        return cls(str(extra["method"]), str(extra["implementation"]), dict(extra.get("params") or {}), max_bytes,
+                   fault, budget, dict(adapters),
                    float(row_cost), float(direct))

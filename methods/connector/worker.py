@@ -14,21 +14,21 @@ import torch
 
 from kvbench import __version__
 from kvbench.contracts import LoadStats, ServerInfo, WorkerStats, vllm_prefill_stats
-from kvbench.methods.base import MethodConfigError, SharingMethod
+from kvbench.methods.api.base import MethodConfigError, SharingMethod
 from kvbench.methods.connector.compute_tracker import ComputedRequests
 from kvbench.methods.connector.counters import ReuseCounters
 from kvbench.methods.connector.deliveries import RowDeliveries, RowsDelivery
 from kvbench.methods.connector.fits import check_method_fits
-from kvbench.methods.connector.forward import run_to_end
-from kvbench.methods.connector.kv_codec import KVCodec, make_codec
 from kvbench.methods.connector.loads import LoadJob, make_loads
-from kvbench.methods.connector.lora import VLora, served_adapters
 from kvbench.methods.connector.materialize import LoadDecision, decide_steps, materialize_steps, prompt_rows
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
 from kvbench.methods.connector.saves import Hidden, saved_copy
-from kvbench.methods.connector.settings import ConnectorSettings, load_method
+from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import DecideSpec, SaveSpec
-from kvbench.methods.connector.store import SavedKV, SegmentStore
+from kvbench.methods.core.forward import run_to_end
+from kvbench.methods.core.kv_codec import KVCodec, make_codec
+from kvbench.methods.core.lora import VLora, served_adapters
+from kvbench.methods.core.store import SavedKV, SegmentStore
 
 logger = logging.getLogger("kvbench.connector")
 
@@ -86,7 +86,7 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvbench.methods.connector.paged import layout_for
+        from kvbench.methods.core.paged import layout_for
 
         self.kv_caches = kv_caches
         by_kind: dict[tuple, Any] = {}
@@ -102,8 +102,8 @@ class ConnectorWorker:
 
     def attach_model(self, model: torch.nn.Module) -> None:
         """Called once per worker (kvbench's worker extension, over collective_rpc)."""
-        from kvbench.methods.connector.forward import PartialForward
-        from kvbench.methods.connector.rope import RopeAligner
+        from kvbench.methods.core.forward import PartialForward
+        from kvbench.methods.core.rope import RopeAligner
 
         inner = model.model
         layers = list(inner.layers)[inner.start_layer:inner.end_layer]
@@ -185,7 +185,7 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- helpers of the loads
     def rows_reader(self, block_ids: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """Reads K, V [layers, len(rows), Hkv, hd] of a request's rows from the paged cache."""
-        from kvbench.methods.connector.paged import read_rows
+        from kvbench.methods.core.paged import read_rows
 
         caches = [(self.layouts[name], self.kv_caches[name]) for name in self.forward.layer_names]
         return lambda rows: read_rows(caches, block_ids, rows, self.block_size)
@@ -193,7 +193,7 @@ class ConnectorWorker:
     def influence(self, layer: int, q: torch.Tensor, q_rows: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Attention mass each row of the request receives at `layer` from the query rows `q_rows`
         (summed over them and the heads), over the K/V now in the paged cache."""
-        from kvbench.methods.connector.influence import attention_mass
+        from kvbench.methods.core.influence import attention_mass
 
         name = self.forward.layer_names[layer]
         keys, _ = self.layouts[name].read(self.kv_caches[name], block_ids, int(q_rows.max()) + 1)
@@ -405,7 +405,7 @@ class ConnectorWorker:
 
     def set_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """Replace the method (same name, new parameters, empty state): e.g. to tune tau on one server."""
-        method = load_method(self.settings.method, {**self.method.params, **params})
+        method = type(self.method)({**self.method.params, **params})
         if method.loads_every_request() and not self._scheduler_loads_every_request:
             raise MethodConfigError(f"{method.name}: these parameters need every request loaded by the connector (its "
                                     "sources save a residual stream only their load captures), which the scheduler "

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
-from kvbench.methods.connector.kv_codec import make_codec
+from kvbench.methods.api.base import LoadContext, MethodParams, SegmentReuse, SharingMethod
+from kvbench.methods.core.kv_codec import make_codec
 from kvbench.methods.delta.anchors import (
     Anchor,
     AnchorPool,
@@ -55,7 +55,6 @@ class DeltaCorrection(SharingMethod):
     low_rank: ClassVar[bool] = True
     matching: ClassVar[bool] = True
     correct_layer0: ClassVar[bool] = True
-    threshold_name: ClassVar[str | None] = "tau"
     # KVComm's code (kvcomm-ref), where the KVCMAS paper's description differs: a context-free
     # reference is prefilled after the prompt's own prefix (BOS; the segment's first token is then
     # no attention sink), an agent's output is corrected from its producer's decode-phase cache
@@ -84,11 +83,6 @@ class DeltaCorrection(SharingMethod):
         self.pending: list[PendingAnchor] = []  # each waits until its request is computed
         self.open = OpenDecisions()
         self.peak_bytes: dict[str, int] = {}
-
-    def validate(self) -> None:
-        if self.params.get("prematch") and not self.chained:
-            raise MethodConfigError(f"{self.name}: prematch applies to chained sources only (a context-free "
-                                    "reference's distances are always kept for the agents after the first)")
 
     # -------------------------------------------------------------- sources
     def _reads_producer(self, segment: PlanSegment) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.methods.base import SegmentReuse
+from kvbench.methods.api.base import SegmentReuse
 from kvbench.methods.delta.jobs import PendingAnchor, Rows
 
 

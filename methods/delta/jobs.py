@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.contracts import PlanSegment
-from kvbench.methods.base import SegmentReuse
+from kvbench.methods.api.base import SegmentReuse
 from kvbench.methods.delta.anchors import Correction
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # keys (canonical positions), values: [layers, n, D]

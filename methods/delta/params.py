@@ -1,12 +1,13 @@
-"""The parameters the delta methods share (their pydantic models; kvbench.methods.params)."""
+"""The parameters the delta methods share (their pydantic models; kvbench.methods.api.params).
+Torch-free: their specs (kvbench.methods.specs) import them."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from kvbench.methods.params import MethodParams
+from kvbench.methods.api.params import MethodParams
 
 GateMode = Literal["entropy", "dense", "accept"]
 
@@ -31,3 +32,14 @@ class DeltaParams(MethodParams):
                            "outside the consumers' TTFT (chained only)")
     gate: GateMode = GATE_FIELD
     apply_corrections: bool = APPLY_CORRECTIONS_FIELD
+
+
+class NonChainedDeltaParams(DeltaParams):
+    """A delta method's parameters when its sources are context-free references (not chained)."""
+
+    @model_validator(mode="after")
+    def _prematch_needs_chaining(self) -> NonChainedDeltaParams:
+        if self.prematch:
+            raise ValueError("prematch applies to chained sources only (a context-free reference's distances are "
+                             "always kept for the agents after the first)")
+        return self

@@ -14,9 +14,9 @@ from collections.abc import Generator, Hashable
 import torch
 
 from kvbench.contracts import PlanSegment
-from kvbench.methods.base import CoreServices, LoadContext, SegmentReuse
-from kvbench.methods.connector.forward import run_to_end
-from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.api.base import CoreServices, LoadContext, SegmentReuse
+from kvbench.methods.core.forward import run_to_end
+from kvbench.methods.core.store import SavedKV
 
 MAX_REFERENCES = 256
 Key = tuple[str, str]  # (segment id, content)

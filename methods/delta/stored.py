@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.methods.connector.kv_codec import Encoded, KVCodec
+from kvbench.methods.core.kv_codec import Encoded, KVCodec
 
 # Widest feature dimension factorized with a full eigensolve. Wider ones (Llama-3.1-8B: D = 1024)
 # use subspace iteration: a full fp64 eigh of 32 [1024, 1024] Gram matrices took 340 ms on an

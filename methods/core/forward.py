@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import torch
 
-from kvbench.methods.connector.lora import VLora
-from kvbench.methods.connector.paged import CpuPackedLayout, cpu_cache_halves
+from kvbench.methods.core.lora import VLora
+from kvbench.methods.core.paged import CpuPackedLayout, cpu_cache_halves
 
 # layer index -> (row indices, K, V) of the rows not computed here, to place before attention
 RowsForLayer = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

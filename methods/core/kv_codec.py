@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
+
+from kvbench.methods.core.codec_names import KeyScale, parse_codec_name
 
 # Lloyd-Max quantizer of N(0, 1) with 8 levels (distortion about 0.03454 per coordinate).
 LLOYD_MAX_3BIT = (-2.152, -1.344, -0.756, -0.245, 0.245, 0.756, 1.344, 2.152)
 LLOYD_MAX_3BIT_MSE = 0.03454
-KeyScale = Literal["tensor", "token", "channel"]
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -163,19 +163,10 @@ class PolyKVCodec(KVCodec):
 
 
 def make_codec(name: str) -> KVCodec:
-    """A codec by name: identity, polykv (the default: published keys, bit-packed indices),
-    polykv-published (one index per int8, fp32 norms, exactly as published), or
-    polykv-<tensor|token|channel>[-packed][-fp16norm]."""
-    if name == "identity":
+    """A codec by name (kvbench.methods.core.codec_names: identity, polykv, polykv-published,
+    polykv-<tensor|token|channel>[-packed][-fp16norm])."""
+    parsed = parse_codec_name(name)
+    if parsed.kind == "identity":
         return KVCodec()
-    if name == "polykv":
-        return PolyKVCodec("tensor", pack=True)
-    if name == "polykv-published":
-        return PolyKVCodec("tensor", pack=False)
-    parts = name.split("-")
-    if parts[0] == "polykv" and len(parts) >= 2 and parts[1] in ("tensor", "token", "channel") \
-            and set(parts[2:]) <= {"packed", "fp16norm"}:
-        return PolyKVCodec(parts[1], pack="packed" in parts[2:],  # type: ignore[arg-type]
-                           norm_dtype=torch.float16 if "fp16norm" in parts[2:] else torch.float32)
-    raise ValueError(f"unknown KV codec {name!r}; known: identity, polykv, polykv-published, "
-                     "polykv-<tensor|token|channel>[-packed][-fp16norm]")
+    return PolyKVCodec(parsed.key_scale, pack=parsed.pack,
+                       norm_dtype=torch.float16 if parsed.fp16_norms else torch.float32)

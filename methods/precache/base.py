@@ -33,19 +33,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from pydantic import Field
 
-from kvbench.methods.base import LoadContext, MethodConfigError, MethodParams, SegmentReuse, SharingMethod
-from kvbench.methods.connector.forward import run_to_end
-from kvbench.methods.connector.store import SavedKV
+from kvbench.methods.api.base import LoadContext, MethodConfigError, SegmentReuse, SharingMethod
+from kvbench.methods.core.forward import run_to_end
+from kvbench.methods.core.store import SavedKV
 
 logger = logging.getLogger(__name__)
-
-
-class PReCacheParams(MethodParams):
-    max_state_gib: float = Field(1.0, gt=0, description="LR caches (and ReBase's base caches) kept, LRU beyond it")
-    eager_build: bool = Field(True, description="build a saved source's LR entries as deferred work right after its "
-                                                "save (False: only at the first load that reads it, inside its TTFT)")
 
 
 @dataclass
@@ -81,9 +74,7 @@ class LowRankReuse(SegmentReuse):
 class PReCache(SharingMethod):
     """Base of both variants: a subclass sets `adapter_free_base`."""
 
-    Params = PReCacheParams
     adapter_free_base: ClassVar[bool] = False
-    needs_adapters = True
 
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)

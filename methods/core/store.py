@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.methods.connector.kv_codec import Encoded, KVCodec
+from kvbench.methods.core.kv_codec import Encoded, KVCodec
 
 
 class _HeldRows:

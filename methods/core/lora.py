@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench.methods.params import MethodConfigError
+from kvbench.methods.core.errors import MethodConfigError
 
 
 @dataclass(frozen=True)

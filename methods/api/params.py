@@ -1,6 +1,7 @@
 """Method parameters: one pydantic model per method, its fields' types, bounds, defaults and
 descriptions in one place. `kv_connector_extra_config["params"]` is validated against it at
-server start (and by the CLI before a server starts), and `kvbench methods` and docs print it."""
+server start, and by the CLI before a server starts (so this module imports no torch), and
+`kvbench methods` and docs print it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvbench.methods.core.codec_names import parse_codec_name
+from kvbench.methods.core.errors import MethodConfigError
 
-class MethodConfigError(ValueError):
-    """Bad method parameters in kv_connector_extra_config (raised at server start)."""
+__all__ = ["STORE_CODEC_HELP", "MethodConfigError", "MethodParams"]
 
 
 def _problem(error: Any) -> str:
@@ -37,9 +39,7 @@ class MethodParams(BaseModel):
     @classmethod
     def _known_codec(cls, value: str) -> str:
         if value != "none":
-            from kvbench.methods.connector.kv_codec import make_codec
-
-            make_codec(value)  # raises ValueError naming the known codecs
+            parse_codec_name(value)  # raises ValueError naming the known codecs
         return value
 
     @classmethod

@@ -1,9 +1,11 @@
-"""The method interface: a sharing method decides *what* K/V to place; the connector core
-(`kvbench.methods.connector`) does the placing. A new method is one file with one subclass."""
+"""The method interface: a sharing method decides *what* K/V to place; the connector
+(`kvbench.methods.connector`) does the placing with the core (`kvbench.methods.core`). A method
+is its spec (`kvbench.methods.specs.<name>`, light) and one subclass of `SharingMethod` here."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -11,11 +13,13 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.connector.lora import VLora
-from kvbench.methods.connector.store import SavedKV
-from kvbench.methods.params import MethodConfigError, MethodParams
+from kvbench.methods.api.params import MethodParams
+from kvbench.methods.api.spec import MethodSpec
+from kvbench.methods.core.errors import MethodConfigError
+from kvbench.methods.core.lora import VLora
+from kvbench.methods.core.store import SavedKV
 
-__all__ = ["MethodConfigError", "MethodParams", "SharingMethod"]
+__all__ = ["MethodConfigError", "MethodParams", "MethodSpec", "SharingMethod"]
 
 
 def rows_digest(mask: torch.Tensor) -> str:
@@ -63,7 +67,7 @@ class LoadContext:
 class CoreServices(Protocol):
     """What the connector core offers methods beyond placing rows."""
 
-    aligner: Any  # kvbench.methods.connector.rope.RopeAligner
+    aligner: Any  # kvbench.methods.core.rope.RopeAligner
     num_layers: int  # decoder layers of this worker's model
     # The first layer whose K/V can depend on more than a row's few neighbours (1 in a standard
     # model; kvbench.model.store.first_context_layer): where reuse error can first show.
@@ -99,29 +103,36 @@ class CoreServices(Protocol):
 
 
 class SharingMethod:
-    """A sharing method: a subclass sets the four class attributes below, overrides the hooks it
-    needs, and is registered with `@register_method` (kvbench.methods.registry)."""
+    """A sharing method's implementation: a subclass names its spec (`class X(SharingMethod,
+    spec=SPEC)`), which sets the class attributes the spec declares, and overrides the hooks it
+    needs. An intermediate base (DeltaCorrection, PReCache) names none."""
 
-    name: ClassVar[str] = "base"  # what --method takes
-    summary: ClassVar[str] = ""  # one line for `kvbench methods` and the README table
-    # Placed K/V differ from a dense prefill: such requests get a cache_salt so that vLLM's prefix
-    # cache never serves their blocks to an exact request.
+    spec: ClassVar[MethodSpec]
+    # From the spec (kvbench.methods.api.spec.MethodSpec says what each means).
+    name: ClassVar[str] = "base"
+    summary: ClassVar[str] = ""
     approximate: ClassVar[bool] = True
+    uses_connector: ClassVar[bool] = True
+    Params: ClassVar[type[MethodParams]] = MethodParams
+    threshold_name: ClassVar[str | None] = None
+    threshold_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
+    rho_rises_with_threshold: ClassVar[bool] = True
+    needs_adapters: ClassVar[bool] = False
     # Its `select` may leave candidates unused (a gate sending segments dense): the worker decides
     # one engine step before the claim, which then covers only the rows up to the last one reused;
     # vLLM prefills every row after it at its own speed (kvbench.methods.connector.scheduler).
     decides_before_claim: ClassVar[bool] = False
-    # Runs inside vLLM through kvbench's connector (False: plain vLLM, NonShared only).
-    uses_connector: ClassVar[bool] = True
-    # Its parameters; kv_connector_extra_config["params"] may override the defaults.
-    Params: ClassVar[type[MethodParams]] = MethodParams
-    # The parameter `kvbench calibrate` bisects for a target reuse ratio (None: nothing to
-    # calibrate), the range it searches, and whether rho rises with it.
-    threshold_name: ClassVar[str | None] = None
-    threshold_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
-    rho_rises_with_threshold: ClassVar[bool] = True
-    # Works only on agents that are LoRA adapters (the server must serve some): PReCache's methods.
-    needs_adapters: ClassVar[bool] = False
+
+    def __init_subclass__(cls, spec: MethodSpec | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if spec is None:
+            return
+        cls.spec = spec
+        cls.name, cls.summary, cls.Params = spec.name, spec.summary, spec.Params
+        cls.approximate, cls.uses_connector, cls.needs_adapters = spec.approximate, spec.uses_connector, \
+            spec.needs_adapters
+        cls.threshold_name, cls.threshold_range = spec.threshold_name, spec.threshold_range
+        cls.rho_rises_with_threshold = spec.rho_rises_with_threshold
 
     core: CoreServices | None = None
 
@@ -227,3 +238,16 @@ class SharingMethod:
 
     def restart_peaks(self) -> None:
         """A run starts with the learned state kept (primed): peak figures restart from now."""
+
+
+def load_implementation(dotted: str) -> type[SharingMethod]:
+    """The class at "package.module:Class" (a spec's `implementation`); MethodConfigError when it
+    cannot be imported or is no SharingMethod."""
+    module_name, _, class_name = dotted.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise MethodConfigError(f"cannot load the method implementation {dotted!r}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, SharingMethod)):
+        raise MethodConfigError(f"{dotted} is not a SharingMethod subclass")
+    return cls
