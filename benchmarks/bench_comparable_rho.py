@@ -27,13 +27,13 @@ from typing import Any
 from kvbench.analysis.deviation import write_matrix
 from kvbench.analysis.runs import find_runs
 from kvbench.experiment.calibrate import best_step, calibrate_threshold, profile_layers, what_limits, within
-from kvbench.experiment.sweep import TASK_ROLES, MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
 from kvbench.methods.registry import method_spec
 from kvbench.model.resolve import resolve_model
 from kvbench.replay.server import VLLMServer, method_server_config
-from kvbench.tracegen.generate import TraceSpec, generate_trace
+from kvbench.tracegen.generate import TraceSpec, generate_trace, task_roles
 from kvbench.tracegen.schema import Trace
-from kvbench.tracegen.tasks import recall_output_len
+from kvbench.tracegen.tasks.recall import recall_output_len
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 CALIBRATED = ("kvcmas", "kvcmas-nonchained", "kvcomm", "kvcomm-ref", "graphflow", "cacheblend", "relaycaching",
@@ -90,7 +90,7 @@ def main() -> None:
     if calibration.get("setting", setting) != setting:
         parser.error(f"{store} was calibrated for {calibration['setting']}: use another --result-dir")
     calibration["setting"] = setting
-    spec = TraceSpec(num_agents=4, shared_tokens=args.context, task="role-recall", roles=TASK_ROLES["role-recall"],
+    spec = TraceSpec(num_agents=4, shared_tokens=args.context, task="role-recall", roles=task_roles("role-recall"),
                      output_len=output_len, num_trajectories=args.calibration_trajectories + args.warmups,
                      seed=args.seed + 1000)  # other contents than the measured trajectories
     header, trajectories = generate_trace(spec, tokenizer)

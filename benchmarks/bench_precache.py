@@ -39,7 +39,7 @@ from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sw
 from kvbench.model.resolve import resolve_model
 from kvbench.model.role_adapters import build_route_adapter
 from kvbench.tracegen.roles import roles_for
-from kvbench.tracegen.tasks import recall_output_len
+from kvbench.tracegen.tasks.recall import recall_output_len
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 MODEL = "kvbench:roles-adapter"

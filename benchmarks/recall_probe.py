@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvbench.tracegen.tasks import ARROW, NAME_WORDS
+from kvbench.tracegen.tasks.recall import ARROW, NAME_WORDS
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 

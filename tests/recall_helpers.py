@@ -9,7 +9,7 @@ import torch
 
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.schema import Trajectory, Turn
-from kvbench.tracegen.tasks import answer_of
+from kvbench.tracegen.tasks.recall import answer_of
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
 

@@ -7,9 +7,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvbench.analysis.benchmark_scoring import gsm8k_answer, humaneval_completion, mmlu_answer, same_number
 from kvbench.analysis.task_score import score_requests, task_figures
 from kvbench.tracegen.generate import TraceSpec, generate_trace
+from kvbench.tracegen.tasks.gsm8k import gsm8k_answer, same_number
+from kvbench.tracegen.tasks.humaneval import humaneval_completion
+from kvbench.tracegen.tasks.mmlu import mmlu_answer
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -92,7 +94,7 @@ def test_a_run_scores_its_final_answers(task: str, data: str, outputs, correct: 
 
 
 def test_humaneval_runs_score_pass_at_1_from_their_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbench.analysis.code_execution import CONSENT_ENV
+    from kvbench.tracegen.code_execution import CONSENT_ENV
 
     monkeypatch.setenv(CONSENT_ENV, "1")  # the checks run in the sandbox (tests/test_code_sandbox.py)
     tokenizer = load_tokenizer(None)

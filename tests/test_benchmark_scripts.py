@@ -147,7 +147,7 @@ def test_recall_probe_supervises_each_hops_answer(tiny_tokenizer_dir: Path) -> N
     import importlib.util
     import random
 
-    from kvbench.tracegen.tasks import ARROW
+    from kvbench.tracegen.tasks.recall import ARROW
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     spec = importlib.util.spec_from_file_location("recall_probe", SCRIPT.parent / "recall_probe.py")

@@ -9,9 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
-from kvbench.tracegen.benchmark_workloads import BENCHMARK_ROLES, chat_frame
+from kvbench.tracegen.benchmark_workloads import chat_frame
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import OUT_PREFIX, Trajectory
+from kvbench.tracegen.tasks.registry import get_task
 from kvbench.tracegen.tokenizer import TraceTokenizer, load_tokenizer
 from kvbench.tracegen.trace_files import read_trace
 
@@ -57,9 +58,9 @@ def test_each_item_is_one_trajectory_of_three_task_agents_and_finalrefer(task: s
 
 
 def test_the_final_agent_is_told_the_answer_format_scoring_reads() -> None:
-    assert "'The answer is N.'" in BENCHMARK_ROLES["gsm8k"][-1].system
-    assert "'Answer: X'" in BENCHMARK_ROLES["mmlu"][-1].system
-    assert "```python" in BENCHMARK_ROLES["humaneval"][-1].system
+    assert "'The answer is N.'" in get_task("gsm8k").agent_roles[-1].system
+    assert "'Answer: X'" in get_task("mmlu").agent_roles[-1].system
+    assert "```python" in get_task("humaneval").agent_roles[-1].system
 
 
 def test_limit_samples_items_with_the_seed_and_the_trace_round_trips(tmp_path: Path) -> None:

@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.tracegen.datasets import DatasetError, read_items
+from kvbench.tracegen.datasets import DatasetError, TaskItem
+from kvbench.tracegen.tasks.registry import get_task
 
 DATA = Path(__file__).parent / "data"
+
+
+def read_items(task: str, path: Path, limit: int | None = None, seed: int | None = None) -> list[TaskItem]:
+    """A benchmark task's items from `path` (the task module reads its rows)."""
+    return get_task(task).items(str(path), limit, seed)  # type: ignore[attr-defined]
 
 
 def test_gsm8k_gold_is_the_number_after_the_marker() -> None:
@@ -68,5 +74,5 @@ def test_unreadable_files_are_clear_errors(tmp_path: Path) -> None:
         read_items("gsm8k", tmp_path / "bad.jsonl")
     with pytest.raises(DatasetError, match="cannot read"):
         read_items("gsm8k", tmp_path / "missing.jsonl")
-    with pytest.raises(DatasetError, match="unknown task 'squad'"):
+    with pytest.raises(ValueError, match="unknown task 'squad'"):
         read_items("squad", tmp_path / "bad.jsonl")  # type: ignore[arg-type]

@@ -85,6 +85,19 @@ def test_adding_a_method_commands_run_as_written(recompute_head: type, tiny_toke
     assert (tmp_path / "reports" / "recompute-head" / "report.md").is_file()
 
 
+def test_adding_a_task_example_registers_and_passes_its_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbench.tracegen.tasks import registry as tasks
+
+    task_code, test_code = _python_blocks(ROOT / "docs" / "adding-a-task.md")
+    monkeypatch.setattr(tasks, "_TASKS", dict(tasks.all_tasks()))  # the example's registration stays here
+    task = _load(task_code, "kvbench.tracegen.tasks.needle", tmp_path, monkeypatch).TASK
+    tasks.register(task)
+    assert tasks.get_task("needle") is task and "needle" in tasks.task_names()
+    namespace: dict = {}
+    exec(compile(test_code, "docs/adding-a-task.md", "exec"), namespace)
+    namespace["test_every_agent_is_asked_the_passcode_in_the_context"]()
+
+
 def test_readme_method_table_is_the_registry() -> None:
     readme = (ROOT / "README.md").read_text()
     assert registry.methods_table() in readme, "regenerate it with `kvbench methods --markdown`"

@@ -10,10 +10,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # installed name -> folder (pyproject.toml's package-dir)
 PACKAGES = {"kvbench": "kvbench", "kvbench.tracegen": "tracegen", "kvbench.replay": "replay",
             "kvbench.methods": "methods", "kvbench.analysis": "analysis"}
-# Imports by computed name the source cannot show: the registry imports every module of the specs
-# package (kvbench.methods.registry.SPECS_PACKAGE). A method's implementation is imported from the
-# dotted path in its spec, data handed to the worker, so no module depends on one.
-DISCOVERS = {"kvbench.methods.registry": "kvbench.methods.specs"}
+# Imports by computed name the source cannot show: a registry imports every module of its package
+# (kvbench.methods.registry.SPECS_PACKAGE, kvbench.tracegen.tasks.registry.TASKS_PACKAGE). A
+# method's implementation is imported from the dotted path in its spec, data handed to the
+# worker, so no module depends on one.
+DISCOVERS = {"kvbench.methods.registry": "kvbench.methods.specs",
+             "kvbench.tracegen.tasks.registry": "kvbench.tracegen.tasks"}
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:
@@ -113,10 +115,11 @@ def test_no_module_imports_itself_through_others() -> None:
     assert _cycles(_import_graph()) == []
 
 
-def test_the_discovered_package_is_the_registrys() -> None:
+def test_the_discovered_packages_are_the_registries() -> None:
     from kvbench.methods import registry
+    from kvbench.tracegen.tasks import registry as tasks
 
-    assert DISCOVERS == {registry.__name__: registry.SPECS_PACKAGE}
+    assert DISCOVERS == {registry.__name__: registry.SPECS_PACKAGE, tasks.__name__: tasks.TASKS_PACKAGE}
 
 
 def test_no_two_packages_import_each_other() -> None:

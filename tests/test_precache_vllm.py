@@ -20,7 +20,7 @@ from kvbench.model.resolve import resolve_model
 from kvbench.model.role_adapters import build_route_adapter
 from kvbench.replay.server import ServerConfig, VLLMServer
 from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.role_recall import reading_of
+from kvbench.tracegen.tasks.role_recall import reading_of
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.engine

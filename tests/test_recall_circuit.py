@@ -12,7 +12,7 @@ from recall_helpers import chain_accuracy
 
 from kvbench.model import circuit
 from kvbench.model.recall_build import RecallModelSpec, recall_circuit_spec, task_document
-from kvbench.tracegen.tasks import NAME_WORDS
+from kvbench.tracegen.tasks.recall import NAME_WORDS
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def circuit_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _greedy_chain_accuracy(model_dir: Path, shared_tokens: int, trajectories: int) -> tuple[int, int]:
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.tasks import recall_output_len
+    from kvbench.tracegen.tasks.recall import recall_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
@@ -61,7 +61,7 @@ def test_the_untrained_circuit_answers_every_hop_by_reading_the_table(circuit_mo
 
 
 def test_the_answer_is_the_name_and_a_newline(circuit_model_dir: Path) -> None:
-    from kvbench.tracegen.tasks import recall_output_len
+    from kvbench.tracegen.tasks.recall import recall_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     assert recall_output_len(load_tokenizer(str(circuit_model_dir)).encode) == 3

@@ -20,7 +20,7 @@ from kvbench.model.store import (
     embedded_name,
     first_context_layer,
 )
-from kvbench.tracegen.tasks import recall_output_len
+from kvbench.tracegen.tasks.recall import recall_output_len
 
 RECALL_MODEL = EMBEDDED_PREFIX + "recall-v1"
 MODEL_DIR = SHIPPED_DIR / "recall-v1"

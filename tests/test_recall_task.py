@@ -17,7 +17,7 @@ from kvbench.analysis.task_score import score_requests, task_figures
 from kvbench.cli import main
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
-from kvbench.tracegen.tasks import ARROW, answer_of, recall_output_len
+from kvbench.tracegen.tasks.recall import ARROW, answer_of, recall_output_len
 from kvbench.tracegen.tokenizer import load_tokenizer
 from kvbench.tracegen.trace_files import read_trace
 

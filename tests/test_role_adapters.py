@@ -19,7 +19,7 @@ from kvbench.model.role_build import build_family_model, build_role_model
 from kvbench.model.roles import FAMILIES
 from kvbench.replay.prompts import PromptBuilder
 from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.role_recall import reading_of
+from kvbench.tracegen.tasks.role_recall import reading_of
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 

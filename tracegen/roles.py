@@ -19,7 +19,7 @@ class Role:
     peer_intro: str  # PF glue before the first peer output
     peer_glue: str  # PF glue before each peer output; {agent} and {role} are filled in
     answer_prefix: str  # PF glue at the end of the prompt
-    # `--task role-recall`: which route of a record this role follows (tracegen/role_recall.py)
+    # `--task role-recall`: which route of a record this role follows (tracegen/tasks/role_recall.py)
     reading: int | None = None
 
 
@@ -53,7 +53,7 @@ _RECALL_RULE = ("Take the name in the last note (or, if there are no notes yet, 
                 "after its arrow on a line of its own. Copy names exactly.")
 
 # `--task role-recall`: a role's system prompt names its reading once, with one of ROUTE_WORDS,
-# and the arrow its lines carry (tracegen/role_recall.py defines the table).
+# and the arrow its lines carry (tracegen/tasks/role_recall.py defines the table).
 _ROLE_RECALL_RULE = ("Every queue in the table has two lines, one with -> and one with >>. You follow the {word} route: "
                      "take the name in the last note (or, if there are no notes yet, the name the tool output starts "
                      "from), find the line of the table that begins with that name and has {arrow}, and write the name "

@@ -186,10 +186,12 @@ class TurnAnswer(_Strict):
 
 class Task(_Strict):
     """A scorable task: the gold answer of the turns that are scored, and which turn's answer is
-    the trajectory's final one. `recall` / `role-recall` (constructed, every turn scored) or a
-    benchmark item (`mmlu`, `gsm8k`, `humaneval`: the final agent's answer scored)."""
+    the trajectory's final one. `name` is a task of kvbench.tracegen.tasks (`recall` and
+    `role-recall`: constructed, every turn scored; `mmlu`, `gsm8k`, `humaneval`: a benchmark item,
+    the final agent's answer scored), which reads and grades the answers (`kvbench score` names an
+    unknown one)."""
 
-    name: Literal["recall", "role-recall", "mmlu", "gsm8k", "humaneval"]
+    name: Identifier
     answers: list[TurnAnswer] = Field(min_length=1)
     final_turn: Identifier
     item_id: Identifier | None = None  # the benchmark item's id (its row, or HumanEval's task_id)

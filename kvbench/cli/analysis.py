@@ -119,8 +119,8 @@ def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> Non
     each scored turn's output against its gold answer (HumanEval: its tests run, pass@1); writes
     task_scores.parquet (one row per scored turn) and task_accuracy into summary.json. Replays of a
     task trace are scored as they finish; this scores them again (or with another trace file)."""
-    from kvbench.analysis.code_execution import CodeExecutionRefused
     from kvbench.experiment.run import rescore
+    from kvbench.tracegen.code_execution import CodeExecutionRefused
     from kvbench.tracegen.schema import TraceError
 
     runs = _run_dirs(result_dirs)

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kvbench.analysis.code_execution import CONSENT_ENV, CodeExecutionRefused, require_code_execution
+from kvbench.tracegen.code_execution import CONSENT_ENV, CodeExecutionRefused, require_code_execution
 
 F = TypeVar("F", bound=Callable[..., Any])
 

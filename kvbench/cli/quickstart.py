@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from kvbench.cli.param_types import FiniteFloatRange
-from kvbench.tracegen.generate import TASK_MODELS, TASKS
+from kvbench.tracegen.generate import task_model
+from kvbench.tracegen.tasks.registry import task_names
 
 
 @click.command("quickstart")
@@ -25,7 +26,7 @@ from kvbench.tracegen.generate import TASK_MODELS, TASKS
               help="The model [default: with role-recall, kvbench:roles-transferable, a constructed test model on "
                    "which an agent reading another agent's cache answers the other agent's question and delta "
                    "correction can recover it (docs/models.md); with --task none, the shipped kvbench:recall-v1].")
-@click.option("--task", type=click.Choice(TASKS), default="role-recall", show_default=True,
+@click.option("--task", type=click.Choice(task_names()), default="role-recall", show_default=True,
               help="The trace's task (gen-trace --task): role-recall scores every answer on reuse turns.")
 @click.option("--num-warmups", type=click.IntRange(min=0), default=3, show_default=True,
               help="Trajectories each replay runs first (and leaves out); KVCMAS keeps what it learned from them.")
@@ -49,7 +50,7 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     from kvbench.model.resolve import resolve_model
     from kvbench.model.store import is_constructed
 
-    model = model or TASK_MODELS.get(task) or "kvbench:recall-v1"
+    model = model or task_model(task) or "kvbench:recall-v1"
     constructed = " (a constructed test model, built on first use)" if is_constructed(model) else ""
     click.echo(f"[1/5] model {model}{constructed}", err=True)
     click.echo(f"      {resolve_model(model)}", err=True)

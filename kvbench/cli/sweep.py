@@ -12,9 +12,9 @@ from typing import Any
 import click
 
 from kvbench.cli.param_types import allow_code_execution_option, finite_float, role_paths
-from kvbench.tracegen.datasets import BENCHMARK_TASKS
-from kvbench.tracegen.generate import TASK_MODELS, TASKS
+from kvbench.tracegen.generate import task_model
 from kvbench.tracegen.roles import ROLE_PRESETS
+from kvbench.tracegen.tasks.registry import benchmark_names, task_names
 
 
 def _csv(kind: Callable[[str], Any], what: str):
@@ -32,8 +32,8 @@ def _data_files(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
     files = {}
     for spec in value:
         task, sep, path = spec.partition("=")
-        if not sep or task not in BENCHMARK_TASKS or not Path(path).is_file():
-            raise click.BadParameter(f"expected TASK=PATH with TASK one of {', '.join(BENCHMARK_TASKS)} and an "
+        if not sep or task not in benchmark_names() or not Path(path).is_file():
+            raise click.BadParameter(f"expected TASK=PATH with TASK one of {', '.join(benchmark_names())} and an "
                                      f"existing file, got {spec!r}")
         files[task] = path
     return files
@@ -93,7 +93,7 @@ def _sweep_options(func):
         click.option("--agents", callback=_csv(int, "integers"), default=None, help="Comma-separated agent counts."),
         click.option("--rounds", callback=_csv(int, "integers"), default=None, help="Comma-separated round counts."),
         click.option("--workflow", default="sequential", show_default=True),
-        click.option("--task", type=click.Choice(TASKS), default="none", show_default=True,
+        click.option("--task", type=click.Choice(task_names()), default="none", show_default=True,
                      help="recall, role-recall: scored task traces (gen-trace --task ...); runs get task_accuracy. "
                           "mmlu, gsm8k, humaneval: the paper's workflow on benchmark items (--data)."),
         click.option("--data", "data_files", multiple=True, metavar="TASK=PATH", callback=_data_files,
@@ -145,11 +145,11 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvbench.analysis.code_execution import CodeExecutionRefused
     from kvbench.experiment.sweep import SweepSpec, run_sweep
     from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.runner import ReplayError
     from kvbench.replay.server import ServerError
+    from kvbench.tracegen.code_execution import CodeExecutionRefused
 
     methods = options.pop("methods") or defaults.get("methods", ["nonshared", "fullshared"])
     param_specs = tuple(options.pop("method_params"))
@@ -163,16 +163,16 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
         goodput = parse_goodput(options.pop("goodput_specs"))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--goodput") from None
-    tasks = defaults.get("benchmarks") or ([options["task"]] if options["task"] in BENCHMARK_TASKS else [])
+    tasks = defaults.get("benchmarks") or ([options["task"]] if options["task"] in benchmark_names() else [])
     benchmarks = _benchmarks(tasks, data_files) if tasks else {}
     if benchmarks:
         options["task"] = "none"  # each trace names its own task
         options["num_trajectories"] = limit or options["num_trajectories"]
     elif data_files or limit:
         raise click.UsageError("--data and --limit are for benchmark tasks (--task mmlu, gsm8k or humaneval)")
-    options["model"] = options["model"] or TASK_MODELS.get(options["task"])
+    options["model"] = options["model"] or task_model(options["task"])
     if options["output_len"] is None:
-        from kvbench.tracegen.tasks import default_output_len
+        from kvbench.tracegen.tasks.registry import default_output_len
         from kvbench.tracegen.tokenizer import load_tokenizer
 
         options["output_len"] = default_output_len(next(iter(benchmarks), options["task"]),

@@ -9,9 +9,9 @@ import click
 
 from kvbench.cli.param_types import FiniteFloatRange, role_paths
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
-from kvbench.tracegen.datasets import BENCHMARK_TASKS
-from kvbench.tracegen.generate import TASK_MODELS, TASK_ROLES, TASKS
+from kvbench.tracegen.generate import task_model, task_roles
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
+from kvbench.tracegen.tasks.registry import benchmark_names, task_names
 from kvbench.tracegen.workflows import WORKFLOWS
 
 
@@ -43,7 +43,7 @@ def _trace_error(exc: Exception) -> click.ClickException:
 @click.option("--roles", type=click.Choice(sorted(ROLE_PRESETS)), default=None,
               help="Role preset: system prompts and glue text of the agents [default: math; the task's own "
                    "preset with --task recall or role-recall].")
-@click.option("--task", type=click.Choice(TASKS), default="none", show_default=True,
+@click.option("--task", type=click.Choice(task_names()), default="none", show_default=True,
               help="recall: the shared context is a forwarding table, each agent follows one line of it from the "
                    "previous agent's answer, and every turn's gold answer is in the trace (`kvbench score`). "
                    "role-recall: every queue has a main and a fallback route and each agent's role says which "
@@ -73,12 +73,12 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     from rich.progress import Progress
 
     from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.tasks import default_output_len
+    from kvbench.tracegen.tasks.registry import default_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
     from kvbench.tracegen.trace_files import write_trace
 
-    model = model or TASK_MODELS.get(str(params["task"]))  # the header's tokenizer names the replay's model
-    if params["task"] in BENCHMARK_TASKS:
+    model = model or task_model(str(params["task"]))  # the header's tokenizer names the replay's model
+    if params["task"] in benchmark_names():
         # the paper's shape and roles; TraceSpec.validate names whatever else was asked for
         for option, key in (("--roles", "roles"), ("--num-trajectories", "num_trajectories")):
             if params[key] is not None:
@@ -87,7 +87,7 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
         params["shared_tokens"] = params["shared_tokens"] or 0
     else:
         params["shared_tokens"] = params["shared_tokens"] or 2048
-    params["roles"] = params["roles"] or TASK_ROLES[str(params["task"])]
+    params["roles"] = params["roles"] or task_roles(str(params["task"]))
     params["num_trajectories"] = params["num_trajectories"] or 10
     params["adapters"] = role_paths(params["adapters"]) or None  # type: ignore[arg-type]
     try:

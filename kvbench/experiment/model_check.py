@@ -117,7 +117,7 @@ def serving_figures(settings: CheckSettings, root: Path, on_step: Callable[[str]
     from kvbench.experiment.kv_errors import read_kv_errors, record_kv_errors
     from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
     from kvbench.model.realism import repeated_ngram_share
-    from kvbench.tracegen.tasks import recall_output_len
+    from kvbench.tracegen.tasks.recall import recall_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer
 
     on_step("recall accuracy (NonShared, FullShared)")

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import run_files
-from kvbench.analysis.code_execution import require_code_execution
 from kvbench.analysis.quality import write_quality
 from kvbench.analysis.summary import write_summary
 from kvbench.analysis.task_score import write_scores
 from kvbench.replay.runner import ReplayConfig, run_replay
+from kvbench.tracegen.code_execution import require_code_execution
 from kvbench.tracegen.schema import Trace, TraceHeader, Trajectory
 from kvbench.tracegen.tokenizer import TraceTokenizer
 

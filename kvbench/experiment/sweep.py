@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import run_files
-from kvbench.tracegen.generate import TASK_ROLES, TraceSpec
+from kvbench.tracegen.generate import TraceSpec, task_roles
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SweepSpec:
     # file (None: HumanEval's packaged problems). One trace per task, of num_trajectories items
     # (plus the warm-ups'); shared_tokens does not apply (the question is the shared segment).
     benchmarks: dict[str, str | None] = field(default_factory=dict)
-    roles: str | None = None  # the role preset (None: the task's, TASK_ROLES)
+    roles: str | None = None  # the role preset (None: the task's)
     # role -> PEFT folder of its LoRA adapter (gen-trace --adapter): every server serves them all
     adapters: dict[str, str] = field(default_factory=dict)
 
@@ -147,7 +147,7 @@ class SweepSpec:
         for context, agents, rounds in itertools.product(longest, self.agents, self.rounds):
             specs[trace_id(context, agents, rounds)] = TraceSpec(
                 num_agents=agents, rounds=rounds, workflow=self.workflow, shared_tokens=context, task=self.task,
-                roles=self.roles or TASK_ROLES[self.task], adapters=dict(self.adapters) or None,
+                roles=self.roles or task_roles(self.task), adapters=dict(self.adapters) or None,
                 output_len=self.output_len, num_trajectories=longest[context] + self.num_warmups, seed=self.seed)
         return specs
 

@@ -1,6 +1,6 @@
 """The role-family models: constructed test models whose shared caches depend on the reading agent.
 
-Every model here answers `gen-trace --task role-recall` (tracegen/role_recall.py) exactly under
+Every model here answers `gen-trace --task role-recall` (tracegen/tasks/role_recall.py) exactly under
 dense prefill, and reads the agent's route (`main` or `fallback`, named once in its system prompt)
 *while it prefills the shared table*: a head at every table token attends to the role's route
 word, and the route is written into the table tokens' residual stream, where later layers' K/V

@@ -16,19 +16,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Protocol
 
 from kvbench.model.vocabulary import ARROW, NAME_WORDS
-from kvbench.tracegen.schema import OUT_PREFIX, Task, Trajectory, TurnAnswer
+from kvbench.tracegen.schema import OUT_PREFIX, SharedText, Task, Trajectory, TurnAnswer
+from kvbench.tracegen.tasks.base import Counter, Score, TaskDefinition
 from kvbench.tracegen.text import document_words
 
 MIN_PREAMBLE_TOKENS = 12
-
-
-class Counter(Protocol):
-    def count(self, text: str) -> int: ...
-    def counts(self, pieces: list[str]) -> list[int]: ...
-    def fit(self, pieces: list[str], num_tokens: int, filler: Callable[[], str]) -> str: ...
 
 
 def answer_of(output_text: str) -> str:
@@ -46,14 +40,6 @@ def recall_output_len(encode: Callable[[str], list[int]]) -> int:
     first = max(len(encode(word)) for word in NAME_WORDS)
     second = max(len(encode(" " + word)) for word in NAME_WORDS)
     return first + second + len(encode("\n"))
-
-
-def default_output_len(task: str, encode: Callable[[str], list[int]]) -> int:
-    """`--output-len` when not given: a recall answer line; for benchmark tasks a cap of 512 (their
-    turns stop at the model's end of sequence); else 128 tokens of free text."""
-    if task in ("recall", "role-recall"):
-        return recall_output_len(encode)
-    return 512 if task in ("mmlu", "gsm8k", "humaneval") else 128
 
 
 def _question(start: str) -> str:
@@ -139,3 +125,25 @@ def recall_task(trajectory: Trajectory, chain: list[str], positions: list[float]
     deepest = max(hops.values())
     final = [t.turn_id for t in trajectory.turns if hops[t.turn_id] == deepest][-1]
     return Task(name="recall", answers=answers, final_turn=final)
+
+
+class Recall(TaskDefinition):
+    name = "recall"
+    summary = "follow a forwarding table in the shared context, each agent one hop further (exact match)"
+    roles = "recall"
+
+    def default_output_len(self, encode: Callable[[str], list[int]]) -> int:
+        return recall_output_len(encode)
+
+    def build(self, draft: Trajectory, rng: random.Random, shared_tokens: int, counter: Counter,
+              filler: Callable[[], str]) -> Trajectory:
+        text, chain, positions = recall_context(rng, shared_tokens, max(hops_needed(draft).values()), counter, filler)
+        q = SharedText(text=text, num_tokens=shared_tokens)
+        return draft.model_copy(update={"shared": {"q": q}, "task": recall_task(draft, chain, positions)})
+
+    def score(self, text: str, gold: TurnAnswer, trajectory: Trajectory) -> Score:
+        answer = answer_of(text)
+        return Score(answer=answer, correct=answer == gold.answer)
+
+
+TASK = Recall()

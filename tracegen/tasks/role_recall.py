@@ -29,9 +29,10 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvbench.tracegen.roles import ROUTE_ARROWS, ROUTE_WORDS
-from kvbench.tracegen.schema import OUT_PREFIX, Task, Trajectory, TurnAnswer
-from kvbench.tracegen.tasks import NAME_WORDS, Counter, hops_needed
+from kvbench.tracegen.roles import ROUTE_ARROWS, ROUTE_WORDS, Role
+from kvbench.tracegen.schema import OUT_PREFIX, SharedText, Task, Trajectory, TurnAnswer
+from kvbench.tracegen.tasks.base import Counter, Score, TaskDefinition
+from kvbench.tracegen.tasks.recall import NAME_WORDS, answer_of, hops_needed, recall_output_len
 from kvbench.tracegen.text import document_words
 
 HEADER = "Tool output (routing table, two routes per queue)."
@@ -163,3 +164,31 @@ def role_recall_task(trajectory: Trajectory, context: RoleRecallContext) -> Task
     return Task(name="role-recall", final_turn=final,
                 answers=[TurnAnswer(turn_id=t.turn_id, answer=answers[t.turn_id],
                                     position=context.positions[keys[t.turn_id]]) for t in trajectory.turns])
+
+
+class RoleRecall(TaskDefinition):
+    name = "role-recall"
+    summary = "recall in a two-route table where each agent's role names its route (answers differ per agent)"
+    roles = "role-recall"
+    # a model that reads the role's route (a constructed role family, kvbench.model.roles)
+    model = "kvbench:roles-transferable"
+
+    def default_output_len(self, encode: Callable[[str], list[int]]) -> int:
+        return recall_output_len(encode)
+
+    def check_roles(self, roles: Sequence[Role]) -> None:
+        if any(r.reading is None for r in roles):
+            raise ValueError("--task role-recall needs roles that name a reading (--roles role-recall)")
+
+    def build(self, draft: Trajectory, rng: random.Random, shared_tokens: int, counter: Counter,
+              filler: Callable[[], str]) -> Trajectory:
+        context = role_recall_context(rng, shared_tokens, counter, filler)
+        draft = draft.model_copy(update={"shared": {"q": SharedText(text=context.text, num_tokens=shared_tokens)}})
+        return draft.model_copy(update={"task": role_recall_task(draft, context)})
+
+    def score(self, text: str, gold: TurnAnswer, trajectory: Trajectory) -> Score:
+        answer = answer_of(text)
+        return Score(answer=answer, correct=answer == gold.answer)
+
+
+TASK = RoleRecall()
