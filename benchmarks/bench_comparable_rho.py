@@ -30,7 +30,8 @@ from kvbench.experiment.calibrate import best_step, calibrate_threshold, profile
 from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
 from kvbench.methods.registry import method_spec
 from kvbench.model.resolve import resolve_model
-from kvbench.replay.server import VLLMServer, method_server_config
+from kvbench.server.config import method_server_config
+from kvbench.server.lifecycle import VLLMServer
 from kvbench.tracegen.generate import TraceSpec, generate_trace, task_roles
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tasks.recall import recall_output_len

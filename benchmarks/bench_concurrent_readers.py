@@ -33,7 +33,8 @@ from kvbench.analysis.intervals import p50_ratio_interval
 from kvbench.experiment.run import replay_and_summarize
 from kvbench.model.resolve import resolve_model
 from kvbench.replay.run_config import ReplayConfig
-from kvbench.replay.server import method_server_config, running_server, wait_for_stopped_servers
+from kvbench.server.config import method_server_config
+from kvbench.server.lifecycle import running_server, wait_for_stopped_servers
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -101,7 +102,7 @@ def main() -> None:
                 for concurrent in (c for m, c in CONFIGS if m == method):
                     for context, trace in traces.items():
                         out = Path(root) / method / f"{_name(method, concurrent)}-{context}"
-                        replay_and_summarize(ReplayConfig(
+                        replay_and_summarize(ReplayConfig.build(
                             trace=trace, tokenizer=tokenizer, method=method, base_urls=[server.base_url],
                             result_dir=out, qps=0.0, num_warmups=args.warmups, concurrent_sources=concurrent,
                             label=_name(method, concurrent), show_progress=False,

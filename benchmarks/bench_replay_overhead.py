@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.replay.runner import ReplayConfig, run_replay
-from kvbench.replay.server import free_port
+from kvbench.server.lifecycle import free_port
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import load_tokenizer
@@ -45,7 +45,7 @@ def main() -> None:
             stub.stdout.readline()  # "stub serving on ..."
             base_url = f"http://127.0.0.1:{port}"
             urllib.request.urlopen(f"{base_url}/health", timeout=10)
-            config = ReplayConfig(trace=Trace(header=header, trajectories=trajectories), tokenizer=tokenizer,
+            config = ReplayConfig.build(trace=Trace(header=header, trajectories=trajectories), tokenizer=tokenizer,
                                   method="nonshared", base_urls=[base_url], result_dir=Path(tmp) / "run",
                                   qps=args.qps, show_progress=False)
             started = time.perf_counter()

@@ -13,7 +13,7 @@ import pandas as pd
 
 from kvbench.contracts import Plan
 from kvbench.model.store import first_context_layer
-from kvbench.replay.worker_rpc import WorkerClient
+from kvbench.server.worker_rpc import WorkerClient
 
 
 def dense_reference(base_url: str, model: str, prompt: list[int], key: str, timeout_s: float = 600) -> None:

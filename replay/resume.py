@@ -35,10 +35,10 @@ def check_result_dir(result_dir: Path, resume: bool) -> None:
 
 def plan_start(cfg: ReplayConfig, uses_connector: bool) -> RunStart:
     """Warm-ups, trajectories still to run, records kept from an earlier run, and the config."""
-    result_dir = cfg.result_dir
-    check_result_dir(result_dir, cfg.resume)
+    result_dir = cfg.output.result_dir
+    check_result_dir(result_dir, cfg.output.resume)
     existing = read_journal(result_dir)
-    if cfg.resume:
+    if cfg.output.resume:
         run_config = json.loads((result_dir / run_files.CONFIG).read_text())
         check_resumable(run_config, cfg)
         last = (run_config.get("segments") or [{}])[-1]
@@ -48,10 +48,10 @@ def plan_start(cfg: ReplayConfig, uses_connector: bool) -> RunStart:
     else:
         run_config = new_run_config(cfg)
     trajectories = cfg.trace.trajectories
-    warmups = trajectories[: cfg.num_warmups]
-    measured = trajectories[cfg.num_warmups:]
+    warmups = trajectories[: cfg.load.num_warmups]
+    measured = trajectories[cfg.load.num_warmups:]
     if not measured:
-        raise ReplayError(f"nothing to measure: {len(trajectories)} trajectories, {cfg.num_warmups} warm-ups")
+        raise ReplayError(f"nothing to measure: {len(trajectories)} trajectories, {cfg.load.num_warmups} warm-ups")
     expected = {t.trajectory_id: len(t.turns) for t in measured}
     by_trajectory: dict[str, list[dict[str, Any]]] = {}
     for record in existing:

@@ -26,10 +26,10 @@ from kvbench.replay.result_lock import result_dir_lock
 from kvbench.replay.resume import RunStart, plan_start
 from kvbench.replay.run_config import ReplayConfig, ReplayError, ReplayOutcome
 from kvbench.replay.saturation import SaturationVerdict, SaturationWatch
-from kvbench.replay.server import ServerError
 from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.replay.servers import ReplayServers
 from kvbench.run_files import write_text_atomic
+from kvbench.server.errors import ServerError
 from kvbench.tracegen.arrivals import arrival_times
 from kvbench.tracegen.schema import MAX_ARRIVAL_S, Trajectory, Turn
 
@@ -63,16 +63,16 @@ class Replayer:
         self.writer: ResultsWriter | None = None  # set once the run reached its servers
         self.stats: MethodStatsCollector | None = None
         self.segment: dict[str, Any] = {}
-        self.semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+        self.semaphore = asyncio.Semaphore(config.load.max_concurrency) if config.load.max_concurrency else None
         self.t0_ns = 0
         self._consecutive_unreachable = 0
-        self.servers = ReplayServers(config.base_urls, config.method, self.method_info.uses_connector)
-        self.backend = CompletionsBackend(self.servers.served_models, config.sampling, config.logprobs,
-                                          config.request_timeout_s)  # models: filled when the servers are checked
+        self.servers = ReplayServers(config.servers.base_urls, config.method, self.method_info.uses_connector)
+        self.backend = CompletionsBackend(self.servers.served_models, config.quality.sampling, config.quality.logprobs,
+                                          config.load.request_timeout_s)  # models: filled when the servers are checked
         self.progress = ReplayProgress(config.method, 0, enabled=False)
         # Loaded runs only: a single stream cannot outrun its server.
-        loaded = config.qps > 0 or config.use_trace_timestamps
-        self.saturation = SaturationWatch(config.saturation if loaded else None)
+        loaded = config.load.qps > 0 or config.load.use_trace_timestamps
+        self.saturation = SaturationWatch(config.load.saturation if loaded else None)
         self._launch: asyncio.Task[None] | None = None  # the trajectories' scheduling: cancelled on saturation
 
     # -- the run -----------------------------------------------------------------------------
@@ -86,12 +86,12 @@ class Replayer:
         segment = len(run_config["segments"])
         builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
                                 run_id=f"{run_config['run_id']}/s{segment}",
-                                reference_outputs=cfg.reference.outputs if cfg.reference is not None else None,
-                                drop_shared=cfg.drop_shared,
-                                keep_unread_caches=cfg.save_prompt_ids, concurrent_sources=cfg.concurrent_sources)
-        sampler = MetricsSampler(cfg.base_urls, cfg.server_pids)
+                                reference_outputs=cfg.quality.reference.outputs if cfg.quality.reference is not None else None,
+                                drop_shared=cfg.quality.drop_shared,
+                                keep_unread_caches=cfg.quality.save_prompt_ids, concurrent_sources=cfg.load.concurrent_sources)
+        sampler = MetricsSampler(cfg.servers.base_urls, cfg.servers.pids)
         if self.method_info.uses_connector:
-            self.stats = MethodStatsCollector(cfg.result_dir, cfg.base_urls, self.servers.fetch_stats)
+            self.stats = MethodStatsCollector(cfg.output.result_dir, cfg.servers.base_urls, self.servers.fetch_stats)
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False)) as session:
             body = asyncio.create_task(self._run_body(session, start, offsets, builder, sampler))
@@ -115,24 +115,24 @@ class Replayer:
             assert self.interrupted is not None
             raise Interrupted(self.interrupted)
         completed = sum(bool(r["success"]) for r in self.writer.records)
-        outcome = ReplayOutcome(cfg.result_dir, completed, len(self.writer.records) - completed)
+        outcome = ReplayOutcome(cfg.output.result_dir, completed, len(self.writer.records) - completed)
         if self.interrupted is not None:
             raise Interrupted(self.interrupted)
         if self.abort_reason:
             raise ReplayError(f"run aborted: {self.abort_reason}. {outcome.completed} requests completed and "
-                              f"{outcome.failed} failed are saved in {cfg.result_dir}; finish it with --resume")
+                              f"{outcome.failed} failed are saved in {cfg.output.result_dir}; finish it with --resume")
         return outcome
 
     async def _run_body(self, session: aiohttp.ClientSession, start: RunStart, offsets: list[float],
                         builder: PromptBuilder, sampler: MetricsSampler) -> None:
         cfg = self.config
         warmups, todo, kept, run_config = start.warmups, start.todo, start.kept, start.run_config
-        run_config.update(await self.servers.check(session), server_pids=cfg.server_pids)
+        run_config.update(await self.servers.check(session), server_pids=cfg.servers.pids)
         self.servers.refuse_unservable(cfg.trace)  # before anything is sent
         # Only now does the run exist on disk: one that never reached a server leaves nothing
         # that would make the same command refuse to run again.
         try:
-            self.writer = ResultsWriter(cfg.result_dir, kept, start.dropped)
+            self.writer = ResultsWriter(cfg.output.result_dir, kept, start.dropped)
         except OSError as exc:
             raise ReplayError(self._write_failure(exc, kept)) from None
         if self.stats is not None:
@@ -141,7 +141,7 @@ class Replayer:
                         "aborted": None}
         run_config["segments"].append(self.segment)
         self._write_config(run_config)
-        prime = bool(warmups) and cfg.prime_method_state
+        prime = bool(warmups) and cfg.load.prime_method_state
         if prime:  # what the warm-ups teach the method, and nothing from earlier runs
             await self.servers.reset(session)
         if warmups:
@@ -151,7 +151,7 @@ class Replayer:
         await self.servers.reset(session, keep_method_state=prime)
         await sampler.start(session)
         stats = self.stats
-        self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.show_progress,
+        self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.output.show_progress,
                                        prefix_hit_share=sampler.prefix_cache_hit_share,
                                        reused_tokens=stats.reused_tokens if stats is not None else lambda: None)
         self.progress.start()
@@ -210,7 +210,7 @@ class Replayer:
                     writer.update([r for r, before in zip(writer.records, stats_before) if r.get("method_stats") != before],
                                   STATS_FIELDS)
             writer.close()
-            with open(self.config.result_dir / run_files.SERVER_METRICS, "a") as handle:
+            with open(self.config.output.result_dir / run_files.SERVER_METRICS, "a") as handle:
                 handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
         except OSError as exc:
             self._abort_on_write_failure(exc)
@@ -224,7 +224,7 @@ class Replayer:
 
     def _write_failure(self, exc: OSError, recorded: list[dict[str, Any]]) -> str:
         """What a failed write means for the run, in one line: the folder, the error, what is safe."""
-        folder = self.config.result_dir
+        folder = self.config.output.result_dir
         return (f"cannot write to {folder} ({exc.strerror or exc}); the {len(recorded)} requests recorded before it "
                 f"are safe in {run_files.REQUESTS_JOURNAL} (free space, then `kvbench summarize {folder}`)")
 
@@ -236,23 +236,23 @@ class Replayer:
     def _write_config(self, run_config: dict[str, Any]) -> None:
         """config.json rewritten; when it cannot be (a full disk), the one on disk stays, and the run ends."""
         try:
-            write_text_atomic(self.config.result_dir / run_files.CONFIG, json.dumps(run_config, indent=2) + "\n")
+            write_text_atomic(self.config.output.result_dir / run_files.CONFIG, json.dumps(run_config, indent=2) + "\n")
         except OSError as exc:
             self._abort_on_write_failure(exc)
 
     async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
                        builder: PromptBuilder) -> None:
         for trajectory in warmups:  # single stream, not recorded
-            await self._run_trajectory(session, trajectory, self.config.base_urls[0], 0, builder, writer=None)
+            await self._run_trajectory(session, trajectory, self.config.servers.base_urls[0], 0, builder, writer=None)
 
     def _schedule(self, trajectories: list[Trajectory]) -> list[float]:
         cfg = self.config
-        if cfg.use_trace_timestamps:
+        if cfg.load.use_trace_timestamps:
             first = min((t.arrival_s for t in trajectories), default=0.0)
             return [t.arrival_s - first for t in trajectories]
-        offsets = arrival_times(len(trajectories), cfg.qps, cfg.arrival, cfg.burstiness, seed=cfg.seed)  # type: ignore[arg-type]
+        offsets = arrival_times(len(trajectories), cfg.load.qps, cfg.load.arrival, cfg.load.burstiness, seed=cfg.load.seed)  # type: ignore[arg-type]
         if offsets and not (math.isfinite(offsets[-1]) and offsets[-1] <= MAX_ARRIVAL_S):
-            raise ReplayError(f"--qps {cfg.qps:g} schedules the last trajectory {offsets[-1]:g} s after the first, past the "
+            raise ReplayError(f"--qps {cfg.load.qps:g} schedules the last trajectory {offsets[-1]:g} s after the first, past the "
                               f"{MAX_ARRIVAL_S:g} s a trace allows: use a larger --qps (0 runs one after another)")
         return offsets
 
@@ -271,8 +271,8 @@ class Replayer:
 
     async def _launch_all(self, session: aiohttp.ClientSession, trajectories: list[Trajectory], offsets: list[float],
                           builder: PromptBuilder, writer: ResultsWriter) -> None:
-        urls = self.config.base_urls
-        single_stream = self.config.qps == 0 and not self.config.use_trace_timestamps
+        urls = self.config.servers.base_urls
+        single_stream = self.config.load.qps == 0 and not self.config.load.use_trace_timestamps
         tasks: list[asyncio.Task[None]] = []
         try:
             for index, (trajectory, offset) in enumerate(zip(trajectories, offsets)):
@@ -303,7 +303,7 @@ class Replayer:
 
     def _should_stop(self) -> bool:
         if self.abort_reason is None:
-            self.abort_reason = self.config.server_failure()
+            self.abort_reason = self.config.servers.failure()
         return self.abort_reason is not None or self.saturated is not None
 
     async def _run_trajectory(self, session: aiohttp.ClientSession, trajectory: Trajectory, url: str,
@@ -380,7 +380,7 @@ class Replayer:
         record.take_result(result, self.t0_ns, queued_ns, output_ids)
         if result.success:
             record.generated_text = self.config.tokenizer.decode(output_ids)
-        if self.config.save_prompt_ids:
+        if self.config.quality.save_prompt_ids:
             record.prompt_token_ids = result.prompt_token_ids if result.prompt_token_ids is not None else prompt.token_ids
         if not self.method_info.uses_connector:  # plain vLLM: all of what it calls cached is its prefix cache
             record.prefix_cached_tokens = record.cached_tokens
@@ -403,7 +403,7 @@ class Replayer:
         happened to it (killed by a signal, out of memory) rather than only that it is unreachable."""
         deadline = time.monotonic() + UNREACHABLE_GRACE_S
         while time.monotonic() < deadline:
-            if (failure := self.config.server_failure()) is not None:
+            if (failure := self.config.servers.failure()) is not None:
                 return failure
             await asyncio.sleep(0.05)
         return f"server {url} is unreachable ({message})"
@@ -426,9 +426,9 @@ class Replayer:
 
 
 def run_replay(config: ReplayConfig) -> ReplayOutcome:
-    """Replay `config.trace` and record it in `config.result_dir`, holding the folder's lock
+    """Replay `config.trace` and record it in `config.output.result_dir`, holding the folder's lock
     throughout; raises ReplayError (aborted), ResultDirError (the folder is another run's or
     cannot be written), Interrupted (a stop signal) or ServerError after closing whatever the
     run had written."""
-    with result_dir_lock(config.result_dir, on_note=logger.warning):
+    with result_dir_lock(config.output.result_dir, on_note=logger.warning):
         return asyncio.run(Replayer(config).run())

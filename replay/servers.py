@@ -11,8 +11,8 @@ import aiohttp
 
 from kvbench.contracts import WorkerStats
 from kvbench.replay.run_config import ReplayError
-from kvbench.replay.server import ServerError
-from kvbench.replay.worker_rpc import WorkerClient
+from kvbench.server.errors import ServerError
+from kvbench.server.worker_rpc import WorkerClient
 from kvbench.tracegen.schema import Trace
 
 

@@ -65,7 +65,7 @@ fi
 echo "kvbench ($target) ready in $venv"
 if [ "$target" = gpu ]; then
   "$venv/bin/python" -c 'import vllm; print(f"vllm {vllm.__version__}")'
-  # The connector's GPU cache layout was checked (tests/test_kv_layouts.py) against vLLM 0.32's
+  # The connector's GPU cache layout was checked (tests/unit/methods/test_kv_layouts.py) against vLLM 0.32's
   # FLASH_ATTN, TRITON_ATTN and FLASHINFER caches in every KVCacheLayout; it has not yet run on a GPU.
   echo "first: $venv/bin/kvbench check --model <your model>  (every method against what it must equal; docs/running.md)"
 fi

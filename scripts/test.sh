@@ -9,5 +9,5 @@ venv=${KVBENCH_VENV:-.venv}
 "$venv/bin/mypy" --no-error-summary
 "$venv/bin/python" -m pytest tests -m "not engine" "$@"
 # Engine tests check behaviour, not speed: their servers run eager (no torch.compile warm-up),
-# which starts each in about a quarter of the time (replay/server.py, ServerConfig.enforce_eager).
+# which starts each in about a quarter of the time (kvbench/server/config.py, ServerConfig.enforce_eager).
 KVBENCH_ENFORCE_EAGER=${KVBENCH_ENFORCE_EAGER:-1} "$venv/bin/python" -m pytest tests -m engine "$@"

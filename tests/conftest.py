@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +11,8 @@ from vllm_helpers import serving
 from kvbench.contracts import WorkerRpc
 from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 from kvbench.model.resolve import resolve_model
-from kvbench.replay.server import ServerConfig, VLLMServer, method_server_config, wait_for_stopped_servers
+from kvbench.server.config import ServerConfig
+from kvbench.server.lifecycle import VLLMServer, wait_for_stopped_servers
 
 # KV slots of the connector server: small enough that concurrent long requests get preempted.
 FULLSHARED_BLOCKS = 56
@@ -40,14 +40,6 @@ def default_model() -> str:
 
 
 @pytest.fixture(scope="session")
-def model_layers(default_model: str) -> int:
-    """Decoder layers of the embedded default model."""
-    import json
-
-    return int(json.loads((Path(default_model) / "config.json").read_text())["num_hidden_layers"])
-
-
-@pytest.fixture(scope="session")
 def vllm_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """One plain vLLM server (no connector) on the embedded model, shared by the whole session
     (with a plain chat template, for clients that send chat requests)."""
@@ -66,14 +58,6 @@ def fullshared_server(default_model: str, tmp_path_factory: pytest.TempPathFacto
         max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
         worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=[WorkerRpc.ATTACH_MODEL],
         extra_args=["--num-gpu-blocks-override", str(FULLSHARED_BLOCKS)])
-    with serving(config) as server:
-        yield server
-
-
-def method_server(method: str, model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """Body of a module-scoped fixture: a connector server running `method` with its defaults."""
-    config = method_server_config(method, model, max_model_len=4096,
-                                  log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
     with serving(config) as server:
         yield server
 
@@ -124,22 +108,3 @@ def prompts(default_model: str) -> dict[str, list[int]]:
     sys1 = tokenizer.encode(trajectory.agents["A1"].system)
     tail = tokenizer.encode("\n\nA: ")
     return {"sys0": sys0, "sys1": sys1, "q": q, "tail": tail, "p0": sys0 + q + tail, "p1": sys1 + q + tail}
-
-
-@pytest.fixture(scope="session")
-def bf16_noise(default_model: str, prompts: dict) -> dict[str, float]:
-    """Log-prob tolerance per prompt: 0.02, or one bf16 step of the largest next-token logit if
-    that is coarser. vLLM computes logits in bf16, so a single logit rounding the other way moves
-    log-probs by one step: 1/32 for logits in [4, 8). (0.02 came from a random-weight model whose
-    logits are small; the trained embedded model's are not.)"""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32)
-    tolerance = {}
-    for name in ("p0", "p1"):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompts[name]])).logits[0, -1]
-        step = 2.0 ** (math.floor(math.log2(float(logits.abs().max()))) - 7)
-        tolerance[name] = max(0.02, step + 0.002)
-    return tolerance

@@ -6,15 +6,18 @@ from __future__ import annotations
 import json
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from click.testing import CliRunner
 
 from kvbench.cli import main
 from kvbench.contracts import CONTRACT_VERSION, Plan
-from kvbench.replay.server import VLLMServer, running_server
-from kvbench.replay.worker_rpc import WorkerClient
+from kvbench.server.config import method_server_config
+from kvbench.server.lifecycle import VLLMServer, running_server
+from kvbench.server.worker_rpc import WorkerClient
 
 serving = running_server  # a server for a fixture: stopped in the background, awaited at the session's end
 
@@ -137,3 +140,11 @@ def method_check(tmp_path: Path, methods: str, *servers: VLLMServer, expect_exit
 def all_passed(report: dict) -> bool:
     """Every invariant passed, each on at least one compared turn."""
     return report["passed"] and all(o["status"] == "pass" and o["turns"] > 0 for o in report["outcomes"])
+
+
+def method_server(method: str, model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """Body of a module-scoped fixture: a connector server running `method` with its defaults."""
+    config = method_server_config(method, model, max_model_len=4096,
+                                  log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
+    with serving(config) as server:
+        yield server

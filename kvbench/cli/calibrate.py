@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
+from kvbench.cli.inputs import check_method, load_trace
 from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option
-from kvbench.cli.replay import check_method, load_trace
 from kvbench.cli.server_options import ServerOptions, server_options
+from kvbench.cli.workload_options import WorkloadOptions, workload_options
 
 
 @click.command("calibrate")
@@ -24,42 +26,36 @@ from kvbench.cli.server_options import ServerOptions, server_options
               help="Calibration trace [default: a four-agent trace generated in memory]. A benchmark workload "
                    "(gen-trace --task mmlu|gsm8k|humaneval) calibrates the threshold for that task, as the paper "
                    "picked tau per task.")
-@click.option("--num-trajectories", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--output-len", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--iterations", type=click.IntRange(1, 12), default=6, show_default=True, help="Bisection steps.")
-@click.option("--num-warmups", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Trajectories run before each measured replay to fill the method's state (anchor pools), as a "
-                   "measured run with --prime-method-state does: the threshold is found for the steady state.")
 @click.option("--tolerance", type=FiniteFloatRange(min=0), default=0.05, show_default=True,
               help="Exit 1 when no step came within this of the target rho.")
 @click.option("--base-url", default=None, help="A running server with the method [default: start one].")
-@click.option("--seed", type=int, default=1, show_default=True)
+@workload_options({"num_trajectories": 8, "num_warmups": 2, "seed": 1, "shared_tokens": 2048, "output_len": 32},
+                  helps={"num_warmups": "Trajectories run before each measured replay to fill the method's state "
+                                         "(anchor pools), as a measured run with --prime-method-state does: the "
+                                         "threshold is found for the steady state."})
 @allow_code_execution_option
 @server_options
-def calibrate_command(method: str, target_rho: float, trace_path: Path | None, num_trajectories: int,
-                      shared_tokens: int, output_len: int, iterations: int, num_warmups: int, tolerance: float,
-                      base_url: str | None, seed: int, server: ServerOptions) -> None:
+def calibrate_command(method: str, target_rho: float, trace_path: Path | None, iterations: int, tolerance: float,
+                      base_url: str | None, workload: WorkloadOptions, server: ServerOptions) -> None:
     """Find the gate threshold (tau; gamma for kvcomm; GraphFlow's budget rho; CacheBlend's
     recompute_ratio; RelayCaching's tau_dev) that reaches a target reuse ratio, or DroidSpeak's
     recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.experiment.calibrate import calibrate_threshold, flat_rho, summary_dict, what_limits, within
     from kvbench.experiment.servers import server_url
     from kvbench.methods.registry import method_spec
-    from kvbench.replay.server import ServerError
+    from kvbench.server.errors import ServerError
 
     params = check_method(method, server.method_params)
     cls = method_spec(method) if method != "nonshared" else None
     if cls is not None and cls.layer_profiled:
-        trace, tokenizer, served = load_trace(trace_path, server.model, num_trajectories, 0, shared_tokens,
-                                               output_len, seed)
+        trace, tokenizer, served = load_trace(trace_path, server.model, replace(workload, num_warmups=0))
         _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, server)
         return
     if cls is None or cls.threshold_name is None:
         raise click.BadParameter(f"{method!r} has no reliability gate, reuse budget or layer group to calibrate",
                                  param_hint="--method")
-    trace, tokenizer, served = load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
-                                           output_len, seed)
+    trace, tokenizer, served = load_trace(trace_path, server.model, workload)
 
     ranges = {"threshold_range": cls.threshold_range, "rho_rises": cls.rho_rises_with_threshold}
 
@@ -69,7 +65,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, n
     try:
         with server_url(base_url, lambda: server.server_config(method, params, served)) as url:
             steps = calibrate_threshold(trace, tokenizer, method, url, target_rho, cls.threshold_name,
-                                        iterations, show, num_warmups, tolerance, **ranges)
+                                        iterations, show, workload.num_warmups, tolerance, **ranges)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
     report = summary_dict(steps, target_rho, cls.threshold_name)
@@ -98,7 +94,7 @@ def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tok
     """DroidSpeak's profiling: the layer group to recompute for a target reuse ratio."""
     from kvbench.experiment.calibrate import profile_layers
     from kvbench.experiment.servers import server_url
-    from kvbench.replay.server import ServerError
+    from kvbench.server.errors import ServerError
 
     try:
         with server_url(base_url, lambda: server.server_config(method, params, served)) as url:

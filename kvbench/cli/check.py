@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from kvbench.cli.server_options import ServerOptions, server_options
+from kvbench.cli.workload_options import WorkloadOptions, workload_options
 
 
 @click.command("check")
@@ -19,20 +20,19 @@ from kvbench.cli.server_options import ServerOptions, server_options
 @click.option("--base-url", "base_urls", multiple=True, metavar="URL",
               help="A running kvbench server to check (repeatable; each runs one method, read from it). Methods "
                    "without one get a server started here.")
-@click.option("--shared-tokens", type=click.IntRange(min=16), default=512, show_default=True,
-              help="Shared-query tokens of each check trajectory.")
-@click.option("--output-len", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Tokens each agent generates (greedy) and the outputs compared.")
-@click.option("--num-trajectories", type=click.IntRange(min=3), default=4, show_default=True,
-              help="Two-agent trajectories per invariant (KVCMAS accepts its first match in the third).")
-@click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("kvbench-check.json"), show_default=True,
               help="Where the verdicts go (JSON); the logs of the servers started go to a folder beside it "
                    "(kvbench-check-logs/).")
+@workload_options({"shared_tokens": 512, "output_len": 16, "num_trajectories": 4, "seed": 0},
+                  helps={"shared_tokens": "Shared-query tokens of each check trajectory.",
+                         "output_len": "Tokens each agent generates (greedy) and the outputs compared.",
+                         "num_trajectories": "Two-agent trajectories per invariant (KVCMAS accepts its first match in "
+                                             "the third)."},
+                  lowest={"shared_tokens": 16, "num_trajectories": 3})
 @server_options
-def check_command(methods: str | None, base_urls: tuple[str, ...], shared_tokens: int, output_len: int,
-                  num_trajectories: int, seed: int, output_path: Path, server: ServerOptions) -> None:
+def check_command(methods: str | None, base_urls: tuple[str, ...], output_path: Path, workload: WorkloadOptions,
+                  server: ServerOptions) -> None:
     """Check each method against what it must equal exactly (a few minutes; exit 1 unless all pass).
 
     FullShared reading an agent's own cache gives NonShared's outputs, its re-aligned layer-0 keys a
@@ -44,7 +44,7 @@ def check_command(methods: str | None, base_urls: tuple[str, ...], shared_tokens
     from kvbench.experiment.invariants import invariants_of
     from kvbench.experiment.method_check import check_report, run_checks
     from kvbench.model.resolve import resolve_model
-    from kvbench.replay.server import ServerError
+    from kvbench.server.errors import ServerError
 
     if server.method_params:
         raise click.UsageError("kvbench check sets each method's parameters itself: drop --method-param")
@@ -60,8 +60,8 @@ def check_command(methods: str | None, base_urls: tuple[str, ...], shared_tokens
         invariants = invariants_of(chosen) if chosen else invariants_of(_all_checked())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    spec = CheckSpec(model=resolve_model(server.model), shared_tokens=shared_tokens, output_len=output_len,
-                     trajectories=num_trajectories, seed=seed)
+    spec = CheckSpec(model=resolve_model(server.model), shared_tokens=workload.shared_tokens,
+                     output_len=workload.output_len, trajectories=workload.num_trajectories or 4, seed=workload.seed)
     with tempfile.TemporaryDirectory(prefix="kvbench-check-") as scratch:
         logs = output_path.resolve().parent / f"{output_path.stem}-logs"  # one vLLM log per server started
 

@@ -174,7 +174,7 @@ def check_command(models: tuple[str, ...], as_json: bool, out: Path, device: str
     model (kvbench:roles-*): what reuse costs on it, and why."""
     from kvbench.experiment.model_check import CheckSettings, run_check
     from kvbench.model.roles import PROMPT_FAMILIES
-    from kvbench.replay.server import ServerError
+    from kvbench.server.errors import ServerError
 
     targets: list[str | None] = list(models) + ([f"kvbench:{name}" for name in PROMPT_FAMILIES] if families else [])
     targets = targets or [None]

@@ -1,56 +1,20 @@
-"""`kvbench replay`: run a trace against vLLM with a chosen sharing method (and the option parsing
-the other server commands share)."""
+"""`kvbench replay`: its flags parsed into the calls of kvbench.experiment.replay, which composes the
+run, and its summary printed."""
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import click
 
 from kvbench import run_files
-from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option, require_code_execution_here
+from kvbench.cli.inputs import check_method, key_values, load_trace
+from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option
 from kvbench.cli.server_options import ServerOptions, server_options
+from kvbench.cli.workload_options import WorkloadOptions, workload_options
 from kvbench.replay.interrupts import Interrupted
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
-
-
-def _key_values(items: tuple[str, ...], option: str) -> dict[str, str]:
-    pairs = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=option)
-        pairs[key] = value
-    return pairs
-
-
-def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
-    """--method-param values are JSON where they parse (numbers, booleans), else strings."""
-    params: dict[str, Any] = {}
-    for key, raw in _key_values(items, "--method-param").items():
-        try:
-            params[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key] = raw
-    return params
-
-
-def check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
-    from kvbench.methods.registry import validate_params
-
-    params = parse_method_params(method_params)
-    try:
-        validate_params(method, params)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--method/--method-param") from None
-    return params
-
-
-def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
-    return _key_values(items, "--metadata")
 
 
 @click.command("replay")
@@ -67,15 +31,9 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--use-trace-timestamps", is_flag=True, help="Replay the trace's own arrival_s (ignores --qps).")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
               help="At most this many requests in flight (client-side queue time is recorded).")
-@click.option("--num-trajectories", type=click.IntRange(min=1), default=None,
-              help="Replay only the first N trajectories (after warm-ups) [default: all; 10 for the "
-                   "in-memory trace].")
-@click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Trajectories run first, single stream, and left out of the results.")
 @click.option("--prime-method-state", is_flag=True,
               help="Keep what the method learned during the warm-ups (anchor pools, calibrations): "
                    "measures its steady state instead of a cold start.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the arrival schedule.")
 @click.option("--metric-percentiles", default="50,90,99", show_default=True,
               help="Comma-separated percentiles reported as p{N}_{metric}_ms.")
 @click.option("--goodput", "goodput_specs", multiple=True, metavar="KEY:MS",
@@ -96,10 +54,6 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--save-prompt-ids", is_flag=True,
               help="Store every prompt's token ids in requests.parquet and keep every turn's cache on the server, also "
                    "those no later turn reads (what KV-error measurements compare afterwards).")
-@click.option("--shared-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Shared context of the in-memory trace (ignored with --trace).")
-@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Agent output length of the in-memory trace (ignored with --trace).")
 @click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
               help="Sampling temperature of every request (0: greedy, what quality comparisons need).")
 @click.option("--top-p", type=FiniteFloatRange(0, 1, min_open=True), default=1.0, show_default=True)
@@ -121,25 +75,27 @@ def _parse_metadata(items: tuple[str, ...]) -> dict[str, str]:
               help="Stop a loaded run whose backlog and TTFT grow without bound (both slopes beyond noise, TTFT "
                    "doubled, after 20 s and 16 requests) and mark it saturated: its figures would measure how long it "
                    "ran, not the server (kvbench sweep: on by default).")
+@workload_options({"num_trajectories": None, "num_warmups": 0, "seed": 0, "shared_tokens": 2048, "output_len": 128},
+                  helps={"num_trajectories": "Replay only the first N trajectories (after warm-ups) [default: all; 10 for "
+                                             "the in-memory trace]."})
 @server_options
 @allow_code_execution_option
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
-                   use_trace_timestamps: bool, max_concurrency: int | None, num_trajectories: int | None,
-                   num_warmups: int, prime_method_state: bool, seed: int, metric_percentiles: str,
-                   goodput_specs: tuple[str, ...], result_dir: Path | None, label: str | None,
+                   use_trace_timestamps: bool, max_concurrency: int | None, prime_method_state: bool,
+                   metric_percentiles: str, goodput_specs: tuple[str, ...], result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
-                   request_timeout: float, save_prompt_ids: bool, shared_tokens: int, output_len: int,
-                   temperature: float, top_p: float, top_k: int, reference_dir: Path | None,
-                   logprobs: int | None, drop_shared: bool, concurrent_sources: bool, stop_on_saturation: bool,
-                   server: ServerOptions) -> None:
+                   request_timeout: float, save_prompt_ids: bool, temperature: float, top_p: float, top_k: int,
+                   reference_dir: Path | None, logprobs: int | None, drop_shared: bool, concurrent_sources: bool,
+                   stop_on_saturation: bool, workload: WorkloadOptions, server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.goodput import parse_goodput
     from kvbench.analysis.metrics import parse_percentiles
-    from kvbench.experiment.run import replay_and_summarize
-    from kvbench.experiment.servers import replay_server
-    from kvbench.replay.runner import ReplayConfig, ReplayError
+    from kvbench.experiment.replay import ReplayInputError, replay_config, run_replay_experiment
+    from kvbench.replay.result_lock import ResultDirError
+    from kvbench.replay.run_config import ReplayError
+    from kvbench.replay.sampling import SamplingParams
     from kvbench.replay.saturation import SaturationRule
-    from kvbench.replay.server import ServerError
+    from kvbench.server.errors import ServerError
 
     try:
         percentiles = parse_percentiles(metric_percentiles)
@@ -154,65 +110,34 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         raise click.UsageError("--resume needs the --result-dir of the run to finish")
     if top_k == 0:
         raise click.BadParameter("0 is not a number of tokens; -1 keeps every token", param_hint="--top-k")
-    from kvbench.replay.sampling import SamplingParams
+    trace, tokenizer, model = load_trace(trace_path, server.model, workload)
+    try:
+        config = replay_config(
+            trace, tokenizer, model, method, params, base_urls=list(base_urls), result_dir=result_dir, label=label,
+            reference_dir=reference_dir, trace_path=trace_path, max_load_tokens_per_step=server.max_load_tokens_per_step,
+            qps=qps, arrival=arrival, burstiness=burstiness, use_trace_timestamps=use_trace_timestamps,
+            seed=workload.seed, max_concurrency=max_concurrency, num_warmups=workload.num_warmups,
+            prime_method_state=prime_method_state, metric_percentiles=percentiles, goodput=goodput,
+            metadata=key_values(metadata, "--metadata"), drop_shared=drop_shared,
+            sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+            concurrent_sources=concurrent_sources, logprobs=logprobs, request_timeout_s=request_timeout,
+            save_prompt_ids=save_prompt_ids, resume=resume,
+            saturation=SaturationRule() if stop_on_saturation else None)
+    except ReplayInputError as exc:
+        if exc.option is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=exc.option) from None
+    result_dir = config.output.result_dir
 
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-    trace, tokenizer, model = load_trace(trace_path, server.model, num_trajectories, num_warmups, shared_tokens,
-                                          output_len, seed)
-    from kvbench.tracegen.schema import MAX_ARRIVAL_S
-
-    if qps > 0 and not use_trace_timestamps and len(trace.trajectories) / qps > MAX_ARRIVAL_S:
-        raise click.BadParameter(f"{qps:g} spreads {len(trace.trajectories)} trajectories over about "
-                                 f"{len(trace.trajectories) / qps:g} s, past the {MAX_ARRIVAL_S:g} s a trace allows "
-                                 "(0 runs them one after another)", param_hint="--qps")
-    reference = None
-    if reference_dir is not None:
-        from kvbench.replay.reference import ReferenceRunError, load_reference
-
-        if drop_shared:
-            raise click.UsageError("--drop-shared leaves no upstream output to anchor: give --reference or "
-                                   "--drop-shared, not both")
-        try:
-            reference = load_reference(reference_dir, trace.trajectories[num_warmups:], model)
-        except ReferenceRunError as exc:
-            raise click.BadParameter(str(exc), param_hint="--reference") from None
-    if drop_shared and label is None:
-        label = run_files.FLOOR_LABEL  # PGR's floor is its own kind of run, never another NonShared row
-    if result_dir is None:
-        result_dir = Path("results") / f"{label or method}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
-    config = ReplayConfig(
-        trace=trace, tokenizer=tokenizer, method=method, base_urls=[u.rstrip("/") for u in base_urls],
-        result_dir=result_dir, qps=qps, arrival=arrival, burstiness=burstiness,
-        use_trace_timestamps=use_trace_timestamps, seed=seed, max_concurrency=max_concurrency,
-        num_warmups=num_warmups, prime_method_state=prime_method_state, metric_percentiles=percentiles,
-        goodput=goodput, label=label,
-        metadata=_parse_metadata(metadata), sampling=sampling, reference=reference, drop_shared=drop_shared,
-        concurrent_sources=concurrent_sources,
-        logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
-        request_timeout_s=request_timeout, save_prompt_ids=save_prompt_ids, resume=resume,
-        method_params=params, saturation=SaturationRule() if stop_on_saturation else None,
-        extra_config={"model": model, "method_params": params,
-                      "trace_path": str(trace_path.resolve()) if trace_path else None,
-                      "max_load_tokens_per_step": server.max_load_tokens_per_step if not base_urls else None},
-    )
-    from kvbench.methods.registry import method_spec
-    from kvbench.replay.result_lock import ResultDirError, result_dir_lock
-    from kvbench.replay.resume import check_result_dir
-
-    if method_spec(method).needs_adapters and not config.trace.header.adapters:
-        raise click.UsageError(f"--method {method} rebuilds each agent's values from its LoRA adapter, and this "
-                               "trace's agents use none (gen-trace --adapter ROLE=PATH; kvbench model adapters)")
+    def server_config(log_path: Path) -> Any:
+        return server.server_config(method, params, model, port=port, log_path=log_path,
+                                    lora_modules=trace.header.adapters)
 
     try:
-        # the folder is this run's before a server starts: a second writer is refused at once
-        with result_dir_lock(result_dir, on_note=lambda note: click.echo(f"note: {note}", err=True)):
-            check_result_dir(result_dir, resume)
-            server_config = None if base_urls else server.server_config(
-                method, params, model, port=port, log_path=result_dir / "server.log",
-                lora_modules=config.trace.header.adapters)
-            with replay_server(config, server_config, announce=lambda c: click.echo(
-                    f"starting vLLM ({method}) for {model} ... log: {c.log_path}", err=True)):
-                summary = replay_and_summarize(config)
+        summary = run_replay_experiment(
+            config, None if base_urls else server_config,
+            announce=lambda c: click.echo(f"starting vLLM ({method}) for {model} ... log: {c.log_path}", err=True),
+            on_note=lambda note: click.echo(f"note: {note}", err=True))
     except (ServerError, ReplayError, ResultDirError) as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted:
@@ -243,40 +168,6 @@ def _report_failures(result_dir: Path, summary: dict[str, Any]) -> None:
         click.echo(f"  {row['trajectory_id']}/{row['turn_id']}: {row['error_type']}: {row['error_message']}", err=True)
     if summary["completed"] == 0:
         raise click.ClickException("every request failed (see the errors above)")
-
-
-def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int | None, num_warmups: int,
-                shared_tokens: int, output_len: int, seed: int) -> tuple[Any, Any, str]:
-    from kvbench.model.resolve import resolve_model
-    from kvbench.tracegen.generate import TraceSpec, generate_trace
-    from kvbench.tracegen.schema import Trace, TraceError
-    from kvbench.tracegen.tokenizer import load_tokenizer
-    from kvbench.tracegen.trace_files import read_trace
-
-    try:
-        if trace_path is None:
-            tokenizer = load_tokenizer(model)
-            spec = TraceSpec(num_trajectories=(num_trajectories or 10) + num_warmups, shared_tokens=shared_tokens,
-                             output_len=output_len, seed=seed)
-            header, trajectories = generate_trace(spec, tokenizer)
-            trace = Trace(header=header, trajectories=trajectories)
-        else:
-            from kvbench.tracegen.validate import checked_tokenizer
-
-            trace = read_trace(trace_path)
-            if num_trajectories is not None:
-                kept = num_trajectories + num_warmups
-                trace = Trace(header=trace.header, trajectories=trace.trajectories[:kept],
-                              line_numbers=trace.line_numbers[:kept])
-            tokenizer = checked_tokenizer(trace, model, trace_path)  # replay only what validates
-    except TraceError as exc:
-        raise click.ClickException(str(exc)) from None
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.ClickException(str(exc)) from None
-    if any(t.task is not None and t.task.name == "humaneval" for t in trace.trajectories):
-        require_code_execution_here()  # scoring it runs model-written code: refused before a server starts
-    served = resolve_model(model if model is not None else trace.header.tokenizer)
-    return trace, tokenizer, served
 
 
 def saturation_note(summary: dict[str, Any]) -> str:

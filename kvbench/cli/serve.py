@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
+from kvbench.cli.inputs import check_method
 from kvbench.cli.param_types import role_paths
-from kvbench.cli.replay import check_method
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.replay.interrupts import Interrupted
 
@@ -30,7 +30,8 @@ def serve_command(method: str, host: str, port: int, log_path: Path | None, lora
     import time
 
     from kvbench.model.resolve import resolve_model
-    from kvbench.replay.server import ServerError, VLLMServer
+    from kvbench.server.errors import ServerError
+    from kvbench.server.lifecycle import VLLMServer
 
     params = check_method(method, server.method_params)
     log_path = log_path or Path(f"kvbench-serve-{method}-{port}.log")

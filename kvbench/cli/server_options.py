@@ -65,7 +65,7 @@ class ServerOptions:
                       lora_modules: dict[str, str] | None = None) -> Any:
         """The ServerConfig of a vLLM server running `method` with `params` for `served_model`
         (and the LoRA adapters a trace's agents use)."""
-        from kvbench.replay.server import method_server_config
+        from kvbench.server.config import method_server_config
 
         return method_server_config(method, served_model, params, host=host, port=port, lora_modules=lora_modules or {},
                                     max_model_len=self.max_model_len, cpu_kv_cache_gib=self.cpu_kv_cache_gib,

@@ -148,7 +148,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
     from kvbench.experiment.sweep import SweepSpec, run_sweep
     from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.runner import ReplayError
-    from kvbench.replay.server import ServerError
+    from kvbench.server.errors import ServerError
     from kvbench.tracegen.code_execution import CodeExecutionRefused
 
     methods = options.pop("methods") or defaults.get("methods", ["nonshared", "fullshared"])

@@ -66,7 +66,7 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
     trajectories (not measured), as a measured run with --prime-method-state does."""
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.replay.runner import ReplayConfig
-    from kvbench.replay.worker_rpc import WorkerClient
+    from kvbench.server.worker_rpc import WorkerClient
 
     def probe(threshold: float) -> CalibrationStep:
         import pandas as pd
@@ -76,10 +76,9 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
 
         WorkerClient(base_url).set_params({threshold_name: threshold})
         with tempfile.TemporaryDirectory() as tmp:
-            summary = replay_and_summarize(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
-                                                         result_dir=Path(tmp) / "run", qps=0, show_progress=False,
-                                                         num_warmups=num_warmups,
-                                                         prime_method_state=num_warmups > 0))
+            summary = replay_and_summarize(ReplayConfig.build(
+                trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url], result_dir=Path(tmp) / "run",
+                qps=0, show_progress=False, num_warmups=num_warmups, prime_method_state=num_warmups > 0))
             decisions: dict[str, int] = {}
             requests = Path(tmp) / "run" / run_files.REQUESTS
             for stats in method_stats_of(pd.read_parquet(requests)) if requests.exists() else []:
@@ -157,12 +156,12 @@ def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: str, base_ur
     from kvbench import run_files
     from kvbench.replay.kv_error import reused_segments, turn_layer_errors
     from kvbench.replay.runner import ReplayConfig, run_replay
-    from kvbench.replay.worker_rpc import WorkerClient
+    from kvbench.server.worker_rpc import WorkerClient
 
     WorkerClient(base_url).set_params({"layers": [0, 1]})
     per_turn = []
     with tempfile.TemporaryDirectory() as tmp:
-        run_replay(ReplayConfig(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
+        run_replay(ReplayConfig.build(trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url],
                                 result_dir=Path(tmp) / "run", qps=0, save_prompt_ids=True, show_progress=False))
         requests = pd.read_parquet(Path(tmp) / "run" / run_files.REQUESTS)
         for _, turn in requests[requests["success"]].iterrows():

@@ -43,7 +43,7 @@ class CheckedServer:
     """A server under check: completions with a plan, and the connector's RPCs."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
-        from kvbench.replay.worker_rpc import WorkerClient
+        from kvbench.server.worker_rpc import WorkerClient
 
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
         self.rpc = WorkerClient(self.base_url)

@@ -101,7 +101,7 @@ def _segment_rows(client: Any, turn: TurnSpans, row: Any, outputs: dict[tuple[st
 def _error_rows(base_url: str, model: str, turn: TurnSpans, row: Any, first_context: int,
                 context: int, method: str) -> list[dict[str, Any]]:
     from kvbench.replay.kv_error import dense_reference_of
-    from kvbench.replay.worker_rpc import WorkerClient
+    from kvbench.server.worker_rpc import WorkerClient
 
     reference = dense_reference_of(base_url, model, row.request_id, turn.prompt.token_ids)
     client = WorkerClient(base_url)
@@ -150,7 +150,7 @@ def record_fidelity(error_trajectories: int = 3, budget: float = RECOMPUTE_BUDGE
     def after_cell(cell: SweepCell, server: Any, summary: dict[str, Any]) -> None:
         from kvbench.experiment.sweep import cell_dir, cell_done
         from kvbench.model.store import first_context_layer
-        from kvbench.replay.worker_rpc import WorkerClient
+        from kvbench.server.worker_rpc import WorkerClient
 
         if cell.qps != 0 or cell.method.method == "nonshared":
             return  # loaded cells' turns overlap; NonShared is the dense reference itself

@@ -84,7 +84,7 @@ def find_max_qps(spec: SweepSpec, root: Path, target_share: float = 0.9, metric:
     """Search every method configuration on every workload of `spec` (its goodput bounds, its
     first --qps as the start); writes and returns max_qps.json."""
     from kvbench.replay.result_lock import result_dir_lock
-    from kvbench.replay.server import VLLMServer
+    from kvbench.server.lifecycle import VLLMServer
 
     if not spec.goodput:
         raise ValueError("--find-max-qps needs the bounds of goodput: --goodput ttft:MS (and/or tpot, e2el, workflow)")

@@ -44,7 +44,7 @@ from kvbench.experiment.invariants import (
     rows_difference,
     worst_layer_excess,
 )
-from kvbench.replay.server import ServerError
+from kvbench.server.errors import ServerError
 from kvbench.tracegen.schema import Trajectory
 
 LOGPROB_FLOOR = 0.02  # the smallest near-tie tolerance: one rounding of a logit near 4 in bf16

@@ -29,10 +29,10 @@ def require_consent_for(trajectories: Sequence[Trajectory]) -> None:
 
 def _score_and_summarize(config: ReplayConfig) -> dict[str, Any]:
     if any(t.task is not None for t in config.trace.trajectories):
-        write_scores(config.result_dir, config.trace.trajectories, config.tokenizer)
-    if config.reference is not None:  # a reference-anchored run is compared with its reference
-        write_quality(config.result_dir, config.reference.path)
-    return write_summary(config.result_dir)
+        write_scores(config.output.result_dir, config.trace.trajectories, config.tokenizer)
+    if config.quality.reference is not None:  # a reference-anchored run is compared with its reference
+        write_quality(config.output.result_dir, config.quality.reference.path)
+    return write_summary(config.output.result_dir)
 
 
 def replay_and_summarize(config: ReplayConfig) -> dict[str, Any]:
@@ -44,13 +44,13 @@ def replay_and_summarize(config: ReplayConfig) -> dict[str, Any]:
     try:
         run_replay(config)
     except BaseException:
-        if (config.result_dir / run_files.REQUESTS_JOURNAL).exists():
+        if (config.output.result_dir / run_files.REQUESTS_JOURNAL).exists():
             try:
                 _score_and_summarize(config)
             except OSError as exc:  # a full disk: the replay's error says what is safe
-                logger.warning("the stopped run in %s is not summarized (%s)", config.result_dir, exc.strerror or exc)
+                logger.warning("the stopped run in %s is not summarized (%s)", config.output.result_dir, exc.strerror or exc)
             except Exception:  # the replay's own error is the one to report
-                logger.exception("summarizing the stopped run in %s failed", config.result_dir)
+                logger.exception("summarizing the stopped run in %s failed", config.output.result_dir)
         raise
     return _score_and_summarize(config)
 

@@ -1,5 +1,5 @@
 """The vLLM server an experiment runs against: one the user runs (`--base-url`), or one started for
-it and stopped however the experiment ends (kvbench.replay.server.VLLMServer)."""
+it and stopped however the experiment ends (kvbench.server.lifecycle.VLLMServer)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvbench.replay import server as vllm_server  # (VLLMServer looked up at start: tests stand one in)
-from kvbench.replay.run_config import ReplayConfig
-from kvbench.replay.server import ServerConfig
+from kvbench.replay.run_config import ReplayConfig, ServerBinding
+from kvbench.server import lifecycle as vllm_server  # (VLLMServer looked up at start: tests stand one in)
+from kvbench.server.config import ServerConfig
 
 
 @contextlib.contextmanager
@@ -25,15 +25,13 @@ def server_url(base_url: str | None, make_config: Callable[[], ServerConfig]) ->
 @contextlib.contextmanager
 def replay_server(config: ReplayConfig, server_config: ServerConfig | None,
                   announce: Callable[[ServerConfig], Any] = lambda _: None) -> Iterator[ReplayConfig]:
-    """A replay's server: one started from `server_config`, whose URL, pid, failure check and command
-    the replay then records; None: the replay uses the running ones `config` names (`base_urls`)."""
+    """`config` bound to a replay's server: one started from `server_config`, whose URL, pid, failure
+    check and command the replay then records; None: the running ones `config` names."""
     if server_config is None:
         yield config
         return
     announce(server_config)
     with vllm_server.VLLMServer(server_config) as server:
-        config.base_urls = [server.base_url]
-        config.server_pids = {server.base_url: server.process.pid}
-        config.server_failure = server.failure
-        config.extra_config["server_command"] = server.command()
-        yield config
+        assert server.process is not None
+        yield config.with_servers(ServerBinding([server.base_url], {server.base_url: server.process.pid}, server.failure),
+                                  server_command=server.command())

@@ -217,7 +217,7 @@ class SweepInputs:
 
     def server_config(self, spec: SweepSpec, root: Path, method: MethodConfig) -> Any:
         """The server of one method configuration (its log in the configuration's folder)."""
-        from kvbench.replay.server import method_server_config
+        from kvbench.server.config import method_server_config
 
         return method_server_config(method.method, self.model, method.params, **spec.server_options,
                                     cpu_kv_cache_gib=spec.cpu_kv_cache_gib, lora_modules=self.lora_modules,
@@ -253,7 +253,7 @@ def prepare_sweep(spec: SweepSpec, root: Path) -> SweepInputs:
 
 def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
                after_cell: AfterCell | None) -> list[SweepCell]:
-    from kvbench.replay.server import running_server, wait_for_stopped_servers
+    from kvbench.server.lifecycle import running_server, wait_for_stopped_servers
 
     inputs = prepare_sweep(spec, root)
     cells = spec.cells(root)
@@ -308,7 +308,7 @@ def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace
     from kvbench.tracegen.schema import Trace
 
     method = cell.method
-    config = ReplayConfig(
+    config = ReplayConfig.build(
         trace=Trace(header=trace.header, trajectories=trace.trajectories[: spec.num_warmups + cell.num_trajectories]),
         tokenizer=tokenizer, method=method.method, base_urls=[server.base_url], result_dir=cell.path,
         qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
@@ -353,7 +353,7 @@ def _run_quality_baselines(spec: SweepSpec, root: Path, inputs: SweepInputs, tod
 
     for name, run, drop in todo:
         trace = inputs.traces[name]
-        replay_and_summarize(ReplayConfig(
+        replay_and_summarize(ReplayConfig.build(
             trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=inputs.tokenizer,
             method="nonshared", base_urls=[server.base_url], result_dir=run, qps=0.0, seed=spec.seed,
             num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,

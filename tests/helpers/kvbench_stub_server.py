@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvbench.replay import server
+from kvbench.server import lifecycle as server
 
 
 def _stub_command(self: server.VLLMServer) -> list[str]:

@@ -1,0 +1,143 @@
+"""`kvbench.analysis.summary`: a run's summary.json recomputed from the files the replayer wrote."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from paths import DATA
+
+from kvbench import run_files
+from kvbench.analysis.summary import server_figures, store_figures, summarize_run, write_summary
+
+GOLDEN = DATA / "golden-runs"
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-12)
+    return a == b
+
+
+@pytest.mark.parametrize("method", ["nonshared", "fullshared"])
+def test_the_recorded_summary_is_recomputed_from_the_run_files(method: str) -> None:
+    """The golden summaries were written when the replay ended; the same figures come back from
+    the files alone (every key, every value)."""
+    recorded = json.loads((GOLDEN / method / run_files.SUMMARY).read_text())
+    recomputed = json.loads(json.dumps(summarize_run(GOLDEN / method)))
+    assert set(recomputed) == set(recorded)
+    differing = {k for k in recorded if not _same(recorded[k], recomputed[k])}
+    assert not differing
+    assert recomputed["completed"] == 24 and recomputed["method"] == method
+    # ...and figures computed here from requests.parquet alone, not by the summarizer, agree with
+    # them (the golden files were written by the code under test: they cannot catch its errors).
+    import numpy as np
+
+    requests = pd.read_parquet(GOLDEN / method / run_files.REQUESTS)
+    ok = requests[requests["success"]]
+    assert recomputed["failed"] == int((~requests["success"]).sum())
+    for p in (50, 90, 99):
+        assert recomputed[f"p{p}_ttft_ms"] == pytest.approx(float(np.percentile(ok["ttft_ms"], p)))
+    assert recomputed["mean_ttft_ms"] == pytest.approx(float(ok["ttft_ms"].mean()))
+    assert recomputed["mean_e2el_ms"] == pytest.approx(float(ok["e2el_ms"].mean()))
+    span_s = (requests["end_ns"].max() - requests["scheduled_ns"].min()) / 1e9
+    assert recomputed["duration"] >= span_s  # the run lasted at least as long as its requests
+    assert recomputed["request_throughput"] == pytest.approx(len(ok) / recomputed["duration"])
+    assert recomputed["output_throughput"] == pytest.approx(ok["output_tokens"].sum() / recomputed["duration"])
+    if method == "fullshared":
+        assert recomputed["realized_rho"] == pytest.approx(ok["reused_tokens"].sum() / ok["eligible_tokens"].sum())
+
+
+def _lines(path: Path, entries: list[dict]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries) + '{"torn line')
+
+
+def test_store_figures_are_the_last_segments_over_its_servers(tmp_path: Path) -> None:
+    def state(segment: int, url: str, peak: int, evictions: int, anchors: int) -> dict:
+        return {"kind": "state", "segment": segment, "server_url": url, "store_bytes": peak // 2,
+                "store_peak_bytes": peak, "store_evictions": evictions, "store_refused": 1,
+                "method_state_bytes": {"anchor_pool": anchors}}
+
+    _lines(tmp_path / run_files.METHOD_STATS, [
+        state(0, "a", 10_000, 9, 999),  # an earlier segment: not this run's figures
+        {"kind": "request", "request_id": "r", "stats": {"reused_tokens": 3}},
+        state(1, "a", 100, 1, 50), state(1, "b", 300, 2, 20),
+        state(1, "a", 200, 4, 30),  # a's later answer: its peak grew, its evictions are counted once
+    ])
+    figures = store_figures(tmp_path, 1)
+    assert figures == {"method_store_peak_bytes": 300, "store_evictions": 4 + 2, "store_refused": 2,
+                       "method_state_bytes": {"anchor_pool": 50}}
+    assert store_figures(tmp_path, 2)["method_store_peak_bytes"] is None  # no server reported
+
+
+def test_server_figures_add_each_servers_own_deltas(tmp_path: Path) -> None:
+    hits = "vllm:prefix_cache_hits_total"
+    _lines(tmp_path / run_files.SERVER_METRICS, [
+        {"segment": 0, "server_url": "a", hits: 0.0, "process_tree_rss_bytes": 9e9},
+        {"segment": 1, "server_url": "a", hits: 10.0, "process_tree_rss_bytes": 5},
+        {"segment": 1, "server_url": "b", hits: 100.0, "vllm:kv_cache_usage_perc": 0.5},
+        {"segment": 1, "server_url": "a", hits: 15.0, "process_tree_rss_bytes": 7},
+        {"segment": 1, "server_url": "b", hits: 130.0, "vllm:kv_cache_usage_perc": 0.25},
+    ])
+    figures = server_figures(tmp_path, 1)
+    assert figures["prefix_cache_hits"] == 5 + 30
+    assert figures["peak_server_rss_bytes"] == 7 and figures["peak_kv_cache_usage_perc"] == 0.5
+    assert figures["num_preemptions"] is None  # no server exposed it
+
+
+def test_a_stopped_resumed_run_is_summarized_over_its_segments(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN / "fullshared", run)
+    config = json.loads((run / run_files.CONFIG).read_text())
+    first = dict(config["segments"][0], duration_s=2.0, status="interrupted by SIGTERM")
+    config["segments"] = [first, dict(first, duration_s=3.0, status="interrupted by SIGINT",
+                                      method_stats_missing=["x", "y"])]
+    (run / run_files.CONFIG).write_text(json.dumps(config))
+    requests = pd.read_parquet(run / run_files.REQUESTS)
+    requests.loc[0, "method_stats"] = json.dumps({"reused_tokens": 0, "rank_mismatch": ["decisions"]})
+    requests.to_parquet(run / run_files.REQUESTS)
+    # The resumed segment's store (reset at its start) peaked lower and evicted 3 entries.
+    with open(run / run_files.METHOD_STATS, "a") as journal:
+        journal.write(json.dumps({"kind": "state", "segment": 1, "server_url": "http://x", "t_s": 1.0,
+                                  "store_bytes": 100, "store_peak_bytes": 1000, "store_evictions": 3,
+                                  "store_refused": 1, "method_state_bytes": {"anchors": 7}}) + "\n")
+    summary = write_summary(run)
+    assert json.loads((run / run_files.SUMMARY).read_text())["interrupted"] == "SIGINT" == summary["interrupted"]
+    # rates over the active time, named as such: 2 s + 3 s, the pause between them left out
+    assert summary["duration"] == 5.0 and summary["segments"] == 2 and summary["segment_durations_s"] == [2.0, 3.0]
+    assert summary["duration_basis"] == "active: 2 segments added, pauses left out"
+    assert summary["method_stats_missing"] == 2 and summary["method_stats_missing_requests"] == ["x", "y"]
+    assert summary["rank_mismatched_requests"] == 1
+    # the peak of any segment (the first's 24,576 bytes, not the last's 1,000); counts added
+    assert summary["method_store_peak_bytes"] == 24576
+    assert (summary["store_evictions"], summary["store_refused"]) == (3, 1)
+    assert summary["method_state_bytes"] == {"anchors": 7}
+
+
+def test_a_directory_without_requests_is_named(tmp_path: Path) -> None:
+    (tmp_path / run_files.CONFIG).write_text(json.dumps({"segments": []}))
+    with pytest.raises(FileNotFoundError, match=r"requests\.parquet"):
+        summarize_run(tmp_path)
+
+
+def test_kvbench_summarize_rewrites_the_summaries_of_a_sweep(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    for method in ("nonshared", "fullshared"):
+        shutil.copytree(GOLDEN / method, tmp_path / "runs" / method)
+        (tmp_path / "runs" / method / run_files.SUMMARY).unlink()
+    result = CliRunner().invoke(main, ["summarize", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    for method in ("nonshared", "fullshared"):
+        written = json.loads((tmp_path / "runs" / method / run_files.SUMMARY).read_text())
+        assert written["p50_ttft_ms"] == json.loads((GOLDEN / method / run_files.SUMMARY).read_text())["p50_ttft_ms"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = CliRunner().invoke(main, ["summarize", str(empty)])
+    assert refused.exit_code == 1 and "no kvbench runs" in refused.output
