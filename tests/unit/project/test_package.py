@@ -25,6 +25,24 @@ def test_namespaced_packages_come_from_the_top_level_folders(name: str, folder: 
     assert Path(module.__file__).resolve() == ROOT / folder / "__init__.py"
 
 
+def test_every_package_of_the_tree_is_in_the_distribution() -> None:
+    """A folder with an __init__.py that pyproject.toml does not list is left out of a wheel or a
+    non-editable install (an editable one still finds it: only a fresh install would fail)."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: Path(folder) for package, folder in setup["package-dir"].items()}
+    found = set()
+    for package, folder in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            name = ".".join([package, *parts])
+            if not any(name != other and name.startswith(other + ".") and (ROOT / folders[other]) == init.parent
+                       for other in folders):
+                found.add(name)
+    assert found - set(setup["packages"]) == set()
+
+
 @pytest.mark.parametrize("bare", ["methods", "analysis", "tracegen", "replay"])
 def test_no_bare_top_level_import_names(bare: str, tmp_path) -> None:
     # Run outside the source tree so the repository root is not on sys.path.
