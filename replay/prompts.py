@@ -107,9 +107,11 @@ class PromptBuilder:
         return ids
 
     def build(self, trajectory: Trajectory, turn: Turn, outputs: dict[str, list[int]],
-              prompts: dict[str, TurnPrompt], started: Mapping[str, TurnPrompt] | None = None) -> TurnPrompt:
+              prompts: dict[str, TurnPrompt], started: Mapping[str, TurnPrompt] | None = None,
+              placed: Mapping[str, str] | None = None) -> TurnPrompt:
         """`outputs`/`prompts`: generated ids and prompts of the trajectory's finished turns;
-        `started`: the prompts of its turns sent and not finished yet."""
+        `started`: the prompts of its turns sent and not finished yet; `placed`: the server of each
+        turn sent, this one's included, when the run has several (a cache is read only where it is)."""
         token_ids = list(self.prefix_ids)
         spans: list[SegmentSpan] = []
         for segment in turn.segments:
@@ -120,15 +122,18 @@ class PromptBuilder:
             spans.append(SegmentSpan(kind, key, len(token_ids), len(ids)))
             token_ids += ids
         prompt = TurnPrompt(token_ids, spans)
-        prompt.plan = self.plan(trajectory, turn, prompt, outputs, prompts, started or {})
+        prompt.plan = self.plan(trajectory, turn, prompt, outputs, prompts, started or {}, placed)
         return prompt
 
     def plan(self, trajectory: Trajectory, turn: Turn, prompt: TurnPrompt, outputs: dict[str, list[int]],
-             prompts: dict[str, TurnPrompt], started: Mapping[str, TurnPrompt] | None = None) -> Plan:
+             prompts: dict[str, TurnPrompt], started: Mapping[str, TurnPrompt] | None = None,
+             placed: Mapping[str, str] | None = None) -> Plan:
         """Workload facts only (method parameters live in the server's connector config), so one
         trace replays against every method unchanged."""
         segments = []
         sent = {**(started or {}), **prompts}
+        if placed is not None:  # several servers: only the caches of turns on this one are readable
+            sent = {t: p for t, p in sent.items() if placed.get(t) == placed.get(turn.turn_id)}
         for span in prompt.spans:
             source = self._source(trajectory, turn, span, sent)
             if source is None:
@@ -141,7 +146,8 @@ class PromptBuilder:
                 source_agent=trajectory.turn_by_id[source].agent,
                 source_adapter=trajectory.agents[trajectory.turn_by_id[source].agent].adapter))
         # The agent's own finished turns: its prompt may start with one of theirs, copied exactly.
-        own = [t for t in trajectory.turns if t.agent == turn.agent and t.turn_id in prompts and t.turn_id != turn.turn_id]
+        own = [t for t in trajectory.turns if t.agent == turn.agent and t.turn_id in prompts and t.turn_id != turn.turn_id
+               and t.turn_id in sent]
         return Plan(trajectory=trajectory.trajectory_id, turn=turn.turn_id, agent=turn.agent,
                     save_as=cache_key(self.run_id, trajectory.trajectory_id, turn.turn_id), segments=tuple(segments),
                     prefix_sources=tuple(cache_key(self.run_id, trajectory.trajectory_id, t.turn_id) for t in own),
@@ -157,6 +163,8 @@ class PromptBuilder:
         if span.kind != "ph":
             return None
         source = trajectory.source_of(turn, span.id)
+        if source is not None and source not in sent:
+            return None  # its cache is on another server
         if source is None and self.concurrent_sources:
             source = next((t for t in trajectory.concurrent_holders(turn, span.id) if t in sent), None)
         return source

@@ -54,6 +54,8 @@ class LoadSettings:
     # A shared segment no predecessor holds is read from a concurrent turn sent first, once that
     # turn's prompt is computed (PromptBuilder.concurrent_sources). False: such turns prefill it.
     concurrent_sources: bool = True
+    # Which server each request goes to when there are several (kvbench.replay.routing).
+    routing: str = "trajectory"
     # A loaded run whose backlog and TTFT grow without bound by this rule stops early, marked
     # saturated (kvbench.replay.saturation): its figures would measure how long it ran, not the
     # server. None: it runs to its end whatever happens.
@@ -179,6 +181,7 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
         "logprobs": cfg.quality.logprobs,
         "prompt_mode": prompt_mode(cfg),
         "concurrent_sources": cfg.load.concurrent_sources,
+        "routing": cfg.load.routing,
         "reference_run": cfg.quality.reference.describe() if cfg.quality.reference is not None else None,
         "trajectory_digests": trajectory_digests(cfg.trace.trajectories),
         "request_timeout_s": cfg.load.request_timeout_s,
@@ -207,6 +210,9 @@ def check_resumable(run_config: dict[str, Any], cfg: ReplayConfig) -> None:
     if run_config.get("concurrent_sources", True) != cfg.load.concurrent_sources:
         flag = "--concurrent-sources" if run_config.get("concurrent_sources", True) else "--no-concurrent-sources"
         raise ReplayError(f"--resume: {result_dir} was replayed with {flag}; resume it with the same")
+    if run_config.get("routing", "trajectory") != cfg.load.routing:
+        raise ReplayError(f"--resume: {result_dir} was routed with --routing {run_config.get('routing', 'trajectory')}; "
+                          "resume it with the same")
     if run_config.get("prompt_mode", "free") != prompt_mode(cfg):
         raise ReplayError(f"--resume: {result_dir} was replayed in {run_config.get('prompt_mode', 'free')!r} "
                           f"mode, not {prompt_mode(cfg)!r}")

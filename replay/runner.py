@@ -24,6 +24,7 @@ from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter
 from kvbench.replay.result_lock import result_dir_lock
 from kvbench.replay.resume import RunStart, plan_start
+from kvbench.replay.routing import Router
 from kvbench.replay.run_config import ReplayConfig, ReplayError, ReplayOutcome
 from kvbench.replay.saturation import SaturationVerdict, SaturationWatch
 from kvbench.replay.server_metrics import MetricsSampler
@@ -67,6 +68,7 @@ class Replayer:
         self.t0_ns = 0
         self._consecutive_unreachable = 0
         self.servers = ReplayServers(config.servers.base_urls, config.method, self.method_info.uses_connector)
+        self.router = Router(config.servers.base_urls, config.load.routing)
         self.backend = CompletionsBackend(self.servers.served_models, config.quality.sampling, config.quality.logprobs,
                                           config.load.request_timeout_s)  # models: filled when the servers are checked
         self.progress = ReplayProgress(config.method, 0, enabled=False)
@@ -242,8 +244,8 @@ class Replayer:
 
     async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
                        builder: PromptBuilder) -> None:
-        for trajectory in warmups:  # single stream, not recorded
-            await self._run_trajectory(session, trajectory, self.config.servers.base_urls[0], 0, builder, writer=None)
+        for index, trajectory in enumerate(warmups):  # single stream, not recorded; routed as the run is
+            await self._run_trajectory(session, trajectory, index, 0, builder, writer=None)
 
     def _schedule(self, trajectories: list[Trajectory]) -> list[float]:
         cfg = self.config
@@ -271,16 +273,14 @@ class Replayer:
 
     async def _launch_all(self, session: aiohttp.ClientSession, trajectories: list[Trajectory], offsets: list[float],
                           builder: PromptBuilder, writer: ResultsWriter) -> None:
-        urls = self.config.servers.base_urls
         single_stream = self.config.load.qps == 0 and not self.config.load.use_trace_timestamps
         tasks: list[asyncio.Task[None]] = []
         try:
             for index, (trajectory, offset) in enumerate(zip(trajectories, offsets)):
-                url = urls[index % len(urls)]  # sticky: a trajectory's method state lives on one server
                 if self._should_stop():
                     break
                 if single_stream:
-                    await self._run_trajectory(session, trajectory, url, time.perf_counter_ns(), builder, writer)
+                    await self._run_trajectory(session, trajectory, index, time.perf_counter_ns(), builder, writer)
                     continue
                 target_ns = self.t0_ns + int(offset * 1e9)
                 # Start the task early: it builds its first prompts, then waits for the exact time.
@@ -288,7 +288,7 @@ class Replayer:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(
-                    self._run_trajectory(session, trajectory, url, target_ns, builder, writer)))
+                    self._run_trajectory(session, trajectory, index, target_ns, builder, writer)))
             if tasks:
                 await asyncio.gather(*tasks)
         except asyncio.CancelledError:  # stopped: the trajectories in flight record what they had sent
@@ -306,13 +306,15 @@ class Replayer:
             self.abort_reason = self.config.servers.failure()
         return self.abort_reason is not None or self.saturated is not None
 
-    async def _run_trajectory(self, session: aiohttp.ClientSession, trajectory: Trajectory, url: str,
+    async def _run_trajectory(self, session: aiohttp.ClientSession, trajectory: Trajectory, index: int,
                               arrival_ns: int, builder: PromptBuilder, writer: ResultsWriter | None) -> None:
+        """The `index`-th trajectory's turns, each sent when ready to the server routing picks."""
         loop = asyncio.get_running_loop()
         finished: dict[str, asyncio.Future[bool]] = {t.turn_id: loop.create_future() for t in trajectory.turns}
         outputs: dict[str, list[int]] = {}
         prompts: dict[str, TurnPrompt] = {}  # finished turns'
         started: dict[str, TurnPrompt] = {}  # turns sent (a concurrent turn may read their prompt)
+        placed: dict[str, str] = {}  # the server of each turn sent
 
         async def run_turn(turn: Turn) -> None:
             ok = True
@@ -322,6 +324,7 @@ class Replayer:
             try:
                 if self._should_stop():
                     return  # not started: no record, --resume runs it
+                url = placed[turn.turn_id] = self.router.route(index, trajectory, turn, placed)
                 record = RequestRecord(
                     run_id=builder.run_id, method=self.config.method, trajectory_id=trajectory.trajectory_id,
                     turn_id=turn.turn_id, agent=turn.agent, edge_source=",".join(turn.after) or None,
@@ -336,13 +339,15 @@ class Replayer:
                     record.error_type, record.error_message = "dependency_failed", "an upstream turn failed"
                     self._record(record, writer)
                     return
-                prompt = builder.build(trajectory, turn, outputs, prompts, started)
+                prompt = builder.build(trajectory, turn, outputs, prompts, started,
+                                       placed if len(self.router.urls) > 1 else None)
                 started[turn.turn_id] = prompt  # (before any wait: turns started together read in trace order)
                 record.prompt_tokens = len(prompt.token_ids)  # real outputs may differ from max_tokens
                 record.reusable_tokens = prompt.reusable_tokens
                 if not turn.after:
                     await _sleep_until(arrival_ns)
-                ok = await self._send(session, url, turn, prompt, record, writer, outputs)
+                with self.router.sending(url):
+                    ok = await self._send(session, url, turn, prompt, record, writer, outputs)
                 prompts[turn.turn_id] = prompt
             finally:
                 if not finished[turn.turn_id].done():

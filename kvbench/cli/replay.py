@@ -14,6 +14,7 @@ from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_optio
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.cli.workload_options import WorkloadOptions, workload_options
 from kvbench.replay.interrupts import Interrupted
+from kvbench.replay.routing import ROUTING_POLICIES
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 
 
@@ -46,7 +47,11 @@ from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
               "--drop-shared].")
 @click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="Recorded in summary.json (repeatable).")
 @click.option("--base-url", "base_urls", multiple=True, metavar="URL",
-              help="Use running servers instead of starting one (repeatable; each trajectory sticks to one).")
+              help="Use running servers instead of starting one (repeatable; --routing picks each request's).")
+@click.option("--routing", type=click.Choice(ROUTING_POLICIES), default="trajectory", show_default=True,
+              help="With several --base-url servers, where each request goes: trajectory (a trajectory's turns on one "
+                   "server), agent (a trajectory's agents spread over the servers), round-robin, cache-aware (the "
+                   "server holding most of its sources' tokens). A source on another server is prefilled.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port of the started server [default: free].")
 @click.option("--resume", is_flag=True, help="Finish an interrupted run in --result-dir.")
 @click.option("--request-timeout", type=FiniteFloatRange(min=0.1), default=600.0, show_default=True,
@@ -86,7 +91,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, temperature: float, top_p: float, top_k: int,
                    reference_dir: Path | None, logprobs: int | None, drop_shared: bool, concurrent_sources: bool,
-                   stop_on_saturation: bool, workload: WorkloadOptions, server: ServerOptions) -> None:
+                   stop_on_saturation: bool, routing: str, workload: WorkloadOptions, server: ServerOptions) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.goodput import parse_goodput
     from kvbench.analysis.metrics import parse_percentiles
@@ -120,7 +125,7 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
             prime_method_state=prime_method_state, metric_percentiles=percentiles, goodput=goodput,
             metadata=key_values(metadata, "--metadata"), drop_shared=drop_shared,
             sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
-            concurrent_sources=concurrent_sources, logprobs=logprobs, request_timeout_s=request_timeout,
+            concurrent_sources=concurrent_sources, routing=routing, logprobs=logprobs, request_timeout_s=request_timeout,
             save_prompt_ids=save_prompt_ids, resume=resume,
             saturation=SaturationRule() if stop_on_saturation else None)
     except ReplayInputError as exc:
