@@ -22,7 +22,7 @@ from kvbench.tracegen.schema import (
     Trajectory,
     Turn,
 )
-from kvbench.tracegen.tasks.registry import NO_TASK, get_task, task_names
+from kvbench.tracegen.tasks.registry import NO_TASK, benchmark_names, get_task, task_names
 from kvbench.tracegen.text import document_words, question
 from kvbench.tracegen.tokenizer import TraceTokenizer
 from kvbench.tracegen.workflows import workflow_turns
@@ -66,7 +66,7 @@ class TraceSpec:
 
     @property
     def is_benchmark(self) -> bool:
-        return self.task != NO_TASK and self.task in task_names() and get_task(self.task).uses_items
+        return self.task in benchmark_names()
 
     def validate(self) -> None:
         if self.is_benchmark:

@@ -80,12 +80,15 @@ def _token_text(token: Any) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+def _leading(with_specials: list[int], plain: list[int]) -> list[int]:
+    """The ids a tokenizer puts before a text's own (`plain`) when it adds its special tokens."""
+    return with_specials[: len(with_specials) - len(plain)] if with_specials[-len(plain):] == plain else []
+
+
 def _prefix_ids(backend: Any, config: dict[str, Any]) -> list[int]:
     """What the tokenizer puts before text: its post-processor's, with `add_bos_token` of
     tokenizer_config.json applied as transformers applies it."""
-    with_specials = backend.encode("x").ids
-    plain = backend.encode("x", add_special_tokens=False).ids
-    prefix = with_specials[: len(with_specials) - len(plain)] if with_specials[-len(plain):] == plain else []
+    prefix = _leading(backend.encode("x").ids, backend.encode("x", add_special_tokens=False).ids)
     bos = _token_text(config.get("bos_token"))
     bos_id = backend.token_to_id(bos) if bos else None
     if config.get("add_bos_token") is True and bos_id is not None and prefix[:1] != [bos_id]:
@@ -128,9 +131,7 @@ def _via_transformers(path: str, model: str | None, name: str) -> TraceTokenizer
     if backend is None:
         raise ValueError(f"the tokenizer of {path!r} has no fast (Rust) backend; kvbench needs one "
                          "for exact per-segment token counts")
-    with_specials = hf("x").input_ids
-    plain = backend.encode("x", add_special_tokens=False).ids
-    prefix = with_specials[: len(with_specials) - len(plain)] if with_specials[-len(plain):] == plain else []
+    prefix = _leading(hf("x").input_ids, backend.encode("x", add_special_tokens=False).ids)
     templated = bool(getattr(hf, "chat_template", None))
     return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=list(prefix),
                           chat_source=path if templated else None, chat_tokenizer=hf if templated else None)

@@ -56,14 +56,16 @@ def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int
 
 def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: str, params: dict[str, Any], *,
                   base_urls: list[str], result_dir: Path | None, label: str | None, reference_dir: Path | None,
-                  trace_path: Path | None, max_load_tokens_per_step: int | None, **settings: Any) -> ReplayConfig:
-    """The run's configuration from the command's settings (ReplayConfig.build's), with what follows
-    from them: the reference run read, the floor's label, the default result folder."""
+                  trace_path: Path | None, max_load_tokens_per_step: int | None, qps: float, num_warmups: int,
+                  use_trace_timestamps: bool, drop_shared: bool, logprobs: int | None,
+                  **settings: Any) -> ReplayConfig:
+    """The run's configuration from the command's settings (the rest are ReplayConfig.build's), with
+    what follows from them: the reference run read, the floor's label, the default result folder,
+    logprobs recorded against a reference (None: 20 with one, else 0)."""
     from kvbench.methods.registry import method_spec
     from kvbench.tracegen.schema import MAX_ARRIVAL_S
 
-    qps, num_warmups = settings.get("qps", 1.0), settings.get("num_warmups", 0)
-    if qps > 0 and not settings.get("use_trace_timestamps") and len(trace.trajectories) / qps > MAX_ARRIVAL_S:
+    if qps > 0 and not use_trace_timestamps and len(trace.trajectories) / qps > MAX_ARRIVAL_S:
         raise ReplayInputError(f"{qps:g} spreads {len(trace.trajectories)} trajectories over about "
                                f"{len(trace.trajectories) / qps:g} s, past the {MAX_ARRIVAL_S:g} s a trace allows "
                                "(0 runs them one after another)", "--qps")
@@ -74,22 +76,22 @@ def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: s
     if reference_dir is not None:
         from kvbench.replay.reference import ReferenceRunError, load_reference
 
-        if settings.get("drop_shared"):
+        if drop_shared:
             raise ReplayInputError("--drop-shared leaves no upstream output to anchor: give --reference or "
                                    "--drop-shared, not both")
         try:
             reference = load_reference(reference_dir, trace.trajectories[num_warmups:], model)
         except ReferenceRunError as exc:
             raise ReplayInputError(str(exc), "--reference") from None
-    if settings.get("drop_shared") and label is None:
+    if drop_shared and label is None:
         label = run_files.FLOOR_LABEL  # PGR's floor is its own kind of run, never another NonShared row
     if result_dir is None:
         result_dir = Path("results") / f"{label or method}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
-    if settings.get("logprobs") is None:
-        settings["logprobs"] = 20 if reference is not None else 0
     return ReplayConfig.build(
         trace=trace, tokenizer=tokenizer, method=method, base_urls=[u.rstrip("/") for u in base_urls],
-        result_dir=result_dir, label=label, reference=reference, method_params=params,
+        result_dir=result_dir, label=label, reference=reference, method_params=params, qps=qps,
+        num_warmups=num_warmups, use_trace_timestamps=use_trace_timestamps, drop_shared=drop_shared,
+        logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
         extra_config={"model": model, "method_params": params,
                       "trace_path": str(trace_path.resolve()) if trace_path else None,
                       "max_load_tokens_per_step": max_load_tokens_per_step if not base_urls else None},

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.api.base import LoadContext, MethodParams, SegmentReuse, SharingMethod
+from kvbench.methods.api.base import LoadContext, SegmentReuse, SharingMethod
 from kvbench.methods.core.kv_codec import make_codec
 from kvbench.methods.delta.anchors import (
     Anchor,
@@ -38,7 +38,6 @@ from kvbench.methods.delta.jobs import (
     Rows,
 )
 from kvbench.methods.delta.match_memo import MatchMemo, SegmentDistances, memoized_distances
-from kvbench.methods.delta.params import DeltaParams
 from kvbench.methods.delta.references import ContextFreeReferences, content_key
 from kvbench.methods.delta.stored import BaseCodec
 
@@ -69,10 +68,6 @@ class DeltaCorrection(SharingMethod):
     # at, and added to a target at other positions without re-rotation (an error of the position
     # difference); kvbench's own rule keeps it canonical and rotates it to the target.
     unrotated_deltas: ClassVar[bool] = False
-    # prematch: match a saved request's segments against the anchor pools right after its first
-    # token (its rows are final), so that the edges reading them later only combine the kept
-    # distances; off: every edge matches its source at load time, inside its TTFT.
-    Params: ClassVar[type[MethodParams]] = DeltaParams
 
     def __init__(self, params: dict[str, Any]) -> None:
         super().__init__(params)

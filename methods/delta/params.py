@@ -28,6 +28,9 @@ class DeltaParams(MethodParams):
     r_c: int = Field(32, ge=1, description="rank of an anchor's base cache (truncated SVD)")
     r_delta: int = Field(32, ge=1, description="rank of an anchor's correction")
     gate_tokens: int = Field(0, ge=0, description="tokens of a segment matched against anchors (0: all)")
+    # prematch: match a saved request's segments against the anchor pools right after its first
+    # token (its rows are final), so that the edges reading them later only combine the kept
+    # distances; off: every edge matches its source at load time, inside its TTFT.
     prematch: bool = Field(False, description="match a saved source's segments right after its first token, "
                            "outside the consumers' TTFT (chained only)")
     gate: GateMode = GATE_FIELD
