@@ -18,6 +18,7 @@ import pandas as pd
 from kvbench import run_files
 from kvbench.analysis.metrics import summarize
 from kvbench.analysis.quality import read_quality_figures
+from kvbench.analysis.shared_tier import shared_tier_figures
 from kvbench.analysis.task_score import read_task_figures
 
 MAX_LISTED_MISSING = 50
@@ -142,6 +143,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         # largest of any segment, counts their sum)
         **_over_segments([store_figures(result_dir, i, method_stats) for i in range(len(segments))]),
         "rank_mismatched_requests": _rank_mismatched(requests),
+        **shared_tier_figures(method_stats, metrics, None),  # (per reused token: below, once summed)
         **read_task_figures(result_dir),  # a task trace's accuracy, once scored
         **read_quality_figures(result_dir),  # outputs against a reference run, once compared
         # successful requests whose method stats never reached the client (their server died
@@ -159,6 +161,8 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         "requests_source": read.source,
         "config": config,
     }
+    if "shared_remote_bytes" in summary and summary.get("reused_tokens"):
+        summary["shared_remote_bytes_per_reused_token"] = summary["shared_remote_bytes"] / summary["reused_tokens"]
     return {**summary, **cache_hit_figures(summary)}
 
 

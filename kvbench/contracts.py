@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
+# 5: ServerInfo.shared_tier (instances sharing caches through Mooncake Store);
 # 4: Plan.adapter and PlanSegment.source_adapter (agents as LoRA adapters); 3: Plan.keep_cache;
 # 2: Plan.claim became a ClaimPolicy (was a bool meaning "all" / "none")
-CONTRACT_VERSION = 4
+CONTRACT_VERSION = 5
 PLAN_KEY = "kvbench"  # the plan's key in a request's kv_transfer_params
 
 
@@ -333,6 +334,8 @@ class ServerInfo:
     params: dict[str, Any]
     model_attached: bool
     kvbench_version: str
+    # the shared tier under its segment store (SharedTierSettings as a dict: its master...), or None
+    shared_tier: dict[str, Any] | None = None
     contract_version: int = CONTRACT_VERSION
 
     def to_dict(self) -> dict[str, Any]:

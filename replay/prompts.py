@@ -75,6 +75,9 @@ class PromptBuilder:
         self.drop_shared = drop_shared
         self.keep_unread_caches = keep_unread_caches
         self.concurrent_sources = concurrent_sources
+        # Several servers sharing caches (Mooncake Store): a finished turn's cache is readable on
+        # every server; a turn still running is read only on its own (its prompt is saved locally).
+        self.shared_tier = False
         self._read: dict[str, set[str]] = {}  # trajectory id -> read_caches
         self._concurrent: dict[str, set[str]] = {}  # trajectory id -> concurrent_sources
         self._text_ids: dict[str, list[int]] = {}
@@ -133,7 +136,8 @@ class PromptBuilder:
         segments = []
         sent = {**(started or {}), **prompts}
         if placed is not None:  # several servers: only the caches of turns on this one are readable
-            sent = {t: p for t, p in sent.items() if placed.get(t) == placed.get(turn.turn_id)}
+            sent = {t: p for t, p in sent.items()
+                    if placed.get(t) == placed.get(turn.turn_id) or (self.shared_tier and t in prompts)}
         for span in prompt.spans:
             source = self._source(trajectory, turn, span, sent)
             if source is None:

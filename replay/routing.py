@@ -8,8 +8,11 @@
 - `cache-aware`: the server holding the most tokens of the turn's sources (the predecessors whose
   cache holds its shared segments), the one with the fewest requests in flight breaking ties.
 
-A source a reader's server does not hold is planned as not readable: that segment is prefilled
-(kvbench keeps caches in each server's own memory; a shared tier between servers is issue 53's).
+Where the servers share a tier (their connectors on one Mooncake master: `--instances N`, or
+servers started with one), a finished source is readable on every server: a reader on another
+server gets it from the store (a remote hit). Without one, a source on another server is planned
+as not readable and that segment is prefilled. A source still running (a concurrent turn's
+prompt) is read only on its own server either way.
 """
 
 from __future__ import annotations

@@ -98,6 +98,13 @@ class ServerBinding:
     base_urls: list[str]
     pids: dict[str, int] = field(default_factory=dict)
     failure: Callable[[], str | None] = lambda: None
+    # the shared tier's Mooncake master, whose /metrics page is sampled with the servers' (None: none known)
+    tier_url: str | None = None
+
+    @property
+    def sampled_urls(self) -> list[str]:
+        """Every URL whose /metrics page the run samples."""
+        return self.base_urls + ([self.tier_url] if self.tier_url else [])
 
 
 _PARTS = {"load": LoadSettings, "quality": QualitySettings, "output": OutputSettings}

@@ -91,7 +91,7 @@ class Replayer:
                                 reference_outputs=cfg.quality.reference.outputs if cfg.quality.reference is not None else None,
                                 drop_shared=cfg.quality.drop_shared,
                                 keep_unread_caches=cfg.quality.save_prompt_ids, concurrent_sources=cfg.load.concurrent_sources)
-        sampler = MetricsSampler(cfg.servers.base_urls, cfg.servers.pids)
+        sampler = MetricsSampler(cfg.servers.sampled_urls, cfg.servers.pids)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.output.result_dir, cfg.servers.base_urls, self.servers.fetch_stats)
         loop = asyncio.get_running_loop()
@@ -131,6 +131,7 @@ class Replayer:
         warmups, todo, kept, run_config = start.warmups, start.todo, start.kept, start.run_config
         run_config.update(await self.servers.check(session), server_pids=cfg.servers.pids)
         self.servers.refuse_unservable(cfg.trace)  # before anything is sent
+        builder.shared_tier = self.servers.shared_tier  # sources on other servers are readable there
         # Only now does the run exist on disk: one that never reached a server leaves nothing
         # that would make the same command refuse to run again.
         try:

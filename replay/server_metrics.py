@@ -21,6 +21,7 @@ KEPT_SAMPLES = (
     "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "master_allocated_bytes", "master_key_count",  # a shared tier's Mooncake master (its own page)
 )
 
 

@@ -25,6 +25,8 @@ class ReplayServers:
     # every model id each server lists: its base model, then the LoRA adapters it serves
     served_ids: dict[str, set[str]] = field(default_factory=dict)
     max_model_lens: dict[str, int | None] = field(default_factory=dict)
+    # Whether every server reads the others' caches: their connectors share one Mooncake master.
+    shared_tier: bool = False
 
     async def check(self, session: aiohttp.ClientSession) -> dict[str, Any]:
         """Ask every server what it serves; raises ServerError naming one that does not answer,
@@ -46,9 +48,11 @@ class ReplayServers:
                 raise ServerError(f"cannot reach a vLLM server at {url}: {type(exc).__name__}: {exc}") from None
         entries: dict[str, Any] = {}
         if self.uses_connector:  # a server of another method would answer other stats
-            entries["server_info"] = {
-                url: (await asyncio.to_thread(WorkerClient(url).check_method, self.method)).to_dict()
-                for url in self.base_urls}
+            infos = {url: await asyncio.to_thread(WorkerClient(url).check_method, self.method) for url in self.base_urls}
+            entries["server_info"] = {url: info.to_dict() for url, info in infos.items()}
+            masters = {(info.shared_tier or {}).get("master") for info in infos.values()}
+            self.shared_tier = len(self.base_urls) > 1 and None not in masters and len(masters) == 1
+            entries["shared_tier_readable"] = self.shared_tier
         return {**entries, "served_models": dict(self.served_models),
                 "served_max_model_len": dict(self.max_model_lens),
                 "vllm_version": next(iter(versions.values()), None)}

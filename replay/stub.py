@@ -35,6 +35,7 @@ class StubServer:
     # without vLLM. A stand-in for tests, never a method.
     connector: bool = False
     connector_method: str = "fullshared"  # the method its RPCs say it runs
+    shared_tier: dict[str, Any] | None = None  # the shared tier its info reports (ServerInfo.shared_tier)
     output_shift: int = 0  # added to every generated token: a stand-in for a method that changes outputs
     # A request sent without ignore_eos ends after this many tokens with token 2 (the embedded
     # models' end of sequence), as vLLM's stream carries it; None: every request runs to max_tokens.
@@ -142,7 +143,7 @@ class StubServer:
         if not self.connector:
             return web.json_response({"error": "no worker extension"}, status=500)
         if method == WorkerRpc.INFO:
-            result: Any = ServerInfo(self.connector_method, {}, True, "stub").to_dict()
+            result: Any = ServerInfo(self.connector_method, {}, True, "stub", self.shared_tier).to_dict()
         elif method == WorkerRpc.STATS:
             requests = dict(self._stats)
             if str(kwargs.get("clear", "false")).lower() == "true":

@@ -23,7 +23,9 @@ fi
 stamp="$venv/.kvbench-installed"
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  "$venv/bin/python" -m pip install --quiet -e ".[$target,test]"
+  extras="$target,test"
+  [ "$target" = cpu ] && extras="$extras,mooncake"  # (GPU: pip install mooncake-transfer-engine, its CUDA build)
+  "$venv/bin/python" -m pip install --quiet -e ".[$extras]"
   if [ "$target" = cpu ]; then
     # PyPI's builds of these are compiled against another torch: importing transformers or vLLM
     # then fails with "operator torchvision::nms does not exist". Nothing kvbench uses needs them.
@@ -50,6 +52,16 @@ if ! command -v bwrap >/dev/null 2>&1; then
       echo "note: could not install bubblewrap; HumanEval scoring needs it (apt-get install bubblewrap)" >&2
   else
     echo "note: bubblewrap (bwrap) is not installed; HumanEval scoring needs it (sudo apt-get install bubblewrap)" >&2
+  fi
+fi
+if [ "$target" = cpu ] && ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  # libibverbs: Mooncake's binaries (the shared tier of --instances N) link it, even over TCP
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq libibverbs1 >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null 2>&1; } ||
+      echo "note: could not install libibverbs1; the shared tier (--instances N) needs it" >&2
+  else
+    echo "note: libibverbs1 is not installed (sudo apt-get install libibverbs1): the shared tier (--instances N) needs it" >&2
   fi
 fi
 if ! command -v chromium-headless-shell >/dev/null 2>&1; then

@@ -4,18 +4,22 @@ run, and its summary printed."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvbench import run_files
 from kvbench.cli.inputs import check_method, key_values, load_trace
+from kvbench.cli.instance_options import instance_options
 from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.cli.workload_options import WorkloadOptions, workload_options
 from kvbench.replay.interrupts import Interrupted
 from kvbench.replay.routing import ROUTING_POLICIES
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
+
+if TYPE_CHECKING:
+    from kvbench.server.instances import InstancePlan
 
 
 @click.command("replay")
@@ -49,9 +53,10 @@ from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 @click.option("--base-url", "base_urls", multiple=True, metavar="URL",
               help="Use running servers instead of starting one (repeatable; --routing picks each request's).")
 @click.option("--routing", type=click.Choice(ROUTING_POLICIES), default="trajectory", show_default=True,
-              help="With several --base-url servers, where each request goes: trajectory (a trajectory's turns on one "
-                   "server), agent (a trajectory's agents spread over the servers), round-robin, cache-aware (the "
-                   "server holding most of its sources' tokens). A source on another server is prefilled.")
+              help="With several servers (--instances, or several --base-url), where each request goes: trajectory "
+                   "(a trajectory's turns on one server), agent (a trajectory's agents spread over the servers), "
+                   "round-robin, cache-aware (the server holding most of its sources' tokens). A source on another "
+                   "server is read through the shared tier, or prefilled where there is none.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port of the started server [default: free].")
 @click.option("--resume", is_flag=True, help="Finish an interrupted run in --result-dir.")
 @click.option("--request-timeout", type=FiniteFloatRange(min=0.1), default=600.0, show_default=True,
@@ -84,6 +89,7 @@ from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
                   helps={"num_trajectories": "Replay only the first N trajectories (after warm-ups) [default: all; 10 for "
                                              "the in-memory trace]."})
 @server_options
+@instance_options
 @allow_code_execution_option
 def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, prime_method_state: bool,
@@ -91,7 +97,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, temperature: float, top_p: float, top_k: int,
                    reference_dir: Path | None, logprobs: int | None, drop_shared: bool, concurrent_sources: bool,
-                   stop_on_saturation: bool, routing: str, workload: WorkloadOptions, server: ServerOptions) -> None:
+                   stop_on_saturation: bool, routing: str, workload: WorkloadOptions, server: ServerOptions,
+                   instances: InstancePlan) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
     from kvbench.analysis.goodput import parse_goodput
     from kvbench.analysis.metrics import parse_percentiles
@@ -111,6 +118,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--goodput") from None
     params = check_method(method, server.method_params)
+    if instances.instances > 1 and (base_urls or port is not None):
+        raise click.UsageError("--instances starts its servers on free ports: give --instances, or --base-url/--port")
     if resume and result_dir is None:
         raise click.UsageError("--resume needs the --result-dir of the run to finish")
     if top_k == 0:
@@ -141,8 +150,9 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     try:
         summary = run_replay_experiment(
             config, None if base_urls else server_config,
-            announce=lambda c: click.echo(f"starting vLLM ({method}) for {model} ... log: {c.log_path}", err=True),
-            on_note=lambda note: click.echo(f"note: {note}", err=True))
+            announce=lambda c: click.echo(f"starting {instances.instances} vLLM instance(s) ({method}) for {model} ... "
+                                          f"logs: {c.log_path.parent}", err=True),
+            on_note=lambda note: click.echo(f"note: {note}", err=True), instances=instances)
     except (ServerError, ReplayError, ResultDirError) as exc:
         raise click.ClickException(str(exc)) from None
     except Interrupted:

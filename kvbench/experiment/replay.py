@@ -14,6 +14,7 @@ from kvbench.experiment.run import replay_and_summarize
 from kvbench.experiment.servers import replay_server
 from kvbench.replay.run_config import ReplayConfig
 from kvbench.server.config import ServerConfig
+from kvbench.server.instances import InstancePlan
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
@@ -100,10 +101,11 @@ def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: s
 
 def run_replay_experiment(config: ReplayConfig, server_config: Callable[[Path], ServerConfig] | None,
                           announce: Callable[[ServerConfig], Any] = lambda _: None,
-                          on_note: Callable[[str], Any] = lambda _: None) -> dict[str, Any]:
+                          on_note: Callable[[str], Any] = lambda _: None,
+                          instances: InstancePlan | None = None) -> dict[str, Any]:
     """Replay `config` and return its summary: its result folder is this run's (locked, checked
     for --resume) before a server starts; `server_config(log_path)` makes the server to start
-    (None: the running ones `config` names). Raises ServerError, ReplayError, ResultDirError,
+    (None: the running ones `config` names), `instances` of it when asked. Raises ServerError, ReplayError, ResultDirError,
     Interrupted; whatever was recorded stays on disk."""
     from kvbench.replay.result_lock import result_dir_lock
     from kvbench.replay.resume import check_result_dir
@@ -112,5 +114,5 @@ def run_replay_experiment(config: ReplayConfig, server_config: Callable[[Path], 
     with result_dir_lock(result_dir, on_note=on_note):  # a second writer is refused at once
         check_result_dir(result_dir, config.output.resume)
         started = None if server_config is None else server_config(result_dir / "server.log")
-        with replay_server(config, started, announce=announce) as bound:
+        with replay_server(config, started, announce=announce, instances=instances) as bound:
             return replay_and_summarize(bound)

@@ -10,6 +10,7 @@ from typing import Any
 from kvbench.replay.run_config import ReplayConfig, ServerBinding
 from kvbench.server import lifecycle as vllm_server  # (VLLMServer looked up at start: tests stand one in)
 from kvbench.server.config import ServerConfig
+from kvbench.server.instances import InstancePlan, ServerGroup
 
 
 @contextlib.contextmanager
@@ -24,13 +25,20 @@ def server_url(base_url: str | None, make_config: Callable[[], ServerConfig]) ->
 
 @contextlib.contextmanager
 def replay_server(config: ReplayConfig, server_config: ServerConfig | None,
-                  announce: Callable[[ServerConfig], Any] = lambda _: None) -> Iterator[ReplayConfig]:
+                  announce: Callable[[ServerConfig], Any] = lambda _: None,
+                  instances: InstancePlan | None = None) -> Iterator[ReplayConfig]:
     """`config` bound to a replay's server: one started from `server_config`, whose URL, pid, failure
-    check and command the replay then records; None: the running ones `config` names."""
+    check and command the replay then records, or `instances` of it (and their shared tier); None:
+    the running ones `config` names."""
     if server_config is None:
         yield config
         return
     announce(server_config)
+    if instances is not None and instances.grouped:
+        with ServerGroup(server_config, instances, config.output.result_dir) as group:
+            yield config.with_servers(ServerBinding(group.base_urls, group.pids, group.failure, group.tier_url),
+                                      server_command=group.servers[0].command(), **group.describe())
+        return
     with vllm_server.VLLMServer(server_config) as server:
         assert server.process is not None
         yield config.with_servers(ServerBinding([server.base_url], {server.base_url: server.process.pid}, server.failure),

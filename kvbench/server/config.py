@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.contracts import WorkerRpc
+from kvbench.methods.core.mooncake_tier import SharedTierSettings
 from kvbench.server.errors import ServerError
 from kvbench.tracegen.adapters import peft_rank
 
@@ -41,6 +42,11 @@ class ServerConfig:
     # LoRA adapters to serve (a trace's `adapters`: name -> PEFT folder): --enable-lora and the rest.
     lora_modules: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    # This instance's own share of the machine (kvbench.server.instances): CPU cores on the CPU
+    # backend (its processes pinned to them), GPU ids on GPU (CUDA_VISIBLE_DEVICES). None: all.
+    devices: list[int] | None = None
+    # The shared tier under the connector's segment store (several instances, one Mooncake Store).
+    shared_tier: SharedTierSettings | None = None
     # vLLM's --enforce-eager: no torch.compile warm-up or CUDA graphs. Starts in about a quarter of
     # the time on the embedded models and decodes slower, so it suits tests and smoke runs, where
     # starts dominate, and not measurements. Default: the KVBENCH_ENFORCE_EAGER environment

@@ -127,9 +127,12 @@ class VLLMServer:
             cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
         if cfg.kv_transfer_config is not None:
             transfer = cfg.kv_transfer_config
+            extra = dict(transfer.get("kv_connector_extra_config", {}))
             if cfg.lora_modules:  # the connector applies the adapters to the rows it computes itself
-                extra = {**transfer.get("kv_connector_extra_config", {}), "adapters": dict(cfg.lora_modules)}
-                transfer = {**transfer, "kv_connector_extra_config": extra}
+                extra["adapters"] = dict(cfg.lora_modules)
+            if cfg.shared_tier is not None:
+                extra["shared_tier"] = cfg.shared_tier.to_dict()
+            transfer = {**transfer, "kv_connector_extra_config": extra}
             cmd += ["--kv-transfer-config", json.dumps(transfer)]
         if cfg.worker_extension_cls is not None:
             cmd += ["--worker-extension-cls", cfg.worker_extension_cls]
@@ -143,20 +146,30 @@ class VLLMServer:
         # Dev endpoints: /reset_prefix_cache between runs and /collective_rpc for method stats.
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        devices = self.config.devices
         if _has_cuda():
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
             return env
         tp = tensor_parallel_size(self.config.extra_args)
-        cores = sorted(os.sched_getaffinity(0))
+        cores = sorted(devices if devices is not None else os.sched_getaffinity(0))
         if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env:
             # Every method's workers get the same cores, connector or not (see reserved_cpu_cores).
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpu_cores(len(cores), tp))
-        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        if devices is not None:  # one of several instances: its workers on its own cores
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cores, tp)
+        elif tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # vLLM's CPU backend binds each rank to a NUMA node and refuses more ranks than nodes
             # (one, on most machines); give each rank its own share of this process's cores.
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(cores, tp)
         return env
 
     def start(self) -> VLLMServer:
+        """Launch the server and wait until it answers (stopped again if it does not)."""
+        return self.launch().await_ready()
+
+    def launch(self) -> VLLMServer:
+        """Start the process without waiting for it (several instances start side by side)."""
         cfg = self.config
         if self.port is None:
             self.port = free_port(cfg.host)
@@ -170,10 +183,15 @@ class VLLMServer:
         self._log_file = open(self.log_path, "ab")
         # Own process group, so stop() also reaches the engine-core and worker children; and it
         # is told to stop if this process dies without stopping it (even by SIGKILL).
+        pinned = cfg.devices if cfg.devices is not None and not _has_cuda() else None
         self.process = subprocess.Popen(
             self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.environment(), start_new_session=True, preexec_fn=stop_with_parent(),
+            env=self.environment(), start_new_session=True, preexec_fn=child_setup(pinned),
         )
+        return self
+
+    def await_ready(self) -> VLLMServer:
+        """Until the launched server is healthy and its post-start RPCs ran; stopped on failure."""
         try:
             self.wait_until_healthy()
             for rpc in self.config.post_start_rpcs:
@@ -303,6 +321,21 @@ def stop_with_parent() -> Callable[[], None] | None:
         prctl(pr_set_pdeathsig, int(signal.SIGTERM))
 
     return set_parent_death_signal
+
+
+def child_setup(cores: list[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn`: stop with this thread (stop_with_parent) and, given `cores`, run only on them
+    (an instance's API server and engine stay off the other instances' cores too)."""
+    on_parent_death = stop_with_parent()
+    if cores is None:
+        return on_parent_death
+
+    def setup() -> None:
+        if on_parent_death is not None:
+            on_parent_death()
+        os.sched_setaffinity(0, cores)
+
+    return setup
 
 
 def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:

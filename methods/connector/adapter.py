@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbench.methods.connector.metadata import KVBenchMetadata
 from kvbench.methods.connector.metrics import KVBenchConnectorStats, KVBenchPromMetrics
+from kvbench.methods.connector.remote_sources import RemoteSources
 from kvbench.methods.connector.scheduler import ConnectorScheduler
 from kvbench.methods.connector.settings import ConnectorSettings, load_method
 from kvbench.methods.connector.worker import ConnectorWorker
@@ -55,7 +56,9 @@ class KVBenchConnector(KVConnectorBase_V1):
         self.scheduler_side: ConnectorScheduler | None = None
         self.worker_side: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = ConnectorScheduler(settings, method)
+            remote = None if settings.shared_tier is None else RemoteSources.connect(
+                settings.shared_tier, vllm_config.model_config.model, vllm_config.parallel_config.tensor_parallel_size)
+            self.scheduler_side = ConnectorScheduler(settings, method, remote)
         else:
             self.worker_side = ConnectorWorker(settings, method, vllm_config.cache_config.block_size,
                                                vllm_config.compilation_config.static_forward_context,

@@ -21,6 +21,16 @@ COUNTERS: dict[str, tuple[str, str]] = {
                             "Rows copied as they are from an earlier cache's exact prefix."),
     "fallbacks": ("vllm:kvbench_fallbacks_total", "Loads that failed; vLLM recomputed the request densely."),
     "saves": ("vllm:kvbench_saves_total", "Finished requests copied into the segment store."),
+    # the shared tier under the store (kvbench.methods.core.tiered_store), lookups by key
+    "shared_local_hits": ("vllm:kvbench_shared_local_hits_total", "Source lookups this instance's store held."),
+    "shared_remote_hits": ("vllm:kvbench_shared_remote_hits_total", "Source lookups served from the shared tier."),
+    "shared_misses": ("vllm:kvbench_shared_misses_total", "Source lookups neither tier held (rows computed densely)."),
+    "shared_rejected": ("vllm:kvbench_shared_rejected_total",
+                        "Shared-tier entries refused (corrupt, another model or codec): computed densely."),
+    "shared_remote_bytes": ("vllm:kvbench_shared_remote_bytes_total", "Bytes read from the shared tier."),
+    "shared_puts": ("vllm:kvbench_shared_puts_total", "Saved caches put in the shared tier."),
+    "shared_put_bytes": ("vllm:kvbench_shared_put_bytes_total", "Bytes put in the shared tier."),
+    "shared_put_failures": ("vllm:kvbench_shared_put_failures_total", "Puts the shared tier refused."),
 }
 # Store bytes per tensor-parallel rank: the latest report of each, summed in the gauge.
 STORE_BYTES = "store_bytes_by_rank"
@@ -45,6 +55,10 @@ class ReuseCounters:
 
     def add_request(self, stats: dict[str, Any]) -> None:
         for key, value in request_counts(stats).items():
+            self.counts[key] = self.counts.get(key, 0) + value
+
+    def add_counts(self, counts: dict[str, int]) -> None:
+        for key, value in counts.items():
             self.counts[key] = self.counts.get(key, 0) + value
 
     def add_save(self, store_bytes: int) -> None:

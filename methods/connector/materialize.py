@@ -77,7 +77,7 @@ def find_candidates(store: SegmentStore, spec: LoadSpec | DecideSpec, tokens: to
         stop = min(segment.start + segment.length, spec.num_target)
         if stop <= start:
             continue
-        source = store.get(segment.source) if segment.source else None
+        source = store.get(segment.source, segment.source_adapter) if segment.source else None
         if source is None or segment.source_start is None:
             found.missing += stop - start
             if segment.source and source is None:  # the store's cap dropped (or refused) it
@@ -106,7 +106,7 @@ def exact_prefix(store: SegmentStore, spec: LoadSpec | DecideSpec, tokens: torch
     keeps vLLM's prefix cache from serving)."""
     best: tuple[SavedKV | None, int] = (None, 0)
     for key in sorted(spec.plan.exact_sources):  # sorted: every tensor-parallel rank picks alike
-        source = store.exact_entry(key)
+        source = store.exact_entry(key, spec.plan.adapter)
         if source is None:
             continue
         n = min(len(tokens), source.exact_rows)

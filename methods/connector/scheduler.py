@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvbench.contracts import PLAN_KEY, ContractError, Plan
 from kvbench.methods.api.base import SharingMethod
 from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMetadata
+from kvbench.methods.connector.remote_sources import RemoteSources
 from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import DecideSpec, LoadSpec, SaveSpec
 
@@ -60,9 +61,10 @@ class FollowedRequest:
 
 
 class ConnectorScheduler:
-    def __init__(self, settings: ConnectorSettings, method: SharingMethod) -> None:
-        """`method`: built from the same settings as the workers' (never bound to a model here)."""
-        self.settings, self.method = settings, method
+    def __init__(self, settings: ConnectorSettings, method: SharingMethod, remote: RemoteSources | None = None) -> None:
+        """`method`: built from the same settings as the workers' (never bound to a model here);
+        `remote`: the shared tier's sources, when there is one."""
+        self.settings, self.method, self.remote = settings, method, remote
         self._pending_loads: dict[str, LoadSpec] = {}
         self._pending_saves: list[SaveSpec] = []
         self._unsaved_keys: set[str] = set()  # a producer is running or its save is unconfirmed
@@ -153,6 +155,9 @@ class ConnectorScheduler:
                 # one): the worker decides right after them, in the same step.
                 self._ask_decision(request, num_computed_tokens, plan)
             return None, False  # a source is still being produced: ask again next step
+        if self.remote is not None and self.remote.holds_back(req_id, plan, self._registered):
+            self._waiting_since.setdefault(req_id, time.perf_counter())
+            return None, False  # a source from another instance is not in the shared tier yet
         stop = num_target
         if self.decides_first(plan, req_id):
             if req_id not in self._decided:  # ask the worker; the request waits one step
@@ -287,6 +292,8 @@ class ConnectorScheduler:
 
         self._failed_loads.discard(request.request_id)
         self._waiting_since.pop(request.request_id, None)
+        if self.remote is not None:
+            self.remote.forget(request.request_id)
         self._decided.pop(request.request_id, None)
         self._first_choice.pop(request.request_id, None)
         decide_wait = self._decide_wait(request.request_id)

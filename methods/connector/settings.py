@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.methods.api.base import MethodConfigError, SharingMethod, load_implementation
+from kvbench.methods.core.mooncake_tier import SharedTierSettings
 
 DEFAULT_MAX_STORE_BYTES = 4 << 30
 FAULT_MODES = ("all", "flagged", "flagged_nonfinite_rank0")
@@ -70,6 +71,8 @@ class ConnectorSettings:
     # least this share of its eligible rows (the steady state), and decides first otherwise (a
     # cold start, or a gate that sends context dense). Above 1: always decides first.
     direct_claim_share: float = 0.75
+    # A shared tier under the segment store, in Mooncake Store (None: caches stay in this instance).
+    shared_tier: SharedTierSettings | None = None
 
     @property
     def asynchronous(self) -> bool:
@@ -85,7 +88,7 @@ class ConnectorSettings:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
         known = {"method", "implementation", "params", "max_store_bytes", "fault_injection", "max_load_tokens_per_step",
-                 "adapters", "connector_row_cost", "direct_claim_share"}
+                 "adapters", "connector_row_cost", "direct_claim_share", "shared_tier"}
         if unknown := set(extra) - known:
             raise MethodConfigError(f"unknown kv_connector_extra_config key(s): {', '.join(sorted(unknown))}")
         if "method" not in extra or "implementation" not in extra:
@@ -110,6 +113,9 @@ class ConnectorSettings:
         direct = extra.get("direct_claim_share", 0.75)
         if isinstance(direct, bool) or not isinstance(direct, int | float) or not 0 <= direct < float("inf"):
             raise MethodConfigError(f"direct_claim_share must be a number >= 0, got {direct!r}")
+        try:
+            shared = None if extra.get("shared_tier") is None else SharedTierSettings.from_dict(extra["shared_tier"])
+        except (TypeError, ValueError) as exc:
+            raise MethodConfigError(str(exc)) from None
         return cls(str(extra["method"]), str(extra["implementation"]), dict(extra.get("params") or {}), max_bytes,
-                   fault, budget, dict(adapters),
-                   float(row_cost), float(direct))
+                   fault, budget, dict(adapters), float(row_cost), float(direct), shared)

@@ -26,9 +26,10 @@ from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import DecideSpec, SaveSpec
 from kvbench.methods.core.forward import run_to_end
-from kvbench.methods.core.kv_codec import KVCodec, make_codec
+from kvbench.methods.core.kv_codec import params_codec
 from kvbench.methods.core.lora import VLora, served_adapters
-from kvbench.methods.core.store import SavedKV, SegmentStore
+from kvbench.methods.core.store import SavedKV
+from kvbench.methods.core.tiered_store import segment_store
 
 logger = logging.getLogger("kvbench.connector")
 
@@ -40,12 +41,6 @@ MAX_DEFERRED_WAIT_STEPS = 16
 
 
 
-def store_codec(method: SharingMethod) -> KVCodec | None:
-    """The codec the method's `store_codec` names (None: entries kept as saved)."""
-    name = method.params.get("store_codec", "none")
-    return None if name == "none" else make_codec(name)
-
-
 class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, method: SharingMethod, block_size: int,
                  static_forward_context: dict[str, Any], model_path: str = "") -> None:
@@ -54,7 +49,8 @@ class ConnectorWorker:
         self._scheduler_loads_every_request = method.loads_every_request()
         self.model_path = model_path  # what vLLM loaded: a directory or a hub name
         self._forward_context = static_forward_context  # layer name -> attention module
-        self.store = SegmentStore(settings.max_store_bytes, store_codec(self.method))
+        self.store = segment_store(settings.max_store_bytes, params_codec(self.method.params), settings.shared_tier,
+                                   model_path)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, Any] = {}
         self.forward: Any = None  # PartialForward, once the model is attached
@@ -99,6 +95,7 @@ class ConnectorWorker:
             if kind not in by_kind:
                 by_kind[kind] = layout_for(cache, isa, backend_name)  # refused here, at start, if unsupported
             self.layouts[name] = by_kind[kind]
+        self.store.placed_on(next(iter(kv_caches.values())).device, self.tensor_parallel_rank(), self.tensor_parallel_size)
 
     def attach_model(self, model: torch.nn.Module) -> None:
         """Called once per worker (kvbench's worker extension, over collective_rpc)."""
@@ -312,7 +309,7 @@ class ConnectorWorker:
             try:
                 exact = None if save.unclaimed is not None else self._exact_rows_for_save.get(save.key, 0)
                 entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.get(save.key), exact)
-                self.store.put(save.key, entry)
+                self.store.put(save.key, entry, save.adapter)
             except Exception:  # its readers then wait for its whole save
                 logger.exception("kvbench: saving the prompt of %s failed", save.key)
                 continue
@@ -343,7 +340,7 @@ class ConnectorWorker:
                 # vLLM prefilled an unclaimed request: exact throughout; a load said how far (none: it failed)
                 exact = None if save.unclaimed is not None else self._exact_rows_for_save.pop(save.key, 0)
                 entry = saved_copy(save, names, self._read_layer, self._hidden_for_save.pop(save.key, None), exact)
-                encode_s = self.store.put(save.key, entry)
+                encode_s = self.store.put(save.key, entry, save.adapter)
                 self.method.after_save(save.key, entry, save.adapter)
                 stats = self.request_stats.setdefault(save.key, {})
                 self.reuse_counters.add_save(self.store.bytes)
@@ -385,12 +382,14 @@ class ConnectorWorker:
 
     def take_reuse_counts(self) -> dict[str, Any] | None:
         """What vLLM's connector-stats path carries from this step (kvbench.methods.connector.metrics)."""
+        self.reuse_counters.add_counts(self.store.take_counts())  # the shared tier's, if any
         return self.reuse_counters.take(self.tensor_parallel_rank() if self.forward is not None else 0)
 
     # ---------------------------------------------------------------- worker RPCs
     def info(self) -> ServerInfo:
-        return ServerInfo(method=self.method.name, params=dict(self.method.params),
-                          model_attached=self.forward is not None, kvbench_version=__version__)
+        tier = self.settings.shared_tier
+        return ServerInfo(method=self.method.name, params=dict(self.method.params), model_attached=self.forward is not None,
+                          kvbench_version=__version__, shared_tier=tier.to_dict() if tier is not None else None)
 
     def stats(self, clear: bool) -> WorkerStats:
         out = WorkerStats(
@@ -398,7 +397,8 @@ class ConnectorWorker:
             store_bytes=self.store.bytes, store_peak_bytes=self.store.peak_bytes,
             store_entries=len(self.store.entries), store_evictions=self.store.evictions,
             store_refused=self.store.refused, method_state_bytes=self.method.state_bytes(),
-            model_attached=self.forward is not None, extra={"deferred_s": self.deferred_s})
+            model_attached=self.forward is not None,
+            extra={"deferred_s": self.deferred_s, **({"shared_tier": tier} if (tier := self.store.report()) else {})})
         if clear:
             self.request_stats.clear()
         return out
@@ -415,7 +415,7 @@ class ConnectorWorker:
             self.check_method_fits(method)
         self.method = method
         self.settings.params = dict(method.params)
-        self.store.codec = store_codec(method)  # entries already held keep the codec they were kept with
+        self.store.codec = params_codec(method.params)  # entries already held keep the codec they were kept with
         return dict(method.params)
 
     def reset_state(self, keep_method_state: bool = False) -> None:

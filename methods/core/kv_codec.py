@@ -170,3 +170,9 @@ def make_codec(name: str) -> KVCodec:
         return KVCodec()
     return PolyKVCodec(parsed.key_scale, pack=parsed.pack,
                        norm_dtype=torch.float16 if parsed.fp16_norms else torch.float32)
+
+
+def params_codec(params: dict[str, object]) -> KVCodec | None:
+    """The codec a method's `store_codec` parameter names (None: entries kept as saved)."""
+    name = str(params.get("store_codec", "none"))
+    return None if name == "none" else make_codec(name)

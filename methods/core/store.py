@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,8 +92,9 @@ class SegmentStore:
         self.refused = 0  # entries larger than the whole budget, never stored
         self.refused_keys: set[str] = set()  # their keys: a reader missing one was refused, not evicted
 
-    def put(self, key: str, entry: SavedKV) -> float:
-        """Keep `entry` (compressed when the store has a codec); returns the seconds compressing took."""
+    def put(self, key: str, entry: SavedKV, adapter: str | None = None) -> float:
+        """Keep `entry` (compressed when the store has a codec); returns the seconds compressing took.
+        `adapter`: the LoRA adapter that wrote it (a shared tier keys entries by it)."""
         started = time.perf_counter()
         stored: SavedKV | CompressedKV = entry if self.codec is None else CompressedKV.compress(entry, self.codec)
         seconds = time.perf_counter() - started if self.codec is not None else 0.0
@@ -117,7 +119,7 @@ class SegmentStore:
             self.evictions += 1
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
-    def get(self, key: str) -> SavedKV | None:
+    def get(self, key: str, adapter: str | None = None) -> SavedKV | None:
         entry = self.entries.get(key)
         if entry is None:
             return None
@@ -133,7 +135,7 @@ class SegmentStore:
             return decoded
         return entry
 
-    def exact_entry(self, key: str) -> SavedKV | None:
+    def exact_entry(self, key: str, adapter: str | None = None) -> SavedKV | None:
         """The entry under `key` if it is kept as saved with exact rows (SavedKV.exact_rows > 0), else
         None; a peek: nothing decoded (a compressed entry's rows are never exact), LRU order kept."""
         entry = self.entries.get(key)
@@ -147,6 +149,16 @@ class SegmentStore:
         """The bytes an entry holds as stored (compressed or not)."""
         entry = self.entries.get(key)
         return None if entry is None else entry.nbytes
+
+    # A shared tier under the store (kvbench.methods.core.tiered_store) answers these; a local one has none.
+    def placed_on(self, device: torch.device | str, rank: int, ranks: int) -> None:
+        """Where its entries live: the paged caches' device, this worker's tensor-parallel rank."""
+
+    def take_counts(self) -> dict[str, int]:
+        return {}
+
+    def report(self) -> dict[str, Any] | None:
+        return None
 
     def clear(self) -> None:
         self.entries.clear()

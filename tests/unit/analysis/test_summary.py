@@ -141,3 +141,23 @@ def test_kvbench_summarize_rewrites_the_summaries_of_a_sweep(tmp_path: Path) -> 
     empty.mkdir()
     refused = CliRunner().invoke(main, ["summarize", str(empty)])
     assert refused.exit_code == 1 and "no kvbench runs" in refused.output
+
+
+def test_the_shared_tiers_figures_come_from_each_servers_latest_state() -> None:
+    from kvbench.analysis.shared_tier import shared_tier_figures
+
+    def state(url: str, segment: int, **tier) -> dict:
+        return {"kind": "state", "segment": segment, "server_url": url, "shared_tier": tier}
+
+    journal = [state("a", 0, local_hits=9, remote_hits=9), state("a", 1, local_hits=1, remote_hits=0),
+               state("a", 1, local_hits=3, remote_hits=1, misses=1, remote_bytes=800, get_s=[0.002]),
+               state("b", 1, local_hits=2, remote_hits=3, remote_bytes=2400, get_s=[0.004, 0.006], puts=4,
+                     put_bytes=3200, put_s=0.02)]
+    metrics = [{"segment": 1, "server_url": "m", "master_allocated_bytes": v} for v in (1000, 3200, 2000)]
+    out = shared_tier_figures(journal, metrics, reused_tokens=100)
+    assert (out["shared_local_hits"], out["shared_remote_hits"], out["shared_misses"]) == (5, 4, 1)
+    assert out["shared_remote_bytes"] == 3200 and out["shared_remote_bytes_per_reused_token"] == 32
+    assert out["p50_shared_get_ms"] == pytest.approx(4.0) and out["shared_remote_gets"] == 3
+    assert out["shared_remote_hit_share"] == pytest.approx(0.4) and out["shared_store_peak_bytes"] == 3200
+    assert out["shared_put_ms_total"] == pytest.approx(20.0)
+    assert shared_tier_figures([{"kind": "state", "segment": 0, "server_url": "a"}], [], 5) == {}

@@ -84,3 +84,26 @@ def test_a_run_resumes_only_with_its_routing(tiny_tokenizer_dir: Path, tmp_path:
         assert CliRunner().invoke(main, [*args, *servers, "--routing", "agent"]).exit_code == 0
         refused = CliRunner().invoke(main, [*args, *servers, "--resume"])
     assert refused.exit_code == 1 and "routed with --routing agent" in refused.output
+
+
+def test_servers_sharing_a_tier_read_finished_sources_across_servers(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """With one Mooncake master behind both servers, agent routing names the sources on the other
+    server (read there from the shared tier); config.json records that the servers share one."""
+    tier = {"master": "127.0.0.1:1", "metadata": "http://127.0.0.1:2/metadata"}
+    with StubServer(connector=True, shared_tier=tier) as one, StubServer(connector=True, shared_tier=tier) as two:
+        result = CliRunner().invoke(main, [
+            "replay", "--model", str(tiny_tokenizer_dir), "--method", "fullshared", "--qps", "0",
+            "--num-trajectories", "2", "--shared-tokens", "64", "--output-len", "4", "--routing", "agent",
+            "--base-url", one.base_url, "--base-url", two.base_url, "--result-dir", str(tmp_path / "run")],
+            prog_name="kvbench")
+        assert result.exit_code == 0, result.output
+        bodies = {**one.bodies, **two.bodies}
+    requests = pd.read_parquet(tmp_path / "run" / "requests.parquet")
+    by_turn = {(r.trajectory_id, r.turn_id): r.server_url for r in requests.itertuples()}
+    crossing = 0
+    for row in requests.itertuples():
+        plan = Plan.from_params(bodies[row.request_id]["kv_transfer_params"])
+        sources = [s for s in plan.segments if s.source_turn is not None]
+        crossing += any(by_turn[(row.trajectory_id, s.source_turn)] != row.server_url for s in sources)
+    assert crossing == len(requests) - 2  # every reader names a source on the other server (agent routing)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["shared_tier_readable"] is True
