@@ -38,6 +38,8 @@ STEPS: list[tuple[str, str, Callable[[Stats], float]]] = [
     ("decide_wait_ms", "waiting for the method's decision, made one engine step before the claim (methods whose "
      "gate may send segments dense)", lambda s: s.get("decide_wait_s", float("nan"))),
     ("queued_ms", "from the load's creation to its first engine step (behind other loads)", _first_offset),
+    ("shared_fetch_ms", "reading sources another instance saved from the shared tier (get and parse)",
+     lambda s: s.get("shared_fetch_s", 0.0)),
     ("store_decode_ms", "decoding compressed source entries (PolyKV)", lambda s: s.get("store_decode_s", 0.0)),
     ("reference_prefill_ms", "context-free reference prefills (non-chained methods)",
      lambda s: s.get("reference_prefill_s", 0.0)),

@@ -11,6 +11,7 @@ import pandas as pd
 from kvbench.analysis import plots
 from kvbench.analysis.runs import Run, summary_number
 from kvbench.analysis.savings import reuse_turn_savings
+from kvbench.analysis.shared_tier import shared_tier_table
 from kvbench.analysis.tables import method_table, ttft_by_agent
 from kvbench.model.store import is_constructed
 
@@ -89,6 +90,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     goodput = table[["run", "request_goodput", "request_goodput_share", "workflow_goodput", "workflow_goodput_share"]]
     memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "store_refused", "peak_server_rss_mib",
                     "peak_kv_cache_usage_perc"]]
+    tier = shared_tier_table(runs)
     models = sorted({run.model_name for run in runs})
     savings = reuse_turn_savings(runs)
     savings.to_csv(out_dir / "reuse_turn_savings.csv", index=False)
@@ -117,6 +119,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                 "Bounds (ms): " + "; ".join(slos) + (" (runs differ: compare with care)" if len(slos) > 1 else ""),
                 "", _markdown(goodput, ".3f"), ""] if slos else []),
              "## Memory", "", _markdown(memory), "",
+             *(["## Shared tier (Mooncake Store between instances; lookups by source key)", "",
+                "A remote hit is a source read from another instance's save; a miss was computed densely (a rejected "
+                "entry, corrupt or another model's, counts as one).", "", _markdown(tier, ".2f"), ""] if len(tier) else []),
              "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",
              "## Columns", "", *[f"- `{name}`: {note}" for name, note in COLUMN_NOTES.items()], "",
              "## Figures", ""]

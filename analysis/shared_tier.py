@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 SUMMED = ("local_hits", "remote_hits", "misses", "rejected", "remote_bytes", "puts", "put_bytes", "put_failures")
 
@@ -34,3 +35,24 @@ def shared_tier_figures(method_stats: list[dict[str, Any]], metrics: list[dict[s
                  and s.get("segment", 0) == last]
     out["shared_store_peak_bytes"] = int(max(allocated)) if allocated else None
     return out
+
+
+def shared_tier_table(runs: list[Any]) -> pd.DataFrame:
+    """One row per run that had a shared tier (kvbench.analysis.runs.Run): what each tier did."""
+    rows = []
+    for run in runs:
+        s = run.summary
+        if "shared_remote_hits" not in s:
+            continue
+        config = s.get("config") or {}
+        puts = s.get("shared_puts") or 0
+        rows.append({
+            "run": run.cell, "instances": config.get("instances") or len(config.get("base_urls") or []),
+            "routing": config.get("routing"), "local_hits": s["shared_local_hits"], "remote_hits": s["shared_remote_hits"],
+            "misses": s["shared_misses"], "rejected": s["shared_rejected"],
+            "remote_mib": s["shared_remote_bytes"] / 2**20, "p50_shared_get_ms": s.get("p50_shared_get_ms"),
+            "p90_shared_get_ms": s.get("p90_shared_get_ms"), "puts": puts, "put_mib": s["shared_put_bytes"] / 2**20,
+            "ms_per_put": s["shared_put_ms_total"] / puts if puts else None,
+            "remote_bytes_per_reused_token": s.get("shared_remote_bytes_per_reused_token"),
+            "shared_store_peak_mib": None if s.get("shared_store_peak_bytes") is None else s["shared_store_peak_bytes"] / 2**20})
+    return pd.DataFrame(rows)

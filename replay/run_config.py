@@ -127,7 +127,8 @@ class ReplayConfig:
     @classmethod
     def build(cls, trace: Trace, tokenizer: TraceTokenizer, method: str, base_urls: list[str], result_dir: Path,
               method_params: dict[str, Any] | None = None, server_pids: dict[str, int] | None = None,
-              server_failure: Callable[[], str | None] | None = None, **settings: Any) -> ReplayConfig:
+              server_failure: Callable[[], str | None] | None = None, server_tier_url: str | None = None,
+              **settings: Any) -> ReplayConfig:
         """A config from flat settings, each sorted into its part (a name no part has is refused)."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         for key, value in settings.items():
@@ -135,7 +136,7 @@ class ReplayConfig:
             if owner is None:
                 raise TypeError(f"ReplayConfig has no setting {key!r}")
             parts[owner][key] = value
-        servers = ServerBinding(list(base_urls), dict(server_pids or {}), server_failure or (lambda: None))
+        servers = ServerBinding(list(base_urls), dict(server_pids or {}), server_failure or (lambda: None), server_tier_url)
         return cls(trace=trace, tokenizer=tokenizer, method=method, servers=servers,
                    output=OutputSettings(result_dir=result_dir, **parts["output"]),
                    load=LoadSettings(**parts["load"]), quality=QualitySettings(**parts["quality"]),

@@ -222,7 +222,8 @@ def trajectory_digest(trajectory: Trajectory) -> str:
 
 
 def write_trace(path: str | Path, header: TraceHeader, trajectories: list[Trajectory]) -> int:
-    """Write a trace; returns its size in bytes."""
+    """Write a trace (its folder made when missing); returns its size in bytes."""
     data = dump_line(header) + "".join(dump_line(t) for t in trajectories)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(data, encoding="utf-8")
     return len(data.encode())

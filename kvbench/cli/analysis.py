@@ -65,6 +65,7 @@ def profile_command(result_dirs: tuple[Path, ...], out: Path | None) -> None:
     sweep holding runs). From recorded stats only: profiles any run after the fact."""
     from kvbench.analysis.profile import OUTSIDE_TURNS_LEGEND, legend, outside_turns_table, profile_table
     from kvbench.analysis.runs import RunLoadError, find_runs
+    from kvbench.analysis.shared_tier import shared_tier_table
 
     try:
         runs = find_runs(list(result_dirs))
@@ -79,6 +80,10 @@ def profile_command(result_dirs: tuple[Path, ...], out: Path | None) -> None:
     if not outside.empty:
         text += "\nWork outside the turns, inside the engine's steps:\n\n" + \
             outside.to_markdown(index=False, floatfmt=".1f") + "\n\n" + OUTSIDE_TURNS_LEGEND + "\n"
+    tier = shared_tier_table(runs)
+    if not tier.empty:
+        text += "\nThe shared tier (Mooncake Store between instances; a load's remote get is inside its `match` step):\n\n" + \
+            tier.to_markdown(index=False, floatfmt=".2f") + "\n"
     click.echo(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,17 @@ _OPTIONS = [
                  help="Its metadata server (http://HOST:PORT/metadata); with --mooncake-master."),
     click.option("--shared-tier-bytes", type=ByteSize(), default="1GiB", show_default=True, metavar="SIZE",
                  help="Memory each instance's worker lends the shared tier (allocated as it fills)."),
+    click.option("--mooncake-local-hostname", default="127.0.0.1", show_default=True, metavar="HOST",
+                 help="How other nodes reach this one's share of the store (its address on their network)."),
+    click.option("--mooncake-protocol", type=click.Choice(["tcp", "rdma"]), default="tcp", show_default=True,
+                 help="Mooncake's transport between instances."),
 ]
-_NAMES = ("instances", "shared_tier", "mooncake_master", "mooncake_metadata", "shared_tier_bytes")
+_NAMES = ("instances", "shared_tier", "mooncake_master", "mooncake_metadata", "shared_tier_bytes",
+          "mooncake_local_hostname", "mooncake_protocol")
 
 
 def instance_plan(instances: int, shared_tier: bool, mooncake_master: str | None, mooncake_metadata: str | None,
-                  shared_tier_bytes: int) -> Any:
+                  shared_tier_bytes: int, mooncake_local_hostname: str = "127.0.0.1", mooncake_protocol: str = "tcp") -> Any:
     """The InstancePlan the options ask for; a UsageError for a half-given master."""
     from kvbench.server.instances import InstancePlan
     from kvbench.server.mooncake_master import MasterAddress
@@ -38,7 +43,8 @@ def instance_plan(instances: int, shared_tier: bool, mooncake_master: str | None
         raise click.UsageError("--mooncake-master and --mooncake-metadata go together (the master's RPC address "
                                "and its metadata URL)")
     master = None if mooncake_master is None else MasterAddress(mooncake_master, str(mooncake_metadata))
-    return InstancePlan(instances=instances, shared=shared_tier, master=master, segment_bytes=shared_tier_bytes)
+    return InstancePlan(instances=instances, shared=shared_tier, master=master, segment_bytes=shared_tier_bytes,
+                        local_hostname=mooncake_local_hostname, protocol=mooncake_protocol)
 
 
 def instance_options(command: Callable[..., Any]) -> Callable[..., Any]:

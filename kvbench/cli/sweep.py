@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from kvbench.cli.param_types import allow_code_execution_option, finite_float, role_paths
+from kvbench.replay.routing import ROUTING_POLICIES
 from kvbench.tracegen.generate import task_model
 from kvbench.tracegen.roles import ROLE_PRESETS
 from kvbench.tracegen.tasks.registry import benchmark_names, task_names
@@ -132,6 +133,13 @@ def _sweep_options(func):
         click.option("--stop-on-saturation/--no-stop-on-saturation", default=True, show_default=True,
                      help="Stop a loaded cell whose backlog and TTFT grow without bound and mark it saturated in "
                           "every table (as kvbench replay --stop-on-saturation)."),
+        click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="vLLM instances per method configuration, each on its own share of the machine, sharing "
+                          "caches through a Mooncake master started for them (as kvbench replay --instances)."),
+        click.option("--routing", type=click.Choice(ROUTING_POLICIES), default="trajectory", show_default=True,
+                     help="With --instances N, where each request goes (as kvbench replay --routing)."),
+        click.option("--shared-tier/--no-shared-tier", default=True, show_default=True,
+                     help="With --instances N, share saved caches between them (Mooncake Store)."),
         allow_code_execution_option,
     ]):
         func = option(func)
@@ -187,7 +195,8 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
         **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",
-                                         "quality", "temperature", "stop_on_saturation")},
+                                         "quality", "temperature", "stop_on_saturation", "instances", "routing",
+                                         "shared_tier")},
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
         save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks, roles=options["roles"],

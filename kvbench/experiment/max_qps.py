@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvbench import run_files
-from kvbench.experiment.sweep import SweepCell, SweepSpec, cell_dir, cell_done, prepare_sweep, replay_cell
+from kvbench.experiment.sweep import (
+    SweepCell,
+    SweepSpec,
+    cell_dir,
+    cell_done,
+    prepare_sweep,
+    replay_cell,
+    sweep_servers,
+)
 
 MAX_QPS_FILE = "max_qps.json"
 GoodputMetric = Literal["workflow", "request"]
@@ -97,7 +105,8 @@ def find_max_qps(spec: SweepSpec, root: Path, target_share: float = 0.9, metric:
         inputs = prepare_sweep(spec, root)
         workloads = {point.shared_tokens: point.num_trajectories or spec.num_trajectories for point in spec.grid_points()}
         for method in spec.methods:
-            with VLLMServer(inputs.server_config(spec, root, method)) as server:
+            config = inputs.server_config(spec, root, method)
+            with VLLMServer(config) if spec.instances == 1 else sweep_servers(spec, config) as server:
                 for trace_id, trace in inputs.traces.items():
                     context = int(trace.header.generator.get("shared_tokens") or 0)
                     trajectories = workloads.get(context, spec.num_trajectories)

@@ -105,6 +105,11 @@ class SweepSpec:
     roles: str | None = None  # the role preset (None: the task's)
     # role -> PEFT folder of its LoRA adapter (gen-trace --adapter): every server serves them all
     adapters: dict[str, str] = field(default_factory=dict)
+    # Several instances per method configuration (kvbench.server.instances), routed alike in every
+    # cell, sharing caches through a Mooncake master started for each configuration unless not.
+    instances: int = 1
+    routing: str = "trajectory"
+    shared_tier: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,7 +258,7 @@ def prepare_sweep(spec: SweepSpec, root: Path) -> SweepInputs:
 
 def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | None,
                after_cell: AfterCell | None) -> list[SweepCell]:
-    from kvbench.server.lifecycle import running_server, wait_for_stopped_servers
+    from kvbench.server.lifecycle import wait_for_stopped_servers
 
     inputs = prepare_sweep(spec, root)
     cells = spec.cells(root)
@@ -281,7 +286,7 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
                 config.log_path = root / "quality" / "server.log"
             # One start per method configuration, while the previous one's server stops; that
             # one has exited before anything is measured.
-            with running_server(config) as server:
+            with sweep_servers(spec, config) as server:
                 wait_for_stopped_servers()
                 if with_baselines:
                     _run_quality_baselines(spec, root, inputs, baselines, server, on_cell)
@@ -310,18 +315,19 @@ def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace
     method = cell.method
     config = ReplayConfig.build(
         trace=Trace(header=trace.header, trajectories=trace.trajectories[: spec.num_warmups + cell.num_trajectories]),
-        tokenizer=tokenizer, method=method.method, base_urls=[server.base_url], result_dir=cell.path,
+        tokenizer=tokenizer, method=method.method, base_urls=_urls(server), result_dir=cell.path, routing=spec.routing,
         qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
         prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
         label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
         request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
         sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
         saturation=SaturationRule() if spec.stop_on_saturation else None,
-        server_pids={server.base_url: server.process.pid}, server_failure=server.failure,
+        server_pids=_pids(server), server_failure=server.failure, server_tier_url=getattr(server, "tier_url", None),
         metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
         extra_config={"model": model, "method_params": method.params, "method_config": method.name,
                       "trace_path": str(root / "traces" / f"{cell.trace_id}.jsonl"),
-                      "server_options": spec.server_options, "server_command": server.command()})
+                      "server_options": spec.server_options, "server_command": server.command(),
+                      **(server.describe() if hasattr(server, "describe") else {})})
     try:
         summary = replay_and_summarize(config)
     except ReplayError as exc:
@@ -332,6 +338,26 @@ def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace
     if after_cell is not None:
         after_cell(cell, server, summary)
     return summary
+
+
+def sweep_servers(spec: SweepSpec, config: Any) -> Any:
+    """A method configuration's server (stopped in the background after it), or its
+    `spec.instances` instances and their shared tier (stopped together after them)."""
+    from kvbench.server.instances import InstancePlan, ServerGroup
+    from kvbench.server.lifecycle import running_server
+
+    if spec.instances == 1:
+        return running_server(config)
+    log_dir = config.log_path.parent if config.log_path is not None else Path(".")
+    return ServerGroup(config, InstancePlan(instances=spec.instances, shared=spec.shared_tier), log_dir)
+
+
+def _urls(server: Any) -> list[str]:
+    return list(getattr(server, "base_urls", [server.base_url]))  # (a ServerGroup lists each instance)
+
+
+def _pids(server: Any) -> dict[str, int]:
+    return dict(server.pids) if hasattr(server, "pids") else {server.base_url: server.process.pid}
 
 
 def _quality_baselines_todo(spec: SweepSpec, root: Path, traces: dict[str, Any]) -> list[tuple[str, Path, bool]]:
@@ -355,11 +381,11 @@ def _run_quality_baselines(spec: SweepSpec, root: Path, inputs: SweepInputs, tod
         trace = inputs.traces[name]
         replay_and_summarize(ReplayConfig.build(
             trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=inputs.tokenizer,
-            method="nonshared", base_urls=[server.base_url], result_dir=run, qps=0.0, seed=spec.seed,
+            method="nonshared", base_urls=_urls(server), result_dir=run, qps=0.0, seed=spec.seed, routing=spec.routing,
             num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,
             logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(),
             request_timeout_s=spec.request_timeout_s, show_progress=False,
-            server_pids={server.base_url: server.process.pid}, server_failure=server.failure,
+            server_pids=_pids(server), server_failure=server.failure,
             extra_config={"model": inputs.model, "method_params": {}, "method_config": "nonshared",
                           "sweep_role": QUALITY_BASELINE,  # not a grid cell: tables leave it out
                           "server_command": server.command(),

@@ -49,6 +49,9 @@ class InstancePlan:
     shared: bool = True
     master: MasterAddress | None = None
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    # how the other instances reach this machine's share of the store (another node: its address)
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"  # Mooncake's transport: "rdma" between nodes that have it
 
     @property
     def grouped(self) -> bool:
@@ -64,6 +67,7 @@ class ServerGroup:
         # plain vLLM has no segment store; one instance alone shares only with a given master
         self.shared = plan.shared and config.kv_transfer_config is not None and plan.grouped
         self.segment_bytes = plan.segment_bytes
+        self.plan = plan
         self.master_address = plan.master
         self.master: MooncakeMaster | None = None
         self.servers: list[lifecycle.VLLMServer] = []
@@ -90,8 +94,10 @@ class ServerGroup:
         devices = instance_devices(self.instances, tensor_parallel_size(self.config.extra_args), _visible_gpus())
         tier = None
         if self.shared and self.master_address is not None:
-            tier = self.master_address.tier_settings(self.segment_bytes)
-        return [dataclasses.replace(self.config, devices=devices[i], shared_tier=tier, port=None,
+            tier = dataclasses.replace(self.master_address.tier_settings(self.segment_bytes, self.plan.local_hostname),
+                                       protocol=self.plan.protocol)
+        port = self.config.port if self.instances == 1 else None  # (several: each on a free port)
+        return [dataclasses.replace(self.config, devices=devices[i], shared_tier=tier, port=port,
                                     log_path=self.log_dir / (f"server-{i}.log" if self.instances > 1 else "server.log"))
                 for i in range(self.instances)]
 
@@ -109,6 +115,18 @@ class ServerGroup:
             self.stop()
             raise
         return self
+
+    @property
+    def base_url(self) -> str:
+        """The first instance's URL (a single server's face; `base_urls` has them all)."""
+        return self.servers[0].base_url
+
+    def is_running(self) -> bool:
+        return self.failure() is None
+
+    def command(self) -> list[str]:
+        """The instances' vLLM command (alike but for their ports)."""
+        return self.servers[0].command()
 
     def failure(self) -> str | None:
         """Why the group cannot serve any more (an instance or the master gone), else None."""

@@ -298,14 +298,19 @@ def decide_steps(worker: LoadServices, spec: LoadSpec | DecideSpec, tokens: torc
     """The decision of a load over the rows `tokens` (the prompt but its last token): the exact
     prefix, the candidates, the method's `prepare` (yields its rows per layer) and `select`."""
     started = time.perf_counter()
-    decoded_s, decoded_tokens = worker.store.decode_s, worker.store.decoded_tokens
-    exact_source, exact_stop = exact_prefix(worker.store, spec, tokens, worker.block_size)
+    store = worker.store
+    decoded_s, decoded_tokens, fetched = store.decode_s, store.decoded_tokens, (store.fetched, store.fetched_bytes, store.fetch_s)
+    exact_source, exact_stop = exact_prefix(store, spec, tokens, worker.block_size)
     valid_from = max(spec.num_local, exact_stop) if exact_source is not None else spec.num_local
-    found = find_candidates(worker.store, dataclasses.replace(spec, num_local=valid_from), tokens)
-    decoded_s, decoded_tokens = worker.store.decode_s - decoded_s, worker.store.decoded_tokens - decoded_tokens
+    found = find_candidates(store, dataclasses.replace(spec, num_local=valid_from), tokens)
+    decoded_s, decoded_tokens = store.decode_s - decoded_s, store.decoded_tokens - decoded_tokens
+    # sources read from the shared tier (saved on another instance): how many, their bytes, get and parse
+    fetch_stats = {"shared_fetches": store.fetched - fetched[0], "shared_fetch_bytes": store.fetched_bytes - fetched[1],
+                   "shared_fetch_s": store.fetch_s - fetched[2]} if store.fetch_s > fetched[2] else {}
     req_id, key = spec.req_id, spec.key
     ctx = LoadContext(spec.key, spec.plan, tokens, valid_from, found.reuses, read_rows, req_id=req_id,
                       when_prefilled=lambda rows, deliver: worker.when_prefilled(req_id, rows, deliver, key))
+    ctx.stats.update(fetch_stats)
     yield from worker.method.prepare(ctx)  # e.g. reference prefills: spread over steps like the layers
     chosen = worker.method.select(ctx)
     return LoadDecision(spec.num_local, exact_source, exact_stop if exact_source is not None else 0, found, ctx,

@@ -85,6 +85,9 @@ class SegmentStore:
         self.entries: OrderedDict[str, SavedKV | CompressedKV] = OrderedDict()
         self.decode_s = 0.0  # time spent decompressing entries for readers, since the last clear()
         self.decoded_tokens = 0
+        # entries read from a shared tier (kvbench.methods.core.tiered_store): count, bytes, seconds
+        # (get and parse), since the last clear(); a local store reads none
+        self.fetched, self.fetched_bytes, self.fetch_s = 0, 0, 0.0
         self._last_decoded: tuple[str, SavedKV] | None = None  # a load reads several segments of one source
         self.bytes = 0
         self.peak_bytes = 0
@@ -165,6 +168,7 @@ class SegmentStore:
         self._last_decoded = None
         self.decoded_tokens = 0
         self.decode_s = 0.0
+        self.fetched, self.fetched_bytes, self.fetch_s = 0, 0, 0.0
         self.bytes = 0
         self.peak_bytes = 0
         self.evictions = 0

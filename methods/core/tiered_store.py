@@ -7,6 +7,7 @@ another model or codec) is counted, never placed."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -68,6 +69,13 @@ class TieredStore(SegmentStore):
         return super().exact_entry(key)
 
     def _fetch(self, key: str, adapter: str | None) -> SavedKV | CompressedKV | None:
+        started = time.perf_counter()
+        try:
+            return self._fetch_entry(key, adapter)
+        finally:
+            self.fetch_s += time.perf_counter() - started
+
+    def _fetch_entry(self, key: str, adapter: str | None) -> SavedKV | CompressedKV | None:
         counts = self.tier.counts
         try:
             value = self.tier.get(self.key(key, adapter))
@@ -85,6 +93,8 @@ class TieredStore(SegmentStore):
             counts.misses += 1
             return None
         counts.remote_hits += 1
+        self.fetched += 1
+        self.fetched_bytes += len(value)
         return entry
 
     def clear(self) -> None:
