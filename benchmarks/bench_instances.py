@@ -5,8 +5,9 @@ stay per instance) it starts one instance on every core, two instances on half t
 a shared tier (a mooncake_master started here), and for FullShared two without one. Each is warmed
 up by two unmeasured runs (its first and last routing); then a role-recall trace on
 `kvbench:roles-transferable` is replayed per context, at QPS 0 and a loaded QPS, under each routing
-policy, after `--warmups` warm-up trajectories per instance (KVCMAS's anchor pools are per
-instance: each learns from the warm-ups routed to it). Prints and writes per run: realized rho,
+policy, after `--warmups` warm-up trajectories per instance of the two-instance setup in every
+setup (KVCMAS's anchor pools are per instance: each learns from the warm-ups routed to it; one
+instance learns from all of them), so every setup measures the same trajectories. Prints and writes per run: realized rho,
 p50/p90 TTFT (all turns, and the turns reading an earlier agent's output), workflow throughput,
 reuse-turn accuracy, the shared tier's hits, misses, bytes per reused token, p50/p90 remote get,
 puts, and the store's memory; and per context:
@@ -46,6 +47,7 @@ from kvbench.server.mooncake_master import allocated_bytes
 
 MODEL = "kvbench:roles-transferable"
 ROUTINGS = ("trajectory", "agent", "round-robin", "cache-aware")
+INSTANCES = 2  # the largest setup's
 KVBENCH = [sys.executable, "-m", "kvbench"]
 
 
@@ -139,7 +141,7 @@ def main() -> None:
     for context in contexts:
         traces[context] = root / f"trace-{context}.jsonl"
         run(["gen-trace", "-o", str(traces[context]), "--task", "role-recall", "--model", MODEL, "--qps", "0",
-             "--num-trajectories", str(2 * args.warmups + args.trajectories), "--shared-tokens", str(context),
+             "--num-trajectories", str(INSTANCES * args.warmups + args.trajectories), "--shared-tokens", str(context),
              *(["--output-len", str(args.output_len)] if args.output_len else [])])
     rows: list[dict[str, Any]] = []
     for method in args.methods.split(","):
@@ -165,10 +167,11 @@ def main() -> None:
                     for qps in (0.0, loaded[context]):
                         for routing in routings:
                             out = folder / f"{context}-qps{qps:g}-{routing}"
-                            # each instance's method state learns from the warm-ups routed to it: as many per
-                            # instance as one instance gets
+                            # every setup: the same warm-ups (--warmups per instance of the largest setup:
+                            # each instance's method state learns from those routed to it) and the same
+                            # measured trajectories after them
                             run(["replay", "--trace", str(traces[context]), "--method", method, "--qps", f"{qps:g}",
-                                 "--num-warmups", str(args.warmups * plan.instances), "--num-trajectories",
+                                 "--num-warmups", str(args.warmups * INSTANCES), "--num-trajectories",
                                  str(args.trajectories), "--prime-method-state", "--routing", routing,
                                  *urls, "--result-dir", str(out)])
                             # the store's memory now: this run's entries stay until the next run's reset
