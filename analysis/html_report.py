@@ -40,6 +40,9 @@ def provenance(run: Run) -> dict[str, object]:
         out["model"] = name
         if isinstance(out.get("server_command"), list):
             out["server_command"] = [name if arg == model else arg for arg in out["server_command"]]  # type: ignore[union-attr]
+    command = out.get("server_command")
+    if isinstance(command, list) and command and isinstance(command[0], str) and command[0].endswith("python"):
+        out["server_command"] = ["python", *command[1:]]  # the interpreter's path is this machine's checkout
     return out
 
 

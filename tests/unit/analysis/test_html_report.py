@@ -77,7 +77,8 @@ def test_provenance_names_an_embedded_model_as_any_machine_resolves_it() -> None
     from kvbench.model.resolve import resolve_model
 
     path = resolve_model(None)  # the shipped model: a path of this checkout
-    run = Run(Path("r"), {"config": {"model": path, "server_command": ["python", "--model", path, "--port", "1"]}},
+    interpreter = str(Path(path).parent / ".venv" / "bin" / "python")  # a checkout's own interpreter: its path too
+    run = Run(Path("r"), {"config": {"model": path, "server_command": [interpreter, "--model", path, "--port", "1"]}},
               pd.DataFrame())
     shown = provenance(run)
     assert shown["model"] == "kvbench:recall-v1"
