@@ -3,12 +3,11 @@ Mooncake Store their caches are shared through."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import click
 
+from kvbench.cli.param_types import option_group
 from kvbench.cli.server_options import ByteSize
 
 _OPTIONS = [
@@ -47,14 +46,5 @@ def instance_plan(instances: int, shared_tier: bool, mooncake_master: str | None
                         local_hostname=mooncake_local_hostname, protocol=mooncake_protocol)
 
 
-def instance_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add the instance options to a click command, which receives them as one `instances` InstancePlan."""
-
-    @functools.wraps(command)
-    def with_options(**kwargs: Any) -> Any:
-        plan = instance_plan(**{name: kwargs.pop(name) for name in _NAMES})
-        return command(instances=plan, **kwargs)
-
-    for option in reversed(_OPTIONS):
-        with_options = option(with_options)
-    return with_options
+# Adds the instance options to a click command, which receives them as one `instances` InstancePlan.
+instance_options = option_group(_OPTIONS, _NAMES, instance_plan, "instances")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -63,3 +64,20 @@ def require_code_execution_here() -> None:
         require_code_execution()
     except CodeExecutionRefused as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def option_group(options: list[Callable[[Any], Any]], names: tuple[str, ...], build: Callable[..., Any],
+                 argument: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator adding `options` to a click command, which receives the values of `names` as one
+    argument `argument`, `build(**values)` (e.g. ServerOptions): a new option is added in one place."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(command)
+        def with_options(**kwargs: Any) -> Any:
+            return command(**{argument: build(**{name: kwargs.pop(name) for name in names})}, **kwargs)
+
+        for option in reversed(options):
+            with_options = option(with_options)
+        return with_options
+
+    return decorate

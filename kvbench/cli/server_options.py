@@ -3,16 +3,14 @@ calibrate), gathered into one value so that a new option is added in one place."
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from kvbench.cli.param_types import FiniteFloatRange
+from kvbench.cli.param_types import FiniteFloatRange, option_group
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -102,17 +100,6 @@ _OPTIONS = [
                  help="Fail cache loads on purpose to test the dense fallback: 'all', or a fraction of the "
                       "loads (e.g. 0.25, picked by a hash of the request)."),
 ]
-_FIELDS = tuple(ServerOptions.__dataclass_fields__)
 
-
-def server_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add the server options to a click command, which receives them as one `server` argument."""
-
-    @functools.wraps(command)
-    def with_options(**kwargs: Any) -> Any:
-        server = ServerOptions(**{name: kwargs.pop(name) for name in _FIELDS})
-        return command(server=server, **kwargs)
-
-    for option in reversed(_OPTIONS):
-        with_options = option(with_options)
-    return with_options
+# Adds the server options to a click command, which receives them as one `server` argument.
+server_options = option_group(_OPTIONS, tuple(ServerOptions.__dataclass_fields__), ServerOptions, "server")

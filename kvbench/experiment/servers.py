@@ -34,12 +34,11 @@ def replay_server(config: ReplayConfig, server_config: ServerConfig | None,
         yield config
         return
     announce(server_config)
+    running: ServerGroup | vllm_server.VLLMServer
     if instances is not None and instances.grouped:
-        with ServerGroup(server_config, instances, config.output.result_dir) as group:
-            yield config.with_servers(ServerBinding(group.base_urls, group.pids, group.failure, group.tier_url),
-                                      server_command=group.servers[0].command(), **group.describe())
-        return
-    with vllm_server.VLLMServer(server_config) as server:
-        assert server.process is not None
-        yield config.with_servers(ServerBinding([server.base_url], {server.base_url: server.process.pid}, server.failure),
-                                  server_command=server.command())
+        running = ServerGroup(server_config, instances, config.output.result_dir)
+    else:
+        running = vllm_server.VLLMServer(server_config)
+    with running as server:
+        yield config.with_servers(ServerBinding(server.base_urls, server.pids, server.failure, server.tier_url),
+                                  server_command=server.command(), **server.describe())

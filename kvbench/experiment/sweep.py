@@ -315,19 +315,19 @@ def replay_cell(spec: SweepSpec, root: Path, cell: SweepCell, server: Any, trace
     method = cell.method
     config = ReplayConfig.build(
         trace=Trace(header=trace.header, trajectories=trace.trajectories[: spec.num_warmups + cell.num_trajectories]),
-        tokenizer=tokenizer, method=method.method, base_urls=_urls(server), result_dir=cell.path, routing=spec.routing,
+        tokenizer=tokenizer, method=method.method, base_urls=server.base_urls, result_dir=cell.path, routing=spec.routing,
         qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
         prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
         label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
         request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
         sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
         saturation=SaturationRule() if spec.stop_on_saturation else None,
-        server_pids=_pids(server), server_failure=server.failure, server_tier_url=getattr(server, "tier_url", None),
+        server_pids=server.pids, server_failure=server.failure, server_tier_url=server.tier_url,
         metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
         extra_config={"model": model, "method_params": method.params, "method_config": method.name,
                       "trace_path": str(root / "traces" / f"{cell.trace_id}.jsonl"),
                       "server_options": spec.server_options, "server_command": server.command(),
-                      **(server.describe() if hasattr(server, "describe") else {})})
+                      **server.describe()})
     try:
         summary = replay_and_summarize(config)
     except ReplayError as exc:
@@ -352,14 +352,6 @@ def sweep_servers(spec: SweepSpec, config: Any) -> Any:
     return ServerGroup(config, InstancePlan(instances=spec.instances, shared=spec.shared_tier), log_dir)
 
 
-def _urls(server: Any) -> list[str]:
-    return list(getattr(server, "base_urls", [server.base_url]))  # (a ServerGroup lists each instance)
-
-
-def _pids(server: Any) -> dict[str, int]:
-    return dict(server.pids) if hasattr(server, "pids") else {server.base_url: server.process.pid}
-
-
 def _quality_baselines_todo(spec: SweepSpec, root: Path, traces: dict[str, Any]) -> list[tuple[str, Path, bool]]:
     """(trace, run folder, drop_shared) of the quality references and floors not yet done."""
     if not spec.quality:
@@ -381,11 +373,11 @@ def _run_quality_baselines(spec: SweepSpec, root: Path, inputs: SweepInputs, tod
         trace = inputs.traces[name]
         replay_and_summarize(ReplayConfig.build(
             trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=inputs.tokenizer,
-            method="nonshared", base_urls=_urls(server), result_dir=run, qps=0.0, seed=spec.seed, routing=spec.routing,
+            method="nonshared", base_urls=server.base_urls, result_dir=run, qps=0.0, seed=spec.seed, routing=spec.routing,
             num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,
             logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(),
             request_timeout_s=spec.request_timeout_s, show_progress=False,
-            server_pids=_pids(server), server_failure=server.failure,
+            server_pids=server.pids, server_failure=server.failure,
             extra_config={"model": inputs.model, "method_params": {}, "method_config": "nonshared",
                           "sweep_role": QUALITY_BASELINE,  # not a grid cell: tables leave it out
                           "server_command": server.command(),

@@ -102,6 +102,21 @@ class VLLMServer:
     def base_url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
 
+    # What a run binds, alike for one server and a ServerGroup (kvbench.server.instances).
+    tier_url: str | None = None  # one server alone starts no shared tier
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [self.base_url]
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {} if self.process is None else {self.base_url: self.process.pid}
+
+    def describe(self) -> dict[str, object]:
+        """For config.json: nothing beyond the server command (a group adds its instances)."""
+        return {}
+
     def command(self) -> list[str]:
         cfg = self.config
         cmd = [

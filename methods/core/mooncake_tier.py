@@ -9,6 +9,7 @@ its scheduler side asks only whether keys exist (a client that lends the store n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,7 @@ class SharedTierSettings:
         return asdict(self)
 
 
+@functools.lru_cache(maxsize=16)  # asked per source lookup, and per engine step for a turn held back
 def model_tag(model: str) -> str:
     """A model's part of a key: its last path part and a hash of the whole name, so two models
     (or two folders of one name) never share an entry."""

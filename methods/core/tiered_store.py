@@ -62,10 +62,10 @@ class TieredStore(SegmentStore):
         return fetched.decompress() if isinstance(fetched, CompressedKV) else fetched  # larger than the local cap
 
     def exact_entry(self, key: str, adapter: str | None = None) -> SavedKV | None:
-        if key not in self.entries and (fetched := self._fetch(key, adapter)) is not None:
-            self._put(key, fetched)
-        elif key in self.entries:
+        if key in self.entries:
             self.tier.counts.local_hits += 1
+        elif (fetched := self._fetch(key, adapter)) is not None:
+            self._put(key, fetched)
         return super().exact_entry(key)
 
     def _fetch(self, key: str, adapter: str | None) -> SavedKV | CompressedKV | None:

@@ -173,7 +173,7 @@ def test_a_sweep_runs_each_method_configuration_on_its_instances(fake_servers, t
 
     def fake_replay(spec, root, cell, server, trace, tokenizer, model, after_cell=None) -> None:
         master = server.master
-        seen.append((cell.method.name, sweep._urls(server), spec.routing, master is not None and _alive(master.pid)))
+        seen.append((cell.method.name, server.base_urls, spec.routing, master is not None and _alive(master.pid)))
 
     monkeypatch.setattr(sweep, "replay_cell", fake_replay)
     result = CliRunner().invoke(main, ["sweep", "-o", str(tmp_path / "s"), "--methods", "fullshared", "--instances", "2",
