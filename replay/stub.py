@@ -241,7 +241,11 @@ def main() -> None:
     with StubServer(mode=args.mode, port=args.port, token_delay_s=args.token_delay,
                     connector=args.connector) as stub:
         print(f"stub serving on {stub.base_url}", flush=True)
-        stop.wait()
+        # Polled: a signal the kernel hands to the server thread does not wake a main thread blocked
+        # in an untimed wait, and Python runs handlers on the main thread only (a killed kvbench's
+        # parent-death SIGTERM then went unanswered).
+        while not stop.wait(0.2):
+            pass
     if args.timings_out:
         with open(args.timings_out, "w") as handle:
             json.dump(stub.timings, handle)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -436,3 +438,28 @@ def test_a_managed_server_that_dies_is_named_not_only_unreachable(monkeypatch: p
     replayer.config = SimpleNamespace(servers=SimpleNamespace(failure=lambda: None))
     reason = asyncio.run(replayer._unreachable_reason("http://h:1", "connection refused"))
     assert reason == "server http://h:1 is unreachable (connection refused)"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill aims a signal at one thread (Linux)")
+def test_the_stub_stops_on_a_sigterm_its_server_thread_receives() -> None:
+    """The kernel may hand a process-directed signal (a killed kvbench's parent-death SIGTERM) to any
+    thread; Python runs its handler on the main thread only, so the stub must not wait untimed."""
+    import ctypes
+    import signal
+    import subprocess
+
+    from kvbench.server.lifecycle import free_port
+
+    sys_tgkill = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+    if sys_tgkill is None:
+        pytest.skip(f"no tgkill number known for {os.uname().machine}")
+    stub = subprocess.Popen([sys.executable, "-m", "kvbench.replay.stub", "--port", str(free_port())],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert stub.stdout is not None and "stub serving" in stub.stdout.readline()
+        (server_thread,) = [int(t) for t in os.listdir(f"/proc/{stub.pid}/task") if int(t) != stub.pid]
+        assert ctypes.CDLL(None, use_errno=True).syscall(sys_tgkill, stub.pid, server_thread, int(signal.SIGTERM)) == 0
+        assert stub.wait(timeout=10) == 0
+    finally:
+        stub.kill()
+        stub.wait()
