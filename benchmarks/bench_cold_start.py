@@ -34,7 +34,8 @@ import pandas as pd
 
 from kvbench import run_files
 from kvbench.analysis.intervals import p50_ratio_interval
-from kvbench.experiment.sweep import MethodConfig, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 
 METHODS = ("nonshared", "fullshared", "kvcmas")
 

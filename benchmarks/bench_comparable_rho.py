@@ -27,7 +27,8 @@ from typing import Any
 from kvbench.analysis.deviation import write_matrix
 from kvbench.analysis.runs import find_runs
 from kvbench.experiment.calibrate import best_step, calibrate_threshold, profile_layers, what_limits, within
-from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 from kvbench.methods.registry import method_spec
 from kvbench.model.resolve import resolve_model
 from kvbench.server.config import method_server_config

@@ -43,7 +43,8 @@ from kvbench import run_files
 from kvbench.analysis.intervals import Per, RatioInterval, p50_ratio_interval, p50_ttft_ms
 from kvbench.analysis.metrics import summarize
 from kvbench.experiment.kv_errors import read_kv_errors, record_kv_errors
-from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 
 METHODS = [("nonshared", {}), ("fullshared", {}), ("kvcmas", {}), ("kvcmas-nonchained", {}), ("kvcomm", {"V": 10})]
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from kvbench.analysis.deviation import METHOD_ORDER, write_matrix
 from kvbench.analysis.runs import find_runs
-from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 from kvbench.model.roles import PROMPT_FAMILIES as FAMILIES
 from kvbench.tracegen.tasks.recall import recall_output_len
 from kvbench.tracegen.tokenizer import load_tokenizer

@@ -20,7 +20,8 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench import run_files
-from kvbench.experiment.sweep import MethodConfig, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 
 METHODS = ("nonshared", "fullshared")
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from kvbench import run_files
 from kvbench.analysis.runs import find_runs
-from kvbench.experiment.sweep import MethodConfig, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 
 VARIANTS = ("polykv", "polykv-published", "polykv-channel-packed", "polykv-token-packed-fp16norm")
 

@@ -35,7 +35,8 @@ import pandas as pd
 
 from kvbench.analysis.deviation import deviation_matrix
 from kvbench.analysis.runs import Run, find_runs
-from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 from kvbench.model.resolve import resolve_model
 from kvbench.model.role_adapters import build_route_adapter
 from kvbench.tracegen.roles import roles_for

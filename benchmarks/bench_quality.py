@@ -23,7 +23,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from kvbench import run_files
-from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 
 METHODS = "nonshared,fullshared,kvcmas,kvcmas-nonchained,kvcomm,kvcomm-ref,graphflow,cacheblend,droidspeak,relaycaching"
 

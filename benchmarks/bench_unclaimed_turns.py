@@ -27,7 +27,8 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench import run_files
-from kvbench.experiment.sweep import MethodConfig, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 
 TRACES = {  # name -> the sweep's workload
     "fan-in 6 agents, 4K": dict(workflow="fan-in", agents=[6], rounds=[1], shared_tokens=[4096], seed=90210),

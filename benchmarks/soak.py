@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench import run_files
-from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+from kvbench.experiment.sweep_runner import run_sweep
 
 WARMUPS = 2
 PLATEAU_GROWTH = 0.05  # RSS may grow at most this share over the run's second half

@@ -1,9 +1,11 @@
-"""What crosses the process boundary between the replayer and the connector inside vLLM.
+"""What crosses a process boundary: between the replayer and the connector inside vLLM, and
+between a sweep's driver and its cells on a cluster.
 
-Three contracts, versioned together: the per-request plan (sent in `kv_transfer_params`), the
-worker RPCs (vLLM's `/collective_rpc` into kvbench's worker extension), and the stats those RPCs
-return. Both sides import this module; it imports neither vLLM nor torch. A change to any field
-here bumps CONTRACT_VERSION, and each side checks the other's version before relying on a key.
+Four contracts, versioned together: the per-request plan (sent in `kv_transfer_params`), the
+worker RPCs (vLLM's `/collective_rpc` into kvbench's worker extension), the stats those RPCs
+return, and the events a sweep cell's Ray task sends its driver. Every side imports this module;
+it imports neither vLLM, torch nor Ray. A change to any field here bumps CONTRACT_VERSION, and
+each side checks the other's version before relying on a key.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
-# 5: ServerInfo.shared_tier (instances sharing caches through Mooncake Store);
+# 6: CellTaskEvent (sweep cells as Ray tasks); 5: ServerInfo.shared_tier (instances sharing caches through Mooncake Store);
 # 4: Plan.adapter and PlanSegment.source_adapter (agents as LoRA adapters); 3: Plan.keep_cache;
 # 2: Plan.claim became a ClaimPolicy (was a bool meaning "all" / "none")
-CONTRACT_VERSION = 5
+CONTRACT_VERSION = 6
 PLAN_KEY = "kvbench"  # the plan's key in a request's kv_transfer_params
 
 
@@ -371,3 +373,33 @@ class WorkerStats:
     @classmethod
     def from_dict(cls, raw: Any) -> WorkerStats:
         return cls(**_checked(cls, raw, WorkerRpc.STATS))
+
+
+# ------------------------------------------------------------- a sweep's cells on a cluster (Ray)
+CellTaskEventKind = Literal["started", "cell_started", "cell_finished", "log"]
+
+
+@dataclass(frozen=True)
+class CellTaskEvent:
+    """What a sweep's Ray task (one method configuration's server and cells) yields its driver:
+    `started` once its inputs are in place, `cell_started` before each run, `cell_finished` with
+    the run folder's files, `log` with the server's log (also when the task fails). `files` are
+    paths relative to the sweep folder; `sha256` their digests, checked before they are committed."""
+
+    kind: CellTaskEventKind
+    node: str  # the worker's host
+    at: float  # the worker's clock (time.time()) when it was sent
+    run: str | None = None  # the run folder, relative to the sweep folder
+    files: dict[str, bytes] = field(default_factory=dict)
+    sha256: dict[str, str] = field(default_factory=dict)
+    # started: kvbench_version, git_sha, inputs_s (placing the trace, model and adapters);
+    # cell_finished: run_s (the replay and its summary, on the worker)
+    detail: dict[str, Any] = field(default_factory=dict)
+    contract_version: int = CONTRACT_VERSION
+
+    def checked(self) -> CellTaskEvent:
+        """This event, if its worker speaks this kvbench's contract (ContractError otherwise)."""
+        if self.contract_version != CONTRACT_VERSION:
+            raise ContractError(f"node {self.node} runs kvbench contract version {self.contract_version}, this driver "
+                                f"{CONTRACT_VERSION}; install the same kvbench on every node")
+        return self

@@ -202,8 +202,10 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
         "host": platform.node(),
         "segments": [],
         **cfg.output.extra_config,
-        # the model as `kvbench quality` compares it, readable after the path has gone
-        "model_identity": model_identity(cfg.output.extra_config.get("model")),
+        # the model as `kvbench quality` compares it, readable after the path has gone (given, where
+        # the recorded path is another machine's: a sweep cell run on a cluster worker)
+        "model_identity": (cfg.output.extra_config.get("model_identity")
+                           or model_identity(cfg.output.extra_config.get("model"))),
     }
 
 

@@ -23,7 +23,7 @@ fi
 stamp="$venv/.kvbench-installed"
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  extras="$target,test"
+  extras="$target,test,ray"
   [ "$target" = cpu ] && extras="$extras,mooncake"  # (GPU: pip install mooncake-transfer-engine, its CUDA build)
   "$venv/bin/python" -m pip install --quiet -e ".[$extras]"
   if [ "$target" = cpu ]; then

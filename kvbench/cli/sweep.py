@@ -140,6 +140,22 @@ def _sweep_options(func):
                      help="With --instances N, where each request goes (as kvbench replay --routing)."),
         click.option("--shared-tier/--no-shared-tier", default=True, show_default=True,
                      help="With --instances N, share saved caches between them (Mooncake Store)."),
+        click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+                     help="Run each method configuration's cells as a Ray task, in parallel as the cluster allows: "
+                          "ADDRESS is a running cluster (auto, HOST:PORT or ray://HOST:PORT); without it, a Ray "
+                          "started on this machine for the sweep. Results land in -o as a local sweep's "
+                          "(pip install 'kvbench[ray]'; docs/scale.md)."),
+        click.option("--max-retries", type=click.IntRange(min=0), default=1, show_default=True,
+                     help="With --ray: times a failed task (worker killed, server dead) is submitted again for its "
+                          "unfinished runs before they are recorded as failed."),
+        click.option("--cell-cpus", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="With --ray: CPUs a cell task asks for [default: a whole node's on CPU (vLLM's CPU backend "
+                          "uses every core it has), 1 beside GPUs]."),
+        click.option("--cell-gpus", type=click.FloatRange(min=0), default=None,
+                     help="With --ray: GPUs a cell task asks for [default: --tensor-parallel-size x --instances where "
+                          "the cluster has GPUs, else 0]."),
+        click.option("--cell-memory-gib", type=click.FloatRange(min=0), default=None,
+                     help="With --ray: memory a cell task asks for [default on CPU: the KV cache x --instances + 2]."),
         allow_code_execution_option,
     ]):
         func = option(func)
@@ -153,7 +169,8 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvbench.experiment.sweep import SweepSpec, run_sweep
+    from kvbench.experiment.sweep import SweepSpec
+    from kvbench.experiment.sweep_runner import run_sweep
     from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.runner import ReplayError
     from kvbench.server.errors import ServerError
@@ -203,6 +220,11 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
         goodput=goodput,
         adapters={role: str(Path(path).resolve()) for role, path in role_paths(options["adapters"]).items()})
     cells = spec.cells(out)
+    ray = _ray_options(options)
+    if ray is not None:
+        if search is not None:
+            raise click.UsageError("--find-max-qps probes one rate after another on one machine; not with --ray")
+        return _run_on_ray(spec, out, ray, after_cell)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
     try:
@@ -218,6 +240,35 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
             run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name), after_cell)
     except (ValueError, ServerError, ReplayError, ResultDirError, CodeExecutionRefused) as exc:
         raise click.ClickException(f"{exc} (finished cells are kept; rerun the same command to resume)") from None
+    return out
+
+
+def _ray_options(options: dict[str, Any]) -> Any:
+    """The --ray options (taken out of `options`), or None without --ray."""
+    from kvbench.experiment.ray_sweep import RayOptions
+
+    address, values = options.pop("ray_address"), {key: options.pop(key) for key in
+                                                   ("max_retries", "cell_cpus", "cell_gpus", "cell_memory_gib")}
+    if address is None:
+        given = [f"--{key.replace('_', '-')}" for key, value in values.items() if value is not None and key != "max_retries"]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} only apply with --ray")
+        return None
+    return RayOptions(address=address, **values)
+
+
+def _run_on_ray(spec: Any, out: Path, ray: Any, after_cell: Any) -> Path:
+    from kvbench.contracts import ContractError
+    from kvbench.experiment.file_bundle import BundleError
+    from kvbench.experiment.ray_sweep import RaySweepError, SweepRunsFailed, run_sweep_on_ray
+    from kvbench.replay.result_lock import ResultDirError
+    from kvbench.tracegen.code_execution import CodeExecutionRefused
+
+    try:
+        run_sweep_on_ray(spec, out, ray, lambda line: click.echo(f"[ray] {line}", err=True), after_cell)
+    except (ValueError, RaySweepError, SweepRunsFailed, BundleError, ContractError, ResultDirError,
+            CodeExecutionRefused) as exc:
+        raise click.ClickException(f"{exc} (finished runs are kept; rerun the same command to resume)") from None
     return out
 
 

@@ -92,7 +92,8 @@ def offline_family_figures(settings: FamilyCheckSettings) -> dict[str, Any]:
 
 def serving_family_figures(settings: FamilyCheckSettings, root: Path,
                            on_step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+    from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+    from kvbench.experiment.sweep_runner import run_sweep
 
     spec = SweepSpec(methods=[MethodConfig("nonshared"), MethodConfig("fullshared")], task="role-recall",
                      points=[SweepPoint(settings.context, 0.0, settings.serving_trajectories)], output_len=3,

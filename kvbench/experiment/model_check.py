@@ -115,7 +115,8 @@ def offline_figures(settings: CheckSettings, on_step: Callable[[str], None] = la
 def serving_figures(settings: CheckSettings, root: Path, on_step: Callable[[str], None] = lambda _: None
                     ) -> dict[str, Any]:
     from kvbench.experiment.kv_errors import read_kv_errors, record_kv_errors
-    from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec, run_sweep
+    from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+    from kvbench.experiment.sweep_runner import run_sweep
     from kvbench.model.realism import repeated_ngram_share
     from kvbench.tracegen.tasks.recall import recall_output_len
     from kvbench.tracegen.tokenizer import load_tokenizer

@@ -2,7 +2,8 @@
 process handling (signals, the server's process group, exit codes) tested without an engine.
 
 The stub starts a child that ignores SIGTERM, as vLLM starts engine processes, so only a kill of
-the whole process group ends it. Each streamed token waits STUB_TOKEN_DELAY seconds.
+the whole process group ends it. Each streamed token waits STUB_TOKEN_DELAY seconds; with
+STUB_FAIL_START set, every server exits during its start.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from kvbench.server import lifecycle as server
 
 
 def _stub_command(self: server.VLLMServer) -> list[str]:
+    if os.environ.get("STUB_FAIL_START"):  # a server that exits during its start, as a misconfigured vLLM does
+        return [sys.executable, "-c", "import sys; print('stub: refusing to start'); sys.exit(3)"]
     return [sys.executable, "-m", "kvbench.replay.stub", "--port", str(self.port), "--child", "--connector",
             "--token-delay", os.environ.get("STUB_TOKEN_DELAY", "0.02")]
 
 
-server.VLLMServer.command = _stub_command  # type: ignore[method-assign]
+def use_stub_servers() -> None:
+    """Also what each Ray worker runs first (KVBENCH_RAY_WORKER_SETUP=kvbench_stub_server.use_stub_servers)."""
+    server.VLLMServer.command = _stub_command  # type: ignore[method-assign]
+
+
+use_stub_servers()
 
 if __name__ == "__main__":
     from kvbench.cli import main

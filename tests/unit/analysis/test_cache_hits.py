@@ -98,10 +98,10 @@ def test_a_quality_sweep_adds_the_nonshared_cells(tmp_path, monkeypatch, tiny_to
     from click.testing import CliRunner
 
     from kvbench.cli import main
-    from kvbench.experiment import sweep
+    from kvbench.experiment import sweep_runner
 
     seen = {}
-    monkeypatch.setattr(sweep, "run_sweep", lambda spec, out, *rest: seen.setdefault("spec", spec))
+    monkeypatch.setattr(sweep_runner, "run_sweep", lambda spec, out, *rest: seen.setdefault("spec", spec))
     result = CliRunner().invoke(main, ["sweep", "-o", str(tmp_path / "s"), "--methods", "kvcmas", "--quality",
                                        "--shared-tokens", "64", "--qps", "0,2", "--output-len", "4", "--model",
                                        str(tiny_tokenizer_dir)])

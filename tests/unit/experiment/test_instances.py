@@ -167,15 +167,15 @@ def test_an_instance_runs_on_its_own_cores_and_hands_the_connector_its_tier(monk
 
 def test_a_sweep_runs_each_method_configuration_on_its_instances(fake_servers, tmp_path: Path, monkeypatch,
                                                                  tiny_tokenizer_dir: Path) -> None:
-    from kvbench.experiment import sweep
+    from kvbench.experiment import sweep_runner
 
     seen: list[tuple[str, list[str], str, bool]] = []
 
-    def fake_replay(spec, root, cell, server, trace, tokenizer, model, after_cell=None) -> None:
+    def fake_replay(spec, cell, server, inputs, after_cell=None) -> None:
         master = server.master
         seen.append((cell.method.name, server.base_urls, spec.routing, master is not None and _alive(master.pid)))
 
-    monkeypatch.setattr(sweep, "replay_cell", fake_replay)
+    monkeypatch.setattr(sweep_runner, "replay_cell", fake_replay)
     result = CliRunner().invoke(main, ["sweep", "-o", str(tmp_path / "s"), "--methods", "fullshared", "--instances", "2",
                                        "--routing", "agent", "--shared-tokens", "64", "--output-len", "4",
                                        "--num-trajectories", "2", "--model", str(tiny_tokenizer_dir)])

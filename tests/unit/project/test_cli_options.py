@@ -75,10 +75,10 @@ def test_a_sweep_directory_holding_another_sweep_is_refused(tmp_path: Path, tiny
 
 def test_sweep_method_params_expand_into_configurations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         tiny_tokenizer_dir: Path) -> None:
-    from kvbench.experiment import sweep
+    from kvbench.experiment import sweep_runner
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(sweep, "run_sweep", lambda spec, out, *rest: seen.setdefault("spec", spec))
+    monkeypatch.setattr(sweep_runner, "run_sweep", lambda spec, out, *rest: seen.setdefault("spec", spec))
     result = _invoke("sweep", "-o", str(tmp_path / "s"), "--methods", "nonshared,kvcmas", "--method-param",
                      "kvcmas:V=5,10", "--shared-tokens", "64", "--qps", "0", "--output-len", "4", "--model",
                      str(tiny_tokenizer_dir))
