@@ -392,7 +392,8 @@ class CellTaskEvent:
     run: str | None = None  # the run folder, relative to the sweep folder
     files: dict[str, bytes] = field(default_factory=dict)
     sha256: dict[str, str] = field(default_factory=dict)
-    # started: kvbench_version, git_sha, inputs_s (placing the trace, model and adapters);
+    # started: kvbench_version, git_sha, entered_at (the task's start), inputs_s (placing the trace,
+    # model and adapters);
     # cell_finished: run_s (the replay and its summary, on the worker)
     detail: dict[str, Any] = field(default_factory=dict)
     contract_version: int = CONTRACT_VERSION

@@ -133,7 +133,11 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
         todo = [group for group in groups if not group.idle]
         failed: list[str] = []
         if todo:
+            began = time.monotonic()
             with ray_session(options.address) as ray:
+                on_line(("a local Ray started" if options.address == LOCAL else f"connected to Ray at {options.address}")
+                        + f" in {time.monotonic() - began:.1f} s; {sum(len(g.todo) + len(g.baselines) for g in todo)} "
+                        f"run(s) in {len(todo)} task(s)")
                 resources = cell_resources(spec, options, ray.nodes())
                 shipped = cluster_inputs(spec, inputs, root)
                 remote = ray.remote(max_retries=0)(run_cell_group).options(**resources)
@@ -198,7 +202,7 @@ def _commit_until_done(ray: Any, live: dict[int, _Task], submit: Callable[[CellG
 def _handle(event: CellTaskEvent, task: _Task, root: Path, on_line: Callable[[str], None]) -> None:
     task.node = event.node
     if event.kind == "started":
-        task.started, task.inputs_s = event.at, event.detail.get("inputs_s")
+        task.started, task.inputs_s = event.detail.get("entered_at", event.at), event.detail.get("inputs_s")
         _same_kvbench(event)
     elif event.kind == "cell_started":
         assert event.run is not None
@@ -213,6 +217,7 @@ def _handle(event: CellTaskEvent, task: _Task, root: Path, on_line: Callable[[st
         task.committed.add(event.run)
         _record(root, {
             "run": event.run, "node": event.node, "attempt": task.attempt, "outcome": "finished",
+            # submission to the task's start on its worker (with any wait for a free node)
             "task_start_s": (task.started or event.at) - task.submitted, "inputs_s": task.inputs_s,
             "run_s": event.detail.get("run_s"), "transfer_s": received - event.at, "commit_s": committed - received,
             "bytes": bundle.total_bytes, "files": len(bundle.files)})

@@ -44,7 +44,7 @@ def run_cell_group(inputs: ClusterInputs, group: CellGroup, root: str,
         local = rebased(group, Path(root), scratch)
         log = scratch / ("runs/" + group.method.name if local.todo else "quality") / "server.log"
         yield CellTaskEvent("started", node, time.time(), detail={
-            "kvbench_version": __version__, "git_sha": git_sha(), "inputs_s": time.time() - started})
+            "kvbench_version": __version__, "git_sha": git_sha(), "entered_at": started, "inputs_s": time.time() - started})
         for step in group_steps(inputs.spec, scratch, cells, local, after_cell):
             run = step.run.relative_to(scratch).as_posix()
             if not step.finished:
