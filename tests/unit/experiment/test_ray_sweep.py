@@ -247,3 +247,49 @@ def test_bundles_are_checked_and_committed_whole(tmp_path: Path) -> None:
     assert place_folder(bundle.sha256, None, cache, "the model") == placed  # kept for the node's next task
     with pytest.raises(BundleError, match="too large to send"):
         place_folder({"other": "0" * 64}, None, cache, "the model")
+
+
+def test_a_folder_is_used_in_place_or_placed_from_the_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from kvbench.experiment.file_bundle import folder_digests
+    from kvbench.experiment.ray_inputs import FolderInput
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "weights.bin").write_bytes(b"\x01" * 100)
+    bundle = FileBundle.of_folder(model)
+    cache = tmp_path / "cache"
+    here = FolderInput(str(model), bundle.sha256, content="object-ref")
+    assert here.place(cache) == str(model)  # the driver's files at the driver's path: shared storage
+    monkeypatch.setattr(ray, "get", lambda ref: bundle if ref == "object-ref" else None)
+    placed = FolderInput(str(tmp_path / "not-on-this-node"), bundle.sha256, content="object-ref").place(cache)
+    assert folder_digests(Path(placed)) == bundle.sha256 and Path(placed).parent == cache
+    (model / "weights.bin").write_bytes(b"\x02" * 100)  # other files at that path on this node: not used
+    assert here.place(cache) == placed
+    with pytest.raises(BundleError, match="too large to send.*storage every node mounts"):
+        FolderInput(str(tmp_path / "nowhere"), {"weights.bin": "0" * 64}, content=None).place(cache)
+
+
+def test_a_worker_uses_its_own_embedded_model_only_with_the_drivers_weights() -> None:
+    from kvbench.experiment.ray_inputs import ClusterInputs, place_inputs
+    from kvbench.experiment.sweep import MethodConfig, SweepSpec
+    from kvbench.model.resolve import resolve_model
+    from kvbench.model.store import model_identity
+
+    spec = SweepSpec(methods=[MethodConfig("nonshared")])
+    driver_model = "/elsewhere/kvbench/model/weights/recall-v1"  # the driver's install, not this one
+
+    def shipped(identity: str | None) -> ClusterInputs:
+        return ClusterInputs(spec=spec, traces=FileBundle({}, {}), trace_paths={}, model=driver_model,
+                             model_identity=identity, tokenizer_name="kvbench:recall-v1", model_folder=None)
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        inputs = place_inputs(shipped(model_identity(resolve_model(None))), Path(scratch))
+        assert inputs.served_model == resolve_model(None) and inputs.model == driver_model  # loads its own, records the driver's
+        assert inputs.tokenizer.name == "kvbench:recall-v1"
+        with pytest.raises(BundleError, match="install the same kvbench on every node"):
+            place_inputs(shipped("kvbench:recall-v1@0000"), Path(scratch))
