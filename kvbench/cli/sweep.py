@@ -343,6 +343,11 @@ def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path |
         raise click.UsageError("give exactly one of --results DIR or --run")
     if run_sweep:
         after_cell = None
+        if table in paper.FIDELITY_TABLES and options.get("ray_address") is not None:
+            # FullShared's segments are measured in the prompts of NonShared's cell, which a Ray
+            # task of its own may not have finished, nor on the same worker
+            raise click.UsageError(f"paper {table} --run measures FullShared's caches against NonShared's cell of the "
+                                   "same sweep on one machine; run it without --ray")
         if table in paper.FIDELITY_TABLES:
             from kvbench.experiment.fidelity import record_fidelity
 

@@ -110,9 +110,8 @@ class _Task:
     submitted: float
     generator: Any = None
     node: str = "?"
-    started: float | None = None  # the worker's clock, once its inputs are placed
-    inputs_s: float | None = None  # placing them
-    running: dict[str, float] = field(default_factory=dict)  # run -> when it started (worker's clock)
+    started: float | None = None  # the task's start on its worker (the worker's clock)
+    inputs_s: float | None = None  # placing its inputs there
     committed: set[str] = field(default_factory=set)
 
 
@@ -206,7 +205,6 @@ def _handle(event: CellTaskEvent, task: _Task, root: Path, on_line: Callable[[st
         _same_kvbench(event)
     elif event.kind == "cell_started":
         assert event.run is not None
-        task.running[event.run] = event.at
         on_line(f"{_label(event.run)}: started on {event.node}" + (f" (attempt {task.attempt})" if task.attempt > 1 else ""))
     elif event.kind == "cell_finished":
         assert event.run is not None

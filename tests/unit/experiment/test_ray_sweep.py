@@ -293,3 +293,19 @@ def test_a_worker_uses_its_own_embedded_model_only_with_the_drivers_weights() ->
         assert inputs.tokenizer.name == "kvbench:recall-v1"
         with pytest.raises(BundleError, match="install the same kvbench on every node"):
             place_inputs(shipped("kvbench:recall-v1@0000"), Path(scratch))
+
+
+def test_fidelity_tables_and_the_max_qps_search_are_refused_on_ray(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+
+    fidelity = CliRunner().invoke(main, ["paper", "fig2", "--run", "--ray", "-o", str(tmp_path / "f")])
+    assert fidelity.exit_code == 2 and "run it without --ray" in fidelity.output
+    search = CliRunner().invoke(main, ["sweep", "-o", str(tmp_path / "s"), "--ray", "--find-max-qps", "--goodput",
+                                       "ttft:100", "--model", str(tiny_tokenizer_dir), "--shared-tokens", "64",
+                                       "--output-len", "4"])
+    assert search.exit_code == 2 and "not with --ray" in search.output
+    stray = CliRunner().invoke(main, ["sweep", "-o", str(tmp_path / "t"), "--cell-cpus", "1", "--model",
+                                      str(tiny_tokenizer_dir), "--shared-tokens", "64", "--output-len", "4"])
+    assert stray.exit_code == 2 and "--cell-cpus only apply with --ray" in stray.output
