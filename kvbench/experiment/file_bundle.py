@@ -93,8 +93,8 @@ class FileBundle:
 
 def commit_folder(bundle: FileBundle, target: Path) -> None:
     """Replace `target` with the bundle's files, whole: they are written beside it first, then
-    swapped in by renames, so a reader (or a crash) sees the old folder or the new one, not half."""
-    bundle.verified()
+    swapped in by renames, so a reader (or a crash) sees the old folder or the new one, not half
+    (write_into checks the bundle before it writes anything)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex[:8]
     staging = target.with_name(f".{target.name}.incoming-{token}")

@@ -46,7 +46,7 @@ class FolderInput:
 
         bundle = ray.get(self.content) if self.content is not None else None
         try:
-            return str(place_folder(self.digests, bundle, cache, f"{self.path}"))
+            return str(place_folder(self.digests, bundle, cache, self.path))
         except BundleError as exc:
             raise BundleError(f"node {platform.node()}: {exc}; put it on storage every node mounts at the same path "
                               "(or use a hub model name)") from None
@@ -67,15 +67,15 @@ class ClusterInputs:
     consent_env: dict[str, str] = field(default_factory=dict)  # e.g. consent to run model-written code
 
 
-def cluster_inputs(spec: SweepSpec, inputs: SweepInputs, root: Path) -> ClusterInputs:
+def cluster_inputs(spec: SweepSpec, inputs: SweepInputs) -> ClusterInputs:
     """The driver's side: its traces, model and adapters as a worker will check them."""
     import os
 
     from kvbench.tracegen.code_execution import CONSENT_ENV
 
     trace_files = {f"traces/{name}.jsonl": path for name, path in inputs.trace_paths.items()}
-    embedded = spec.model is None or spec.model.startswith("kvbench:")
-    model_folder = (_folder_input(Path(inputs.model)) if not embedded and Path(inputs.model).is_dir() else None)
+    model_folder = (_folder_input(Path(inputs.model)) if not _embedded(spec) and Path(inputs.model).is_dir()
+                    else None)
     return ClusterInputs(
         spec=spec, traces=FileBundle.of_files({name: Path(path) for name, path in trace_files.items()}),
         trace_paths={name: str(path) for name, path in inputs.trace_paths.items()}, model=inputs.model,
@@ -87,9 +87,16 @@ def cluster_inputs(spec: SweepSpec, inputs: SweepInputs, root: Path) -> ClusterI
 def _folder_input(folder: Path) -> FolderInput:
     import ray
 
-    size = folder_bytes(folder)
-    content = ray.put(FileBundle.of_folder(folder)) if size <= SHIP_LIMIT_BYTES else None
-    return FolderInput(str(folder), folder_digests(folder), content)
+    if folder_bytes(folder) > SHIP_LIMIT_BYTES:
+        return FolderInput(str(folder), folder_digests(folder))
+    bundle = FileBundle.of_folder(folder)  # its digests are the folder's: read and hashed once
+    return FolderInput(str(folder), bundle.sha256, ray.put(bundle))
+
+
+def _embedded(spec: SweepSpec) -> bool:
+    from kvbench.model.store import EMBEDDED_PREFIX
+
+    return spec.model is None or spec.model.startswith(EMBEDDED_PREFIX)
 
 
 def place_inputs(inputs: ClusterInputs, scratch: Path) -> SweepInputs:
@@ -109,13 +116,14 @@ def place_inputs(inputs: ClusterInputs, scratch: Path) -> SweepInputs:
     spec = inputs.spec
     if inputs.model_folder is not None:
         served = inputs.model_folder.place(cache)
-    elif spec.model is None or spec.model.startswith("kvbench:"):
+    elif _embedded(spec):
         served = resolve_model(spec.model)  # built or shipped with this node's kvbench
         if model_identity(served) != inputs.model_identity:
             raise BundleError(f"node {platform.node()}: {spec.model or 'the embedded model'} is "
                               f"{model_identity(served)} here, {inputs.model_identity} on the driver; "
                               "install the same kvbench on every node")
     else:
+        assert spec.model is not None  # (None is the embedded default)
         served = spec.model  # a hub name: this node's vLLM loads it
     tokenizer = dataclasses.replace(load_tokenizer(served if inputs.model_folder is not None else spec.model),
                                     name=inputs.tokenizer_name)

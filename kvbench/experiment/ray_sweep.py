@@ -138,7 +138,7 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
                         + f" in {time.monotonic() - began:.1f} s; {sum(len(g.todo) + len(g.baselines) for g in todo)} "
                         f"run(s) in {len(todo)} task(s)")
                 resources = cell_resources(spec, options, ray.nodes())
-                shipped = cluster_inputs(spec, inputs, root)
+                shipped = cluster_inputs(spec, inputs)
                 remote = ray.remote(max_retries=0)(run_cell_group).options(**resources)
 
                 def submit(group: CellGroup, attempt: int) -> _Task:
