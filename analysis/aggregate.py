@@ -12,11 +12,13 @@ from scipy import stats
 
 from kvbench.analysis.runs import Run, summary_number
 
-DIMENSIONS = ["method_config", "method", "method_params", "model", "task", "shared_tokens", "agents", "rounds", "qps"]
+DIMENSIONS = ["method_config", "method", "method_params", "model", "task", "shared_tokens", "agents", "rounds",
+              "output_len", "protocol", "qps"]
 # What a method saves, and what it costs (the quality keys: NaN for runs never compared with a
 # reference or scored on a task).
 QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "output_pgr", "pgr", "task_accuracy"]
-METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "reuse_ttft_s", "latency_s", "throughput_tok_s",
+METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "mean_trajectory_ttft_s", "reuse_ttft_s", "latency_s",
+           "throughput_tok_s", "mean_trajectory_tokens", "max_trajectory_tokens",
            "method_state_mib", "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed", *QUALITY_METRICS,
            "task_items", "task_unparseable", "saturated"]
 
@@ -28,6 +30,9 @@ def run_row(run: Run) -> dict:
     ok = requests[requests["success"]]
     reuse = ok[ok["reusable_tokens"] > 0]
     memory = run.memory()
+    # a trajectory's length: its longest request, prompt and output (the paper's Table 4)
+    lengths = ((ok["prompt_tokens"] + ok["output_tokens"]).groupby(ok["trajectory_id"]).max()
+               if len(ok) and {"prompt_tokens", "output_tokens"} <= set(ok.columns) else None)
     return {
         "method_config": run.config.get("method_config") or run.name,
         "method": run.method,
@@ -39,11 +44,17 @@ def run_row(run: Run) -> dict:
         "shared_tokens": generator.get("shared_tokens"),
         "agents": generator.get("num_agents"),
         "rounds": generator.get("rounds"),
+        "output_len": generator.get("output_len"),
+        "protocol": run.config.get("protocol", "free"),
         "qps": run.summary.get("request_rate"),
         "repeat": int(run.summary.get("repeat", 0)),
         "p50_ttft_s": run.summary.get("p50_ttft_ms", math.nan) / 1e3,
         "p90_ttft_s": run.summary.get("p90_ttft_ms", math.nan) / 1e3,
         "mean_ttft_s": float(ok["ttft_ms"].mean()) / 1e3 if len(ok) else math.nan,
+        # the mean of each trajectory's mean TTFT (the paper's Table 1 TTFT)
+        "mean_trajectory_ttft_s": summary_number(run.summary.get("mean_trajectory_ttft_ms")) / 1e3,
+        "mean_trajectory_tokens": float(lengths.mean()) if lengths is not None else math.nan,
+        "max_trajectory_tokens": float(lengths.max()) if lengths is not None else math.nan,
         "reuse_ttft_s": float(reuse["ttft_ms"].mean()) / 1e3 if len(reuse) else math.nan,
         "latency_s": summary_number(run.summary.get("mean_trajectory_e2e_ms")) / 1e3,
         "throughput_tok_s": run.summary.get("mean_trajectory_token_throughput", math.nan),

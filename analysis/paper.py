@@ -1,46 +1,65 @@
-"""The paper's tables and figures, rendered from sweep results (`kvbench paper TABLE`)."""
+"""The paper's tables and figures, rendered from sweep results (`kvbench paper NAME`): the registry
+of every artifact with numbers, the grid `--run` sweeps for it (the paper's; CPU runs pass smaller
+ones) and the protocol it is measured under (replay/protocol.py)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from kvbench.analysis import fidelity
 from kvbench.analysis.aggregate import average_repeats, runs_frame
 from kvbench.analysis.paper_accuracy import (
-    accuracy_cell,
-    benchmark_rows,
-    provenance,
+    render_fig4,
     render_table1,
+    render_table4,
     render_table5,
     render_table6,
     render_table8,
 )
-from kvbench.analysis.paper_values import TABLE13_MMLU, table7_values
+from kvbench.analysis.paper_format import paper_number, paper_section
+from kvbench.analysis.paper_serving import render_fig5, render_table7, render_table9, render_table10
+from kvbench.analysis.paper_single_stream import (
+    render_fig13,
+    render_single_stream,
+    render_table13,
+    render_table14,
+    render_table15,
+)
+from kvbench.analysis.paper_values import TABLE2_CRITERIA, TABLE2_MODELS, table2_values
 from kvbench.analysis.runs import find_runs
 
-DEFAULT_METHODS = ["nonshared", "fullshared"]
+PAPER_METHODS = ["nonshared", "fullshared", "droidspeak", "cacheblend", "relaycaching", "graphflow", "kvcomm", "kvcmas"]
+PAPER_CONTEXTS = [2048, 8192, 32768]
+PAPER_QPS = [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
 # The cache-fidelity sweep (Figs 2, 3, 7, Table 2): single stream, prompts kept, anchor pools
 # primed; FullShared's cells measure the segments (in NonShared's prompts), every connector
 # method's cells what they served.
 FIDELITY_GRID = {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [4],
                  "methods": ["nonshared", "fullshared", "kvcmas", "kvcmas-nonchained"],
                  "save_prompt_ids": True, "prime_method_state": True, "num_trajectories": 4}
+# Appendix B.4: four agents, 128-token outputs, 2K-32K shared context, QPS 0-8.
+SERVING_GRID = {"shared_tokens": PAPER_CONTEXTS, "qps": PAPER_QPS, "agents": [4], "methods": PAPER_METHODS}
+# Appendix C.1: single stream, three agents (C.4/C.5 and C.2/C.3 at 32K).
+SINGLE_GRID = {"shared_tokens": PAPER_CONTEXTS, "qps": [0.0], "agents": [3], "methods": PAPER_METHODS}
+SINGLE_32K = {**SINGLE_GRID, "shared_tokens": [32768]}
+# Table 1: the paper's workflow on benchmark items; `--limit` items per task. The paper measured
+# at 1 QPS (its accuracy does not depend on it); `--qps 0` runs single stream.
+TABLE1_GRID = {"benchmarks": ["mmlu", "gsm8k", "humaneval"], "qps": [1.0], "methods": PAPER_METHODS,
+               "num_trajectories": 20}
+# The accuracy ablations (Tables 6, 8 and 13's column) run on MMLU, as the paper's LLM columns do.
+MMLU_GRID = {"benchmarks": ["mmlu"], "qps": [1.0], "num_trajectories": 20}
+RANKS = {"kvcmas": {"r_c": [16, 32, 64], "r_delta": [16, 32, 64]}}
 
 
 @dataclass(frozen=True)
 class PaperTable:
     name: str
     title: str
-    # The default grid of `kvbench paper NAME --run` (scaled to what a 2-core CPU sustains).
+    # The default grid of `kvbench paper NAME --run`: the paper's (a CPU passes smaller ones).
     grid: dict = field(default_factory=dict)
     render: Callable[[pd.DataFrame, Path, bool], str] | None = None
     # Cache-fidelity entries render from the measurements their sweep's cells kept
@@ -49,234 +68,85 @@ class PaperTable:
     # A second sweep on benchmark workloads for the table's accuracy column, run by `--run` when
     # every benchmark it names has its --data (sweep-accuracy/ beside sweep/).
     accuracy_grid: dict | None = None
+    # The measurement protocol `--run` uses unless --protocol says otherwise (replay/protocol.py).
+    protocol: str = "free"
+    # One sweep per per-agent output length (Table 10: sweep-out128/ ...); empty: one sweep.
+    output_lens: tuple[int, ...] = ()
 
 
-def _fmt(value: float, ci: float | None = None, digits: int = 2) -> str:
-    if pd.isna(value):
-        return "–"
-    text = f"{value:.{digits}f}"
-    return text + (f" ±{ci:.{digits}f}" if ci is not None and not pd.isna(ci) else "")
+def _render_table2(results: Path, out: Path) -> str:
+    return fidelity.render_table2(results, out) + "\n" + "\n".join(table2_paper_lines())
 
 
-def _pivot(frame: pd.DataFrame, rows: list[str], columns: list[str], metric: str, digits: int = 2) -> pd.DataFrame:
-    saturated = frame["saturated"] if "saturated" in frame else pd.Series(0.0, index=frame.index)
-    cells = frame.assign(cell=[_fmt(v, c, digits) + (" (sat.)" if s > 0 else "")  # stopped over-saturated
-                               for v, c, s in zip(frame[metric], frame[f"{metric}_ci"], saturated.fillna(0))])
-    return cells.pivot_table(index=rows, columns=columns, values="cell", aggfunc="first")
+def table2_paper_lines() -> list[str]:
+    paper = table2_values()
+    table = pd.DataFrame([{"dataset / model": f"{task} {model}",
+                           **{f"{criterion} {kind.replace('_', ' ')}":
+                              paper_number(paper[(task, criterion, kind)], 2) + ("×" if kind != "coverage" else "")
+                              for criterion in TABLE2_CRITERIA for kind in ("coverage", "relative_coverage")}}
+                          for task, model in TABLE2_MODELS.items()])
+    return paper_section("Table 2 (LLM rows; rho 0.9)", table)
 
 
-def _flatten(table: pd.DataFrame, names: list[str]) -> pd.DataFrame:
-    table = table.copy()
-    if isinstance(table.columns, pd.MultiIndex):
-        table.columns = [" ".join(f"{n}={v:g}" if isinstance(v, float) else f"{n}={v}" for n, v in zip(names, col))
-                         for col in table.columns]
-    else:
-        table.columns = [f"{names[0]}={c:g}" if isinstance(c, float) else f"{names[0]}={c}" for c in table.columns]
-    return table.reset_index()
-
-
-def what_it_cost(frame: pd.DataFrame, columns: list[str], names: list[str]) -> list[str]:
-    """The cells' realized rho and, where the runs measured it, their quality: a latency table
-    never stands without what its speed was bought with. Cells of an approximate method that
-    reused nothing are flagged (their latency is NonShared's plus overhead)."""
-    lines = ["### realized rho (shared tokens served by reuse / reusable)", "",
-             _flatten(_pivot(frame, ["method_config"], columns, "realized_rho", 2), names).to_markdown(index=False), ""]
-    for metric, label in (("exact_match_rate", "exact match with the NonShared reference"),
-                          ("output_pgr", "output PGR"), ("pgr", "task PGR"), ("task_accuracy", "task accuracy")):
-        if metric in frame and frame[metric].notna().any():
-            table = _flatten(_pivot(frame, ["method_config"], columns, metric, 3), names)
-            lines += [f"### {label}", "", table.to_markdown(index=False), ""]
-    if not any(m in frame and frame[m].notna().any() for m in ("exact_match_rate", "output_pgr", "pgr", "task_accuracy")):
-        lines += ["No run here was compared with a NonShared reference (`kvbench quality`) or scored on a task: "
-                  "these latencies say what the methods save, not what they cost in outputs.", ""]
-    if "saturated" in frame and (frame["saturated"] > 0).any():
-        stopped = frame[frame["saturated"] > 0]
-        cells = "; ".join(f"{r.method_config} ctx={r.shared_tokens} qps={r.qps:g}" for r in stopped.itertuples())
-        lines += [f"**Saturated** (marked `(sat.)`): {cells} stopped early, backlog and TTFT growing without bound; "
-                  "their figures describe a growing queue, not a steady state at that QPS.", ""]
-    idle = frame[(frame["method"] != "nonshared") & ~(frame["realized_rho"] > 0)]
-    if len(idle):
-        cells = "; ".join(f"{r.method_config} ctx={r.shared_tokens} qps={r.qps:g}" for r in idle.itertuples())
-        lines += [f"**Reused nothing** (realized rho 0 or unknown; every shared token computed): {cells}.", ""]
-    return lines
-
-
-PAPER_TABLE7_RHO = 0.8  # the operating point of the paper's Table 7 columns
-RHO_GAP = 0.2  # a cell this far from it measures another operating point
-
-
-def rho_far_from_paper(frame: pd.DataFrame) -> list[str]:
-    """Cells of approximate methods whose realized rho is far from the rho of the paper's columns
-    printed beside them: their TTFT is at another operating point than the paper's."""
-    approximate = frame[frame["method"] != "nonshared"]
-    far = approximate[~((approximate["realized_rho"] - PAPER_TABLE7_RHO).abs() <= RHO_GAP)]
-    if not len(far):
-        return []
-    cells = "; ".join(f"{r.method_config} ctx={r.shared_tokens} qps={r.qps:g} (rho {r.realized_rho:.2f})"
-                      for r in far.itertuples())
-    return [f"**Not at the paper's operating point** (realized rho more than {RHO_GAP:g} from its "
-            f"{PAPER_TABLE7_RHO:g}; `kvbench calibrate --target-rho 0.8`, or warm-ups with --prime-method-state): "
-            f"{cells}.", ""]
-
-
-def render_table7(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
-    lines = ["p50 and p90 TTFT (s) of every request, by shared context and trajectory QPS.", ""]
-    for pct in ("p50", "p90"):
-        table = _flatten(_pivot(frame, ["method_config"], ["shared_tokens", "qps"], f"{pct}_ttft_s", 3), ["ctx", "qps"])
-        lines += [f"### {pct} TTFT (s), this machine", "", table.to_markdown(index=False), ""]
-        if with_paper:
-            lines += [f"### {pct} TTFT (s), the paper (Llama-3.1-8B, A100; rho = 0.8 columns)", "",
-                      _paper_table7(frame, pct).to_markdown(index=False), ""]
-    lines += what_it_cost(frame, ["shared_tokens", "qps"], ["ctx", "qps"])
-    if with_paper:
-        lines += rho_far_from_paper(frame)
-    _lines_vs_qps(frame, "p50_ttft_s", out / "fig5_p50_ttft.png", "p50 TTFT vs QPS (cf. paper Fig. 5)")
-    _lines_vs_qps(frame, "p90_ttft_s", out / "fig8_p90_ttft.png", "p90 TTFT vs QPS (cf. paper Fig. 8)")
-    lines += ["![p50 TTFT vs QPS](fig5_p50_ttft.png)", "", "![p90 TTFT vs QPS](fig8_p90_ttft.png)"]
-    if {"kvcmas", "kvcmas-nonchained"} <= set(frame["method"]):
-        chained = frame[frame["method"].isin(["kvcmas", "kvcmas-nonchained"])]
-        _lines_vs_qps(chained, "p50_ttft_s", out / "fig6_chained.png", "chained vs non-chained (cf. paper Fig. 6)")
-        lines += ["", "![chained vs non-chained](fig6_chained.png)"]
-    return "\n".join(lines)
-
-
-def _paper_table7(frame: pd.DataFrame, pct: str) -> pd.DataFrame:
-    values = table7_values()
-    rows = []
-    for method in sorted(set(frame["method"])):
-        row = {"method": method}
-        for context in sorted(set(frame["shared_tokens"])):
-            for qps in sorted(set(frame["qps"])):
-                row[f"ctx={context} qps={qps:g}"] = _fmt(values.get((method, context, pct, 0.8, qps), float("nan")))
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def _lines_vs_qps(frame: pd.DataFrame, metric: str, path: Path, title: str) -> None:
-    contexts = sorted(set(frame["shared_tokens"]))
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
-    for ax, context in zip(axes[0], contexts):
-        for name, group in frame[frame["shared_tokens"] == context].groupby("method_config"):
-            group = group.sort_values("qps")
-            ax.errorbar(group["qps"], group[metric], yerr=group[f"{metric}_ci"].fillna(0), marker="o", label=name,
-                        capsize=3)
-        ax.set(title=f"{context // 1024}K shared tokens", xlabel="trajectory QPS (0 = single stream)",
-               ylabel=metric.replace("_s", " (s)"))
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def render_single_stream(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
-    single = frame[frame["qps"] == 0]
-    if single.empty:
-        return "No single-stream runs (QPS 0) in these results: this table needs them."
-    lines = ["Single stream. TTFT averaged over reuse requests (turns with a reusable source), throughput = "
-             "trajectory tokens / trajectory E2E; memory figures kept apart (vLLM pre-allocates its KV pool).", ""]
-    for metric, label, digits in [("reuse_ttft_s", "reuse-request TTFT (s)", 3),
-                                  ("throughput_tok_s", "trajectory throughput (tokens/s)", 0),
-                                  ("method_state_mib", "method state (MiB)", 1), ("peak_rss_mib", "server peak RSS (MiB)", 0),
-                                  ("peak_kv_usage_pct", "peak vLLM KV usage (%)", 2)]:
-        table = _flatten(_pivot(single, ["method_config"], ["shared_tokens"], metric, digits), ["ctx"])
-        lines += [f"### {label}", "", table.to_markdown(index=False), ""]
-    _bars(single, out / "fig12_single_stream.png")
-    return "\n".join(lines + ["![single stream](fig12_single_stream.png)"])
-
-
-def _bars(frame: pd.DataFrame, path: Path) -> None:
-    metrics = [("reuse_ttft_s", "reuse TTFT (s)"), ("throughput_tok_s", "throughput (tok/s)"),
-               ("method_state_mib", "method state (MiB)")]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, (metric, label) in zip(axes, metrics):
-        frame.pivot_table(index="shared_tokens", columns="method_config", values=metric).plot(kind="bar", ax=ax, rot=0)
-        ax.set(title=label, xlabel="shared tokens")
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("Single-stream efficiency (cf. paper Fig. 12)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _render_scaling(dimension: str, label: str) -> Callable[[pd.DataFrame, Path, bool], str]:
-    def render(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
-        single = frame[frame["qps"] == 0]
-        lines = [f"Single stream by {label}: TTFT averaged over all agent requests, trajectory throughput, memory.", ""]
-        for metric, title, digits in [("mean_ttft_s", "TTFT (s)", 3), ("throughput_tok_s", "throughput (tokens/s)", 0),
-                                      ("method_state_mib", "method state (MiB)", 1),
-                                      ("peak_rss_mib", "server peak RSS (MiB)", 0)]:
-            table = _flatten(_pivot(single, ["method_config"], [dimension], metric, digits), [label])
-            lines += [f"### {title}", "", table.to_markdown(index=False), ""]
-        return "\n".join(lines)
-    return render
-
-
-def render_table13(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
-    single = frame[(frame["qps"] == 0) & (frame["task"] == "none")].set_index("method_config")
-    accuracy = benchmark_rows(frame)
-    accuracy = accuracy[accuracy["task"] == "mmlu"].set_index("method_config")
-    table = pd.DataFrame({
-        "TTFT (s)": [_fmt(v, c, 3) for v, c in zip(single["mean_ttft_s"], single["mean_ttft_s_ci"])],
-        "throughput (tok/s)": [_fmt(v, c, 0) for v, c in zip(single["throughput_tok_s"], single["throughput_tok_s_ci"])],
-        "method state (MiB)": [_fmt(v, c, 1) for v, c in zip(single["method_state_mib"], single["method_state_mib_ci"])],
-        "realized rho": [_fmt(v, None, 3) for v in single["realized_rho"]],
-    }, index=single.index)
-    notes = ""
-    if len(accuracy):  # the accuracy sweep (`--data mmlu=PATH`): its own rho, on MMLU's workload
-        table["MMLU accuracy (%) [95%]"] = [accuracy_cell(accuracy.loc[c]) if c in accuracy.index else "–"
-                                            for c in table.index]
-        table["MMLU rho"] = [_fmt(accuracy.loc[c, "realized_rho"], None, 3) if c in accuracy.index else "–"
-                             for c in table.index]
-        notes = "\n\n" + "\n".join(provenance(accuracy.reset_index()))
-    if with_paper:
-        table["paper MMLU accuracy"] = [_fmt(TABLE13_MMLU.get(int(v), float("nan")), None, 2) if v else "–"
-                                        for v in (json.loads(p).get("V") for p in single["method_params"])]
-    return "Single stream by anchor-pool capacity V.\n\n" + table.reset_index().to_markdown(index=False) + notes
-
-
-# Table 1: the paper's workflow on benchmark items, three methods; `--limit` items per task.
-# The paper measured at 1 QPS (its accuracy does not depend on it); `--qps 0` runs single stream.
-TABLE1_GRID = {"benchmarks": ["mmlu", "gsm8k", "humaneval"], "qps": [1.0],
-               "methods": ["nonshared", "fullshared", "kvcmas"], "num_trajectories": 20}
-
-# The accuracy ablations (Tables 6, 8 and 13's column) run on MMLU, as the paper's LLM columns do.
-MMLU_GRID = {"benchmarks": ["mmlu"], "qps": [1.0], "num_trajectories": 20}
-
+TABLE10 = {"shared_tokens": [2048], "qps": PAPER_QPS, "agents": [4], "methods": PAPER_METHODS}
 TABLES: dict[str, PaperTable] = {t.name: t for t in [
     PaperTable("table1", "Table 1: task accuracy, latency, memory and rho on MMLU, GSM8K and HumanEval",
                TABLE1_GRID, render_table1),
+    PaperTable("table4", "Table 4: trajectory lengths of the accuracy evaluation", TABLE1_GRID, render_table4),
+    PaperTable("fig4", "Fig 4: accuracy against latency", TABLE1_GRID, render_fig4),
     PaperTable("table5", "Table 5: run-to-run spread of accuracy", {**TABLE1_GRID, "repeats": 3}, render_table5),
     PaperTable("table6", "Table 6: KVCMAS's threshold tau against accuracy and rho (MMLU)",
                {**MMLU_GRID, "methods": ["kvcmas"],
                 "method_params": {"kvcmas": {"tau": [0.1, 0.2, 0.25, 0.27, 0.29, 0.3, 0.31, 0.33, 0.35, 0.4]}}},
                render_table6),
+    PaperTable("table7", "Table 7: p50/p90 TTFT under concurrent serving", SERVING_GRID, render_table7,
+               protocol="paper"),
+    PaperTable("fig5", "Fig 5: p50 TTFT under concurrent serving, rho-paired", SERVING_GRID, render_fig5,
+               protocol="paper"),
+    PaperTable("fig8", "Fig 8: p90 TTFT under concurrent serving (with Table 7)", SERVING_GRID, render_table7,
+               protocol="paper"),
+    PaperTable("fig6", "Fig 6: chained against non-chained KVCMAS, p50 TTFT (with Table 7)",
+               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table7, protocol="paper"),
     PaperTable("table8", "Table 8: chained against non-chained KVCMAS accuracy (MMLU)",
                {**MMLU_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table8),
-    PaperTable("table7", "Table 7: p50/p90 TTFT under concurrent serving",
-               {"shared_tokens": [2048, 8192], "qps": [0.0, 0.25, 0.5, 1.0], "agents": [4]}, render_table7),
-    PaperTable("table11", "Table 11: peak memory, single stream",
-               {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [3]}, render_single_stream),
-    PaperTable("table12", "Table 12: single-stream reuse TTFT and throughput",
-               {"shared_tokens": [2048, 8192], "qps": [0.0], "agents": [3]}, render_single_stream),
+    PaperTable("table9", "Table 9: chained against non-chained KVCMAS TTFT",
+               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table9, protocol="paper"),
+    PaperTable("fig9", "Fig 9: chained against non-chained KVCMAS, p90 TTFT (with Table 9)",
+               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table9, protocol="paper"),
+    *[PaperTable(name, title, TABLE10, render_table10, protocol="paper", output_lens=(128, 512, 2048))
+      for name, title in (("table10", "Table 10: TTFT with long agent outputs"),
+                          ("fig10", "Fig 10: p50 TTFT with long agent outputs (with Table 10)"),
+                          ("fig11", "Fig 11: p90 TTFT with long agent outputs (with Table 10)"))],
+    *[PaperTable(name, title, SINGLE_GRID, render_single_stream, protocol="paper-decode")
+      for name, title in (("table11", "Table 11: peak memory, single stream"),
+                          ("table12", "Table 12: single-stream reuse TTFT and throughput"),
+                          ("fig12", "Fig 12: single-stream TTFT, throughput and memory (Tables 11-12)"))],
     PaperTable("table13", "Table 13: anchor-pool capacity V",
-               {"shared_tokens": [8192], "qps": [0.0], "agents": [3], "methods": ["kvcmas"],
-                "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13,
-               accuracy_grid={**MMLU_GRID, "methods": ["kvcmas"], "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}),
+               {**SINGLE_32K, "methods": ["kvcmas"], "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13,
+               accuracy_grid={**MMLU_GRID, "methods": ["kvcmas"], "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}},
+               protocol="paper-decode"),
+    PaperTable("fig13", "Fig 13: KVCMAS's ranks r_C and r_Delta",
+               {**SINGLE_32K, "methods": ["kvcmas"], "method_params": RANKS}, render_fig13,
+               accuracy_grid={**MMLU_GRID, "methods": ["kvcmas"], "method_params": RANKS}, protocol="paper-decode"),
     PaperTable("table14", "Table 14: scaling with the number of agents",
-               {"shared_tokens": [2048], "qps": [0.0], "agents": [2, 4, 8]}, _render_scaling("agents", "N")),
+               {**SINGLE_32K, "agents": [2, 4, 8]}, render_table14, protocol="paper-decode"),
     PaperTable("table15", "Table 15: scaling with the number of rounds",
-               {"shared_tokens": [2048], "qps": [0.0], "agents": [3], "rounds": [2, 4, 8]},
-               _render_scaling("rounds", "R")),
+               {**SINGLE_32K, "rounds": [2, 4, 8]}, render_table15, protocol="paper-decode"),
     *[PaperTable(name, title, FIDELITY_GRID, render_measured=renderer) for name, title, renderer in (
         ("fig2", "Fig 2: effective rank of base caches and cross-agent corrections", fidelity.render_fig2),
         ("fig3", "Fig 3: KV error of chained and non-chained correction, by layer and by agent", fidelity.render_fig3),
-        ("table2", "Table 2: reconstruction coverage of selective recomputation", fidelity.render_table2),
+        ("table2", "Table 2: reconstruction coverage of selective recomputation", _render_table2),
         ("fig7", "Fig 7: effective rank of PF-induced and PH-induced corrections", fidelity.render_fig7))],
 ]}
 FIDELITY_TABLES = [name for name, table in TABLES.items() if table.render_measured is not None]
+# What kvbench does not reproduce, and why (docs/paper.md says more).
+NOT_COVERED = {
+    "table1b": "Table 1(b), the MathVista and Video-MME columns: vision-language workloads (LLaVA-OneVision's image "
+               "and video tokens); kvbench replays text prompts only",
+    "fig1": "Fig 1: a diagram, no numbers",
+    "table3": "Table 3: the accuracy workloads' settings, not results (its sample counts and tau are the runbook's, "
+              "docs/gpu-table1.md)",
+}
 
 
 def render(name: str, results: Path, out: Path, with_paper: bool = True) -> Path:

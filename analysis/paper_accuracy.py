@@ -17,13 +17,16 @@ import pandas as pd
 from scipy import stats
 
 from kvbench.analysis.aggregate import method_params
+from kvbench.analysis.paper_format import paper_number, paper_section
+from kvbench.analysis.paper_methods import method_order, paper_name
 from kvbench.analysis.paper_values import (
     PAPER_TAU,
+    TABLE1_ORDER,
     TABLE1_TASKS,
     TABLE6_MMLU,
     TABLE8_MMLU,
-    method_order,
     table1_values,
+    table4_values,
     table5_values,
 )
 
@@ -81,13 +84,11 @@ def provenance(frame: pd.DataFrame) -> list[str]:
     return lines
 
 
-def _paper_by_task(methods: list[str], value: Callable[[str, str], float | None], digits: int) -> pd.DataFrame:
-    rows = []
-    for method in methods:
-        cells = {task: value(method, task) for task in TABLE1_TASKS}
-        if any(v is not None for v in cells.values()):
-            rows.append({"method": method, **{t: "–" if v is None else f"{v:.{digits}f}" for t, v in cells.items()}})
-    return pd.DataFrame(rows)
+def _paper_by_task(value: Callable[[str, str], float | None], digits: int) -> pd.DataFrame:
+    """One of the paper's per-benchmark columns, every method it ran in its order."""
+    return pd.DataFrame([{"method": paper_name(method), **{t: paper_number(value(method, t), digits)
+                                                          for t in TABLE1_TASKS}}
+                         for method in TABLE1_ORDER])
 
 
 def render_table1(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
@@ -95,11 +96,10 @@ def render_table1(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
     if frame.empty:
         return NO_RUNS.format(name="table1")
     paper = table1_values()
-    methods = list(dict.fromkeys(frame["method"]))
     lines = provenance(frame)
     sections = [("final-answer accuracy (%; HumanEval: pass@1) [95% interval]", accuracy_cell, "accuracy", 2),
-                ("mean TTFT (s; the paper's TTFT is averaged over each trajectory)", _number("mean_ttft_s", 3),
-                 "ttft_s", 2),
+                ("TTFT (s): each trajectory's mean TTFT, averaged over trajectories (the paper's)",
+                 _number("mean_trajectory_ttft_s", 3), "ttft_s", 2),
                 ("mean workflow latency (s)", _number("latency_s", 2), "latency_s", 2),
                 ("realized rho (shared tokens served by reuse / reusable)", _number("realized_rho", 3), "rho", 2),
                 ("method state (MiB; the paper: peak GPU memory, GB)", _number("method_state_mib", 1), "memory_gb", 2),
@@ -107,10 +107,9 @@ def render_table1(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
     for title, cell, paper_metric, digits in sections:
         lines += [f"### {title}", "", _by_task(frame, cell).to_markdown(index=False), ""]
         if with_paper and paper_metric is not None:
-            table = _paper_by_task(methods, lambda m, t, k=paper_metric: paper.get((m, t, k)), digits)
-            if len(table):
-                lines += ["the paper (Table 1; A100, 1 QPS, its models, accuracy over three runs):", "",
-                          table.to_markdown(index=False), ""]
+            lines += paper_section(f"{title.split(' (')[0].split(':')[0]}, Table 1(a) (A100, 1 QPS, its models, "
+                                   "accuracy over three runs)",
+                                   _paper_by_task(lambda m, t, k=paper_metric: paper.get((m, t, k)), digits))
     return "\n".join(lines)
 
 
@@ -127,9 +126,7 @@ def render_table5(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
     lines += ["### this machine", "", table.to_markdown(index=False), ""]
     if with_paper:
         paper = table5_values()
-        lines += ["### the paper (Table 5)", "",
-                  _paper_by_task(list(dict.fromkeys(frame["method"])), lambda m, t: paper.get((m, t)),
-                                 2).to_markdown(index=False), ""]
+        lines += paper_section("Table 5 (LLM columns)", _paper_by_task(lambda m, t: paper.get((m, t)), 2))
     return "\n".join(lines)
 
 
@@ -145,12 +142,16 @@ def render_table6(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
         rows.append({"task": row["task"], "tau": tau, "accuracy (%) [95%]": accuracy_cell(row),
                      "rho": "–" if pd.isna(row["realized_rho"]) else f"{row['realized_rho']:.3f}",
                      **({"paper accuracy": paper[0] if paper else "–", "paper rho": paper[1] if paper else "–"}
-                        if with_paper else {})})
+                        if with_paper else {}), "configuration": row["method_config"]})
     table = pd.DataFrame(rows).sort_values(["task", "tau"], na_position="first")
     lines = provenance(frame) + [
         "KVCMAS's reliability threshold tau against accuracy and realized rho (a higher tau accepts more "
         f"corrections). The paper's main settings: {', '.join(f'{t} {v}' for t, v in PAPER_TAU.items())}.", "",
-        table.to_markdown(index=False, disable_numparse=True)]
+        table.to_markdown(index=False, disable_numparse=True), ""]
+    if with_paper:
+        lines += paper_section("Table 6 (MMLU column)", pd.DataFrame(
+            [{"tau": f"{tau:.2f}", "accuracy": paper_number(acc, 2), "rho": paper_number(rho, 3)}
+             for tau, (acc, rho) in sorted(TABLE6_MMLU.items())]))
     return "\n".join(lines)
 
 
@@ -165,6 +166,78 @@ def render_table8(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
                                  "### realized rho", "",
                                  _by_task(frame, _number("realized_rho", 3)).to_markdown(index=False), ""]
     if with_paper:
-        lines += ["### the paper (Table 8, MMLU)", "", pd.DataFrame(
-            [{"method": m, "mmlu": v} for m, v in TABLE8_MMLU.items()]).to_markdown(index=False), ""]
+        lines += paper_section("Table 8 (MMLU column)", pd.DataFrame(
+            [{"method": {"kvcmas": "Chained", "kvcmas-nonchained": "Non-chained"}[m], "mmlu": paper_number(v, 2)}
+             for m, v in TABLE8_MMLU.items()]))
     return "\n".join(lines)
+
+
+def render_table4(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
+    """Table 4: each trajectory's length (its longest request: prompt and output, model tokens),
+    averaged and at its maximum over the items, per method and benchmark."""
+    frame = benchmark_rows(frame)
+    if frame.empty:
+        return NO_RUNS.format(name="table4")
+    lines = provenance(frame) + ["Trajectory length in model tokens: a trajectory's longest request, its prompt "
+                                 "and output (the final agent's, which reads every earlier output).", ""]
+    for statistic in ("average", "maximum"):
+        metric = "mean_trajectory_tokens" if statistic == "average" else "max_trajectory_tokens"
+        lines += [f"### {statistic} trajectory length (tokens), this machine", "",
+                  _by_task(frame, _number(metric, 0)).to_markdown(index=False), ""]
+    if with_paper:
+        paper = table4_values()
+        lines += paper_section("Table 4 (LLM columns; its models' tokenizers)", pd.DataFrame(
+            [{"method": paper_name(m), **{f"{t} {stat}": paper_number(paper[(m, t, stat)], 0, True)
+                                          for t in TABLE1_TASKS for stat in ("average", "maximum")}}
+             for m in TABLE1_ORDER]))
+    return "\n".join(lines)
+
+
+def render_fig4(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
+    """Fig. 4: accuracy against end-to-end latency per benchmark; the band between FullShared and
+    NonShared shaded, ours in the top row and the paper's (Table 1) below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    frame = benchmark_rows(frame)
+    if frame.empty:
+        return NO_RUNS.format(name="fig4")
+    tasks = [t for t in TABLE1_TASKS if t in set(frame["task"])]
+    paper = table1_values()
+    rows = 2 if with_paper else 1
+    fig, axes = plt.subplots(rows, len(tasks), figsize=(5 * len(tasks), 4 * rows), squeeze=False)
+    points = []
+    for column, task in enumerate(tasks):
+        ours = frame[frame["task"] == task]
+        series = [(r["method_config"], r["method"], r["latency_s"], 100 * r["task_accuracy"]) for _, r in ours.iterrows()]
+        panels = [("this machine", series)]
+        if with_paper:
+            panels.append(("the paper", [(paper_name(m), m, paper[(m, task, "latency_s")], paper[(m, task, "accuracy")])
+                                         for m in TABLE1_ORDER]))
+        for row, (source, marks) in enumerate(panels):
+            ax = axes[row][column]
+            bounds = [acc for _, m, _, acc in marks if m in ("fullshared", "nonshared") and not pd.isna(acc)]
+            if len(bounds) == 2:
+                ax.axhspan(min(bounds), max(bounds), color="grey", alpha=0.15)
+            for name, _, latency, acc in marks:
+                ax.scatter(latency, acc, label=name)
+                points.append({"source": source, "task": task, "method": name, "latency (s)": f"{latency:.2f}",
+                               "accuracy (%)": f"{acc:.2f}"})
+            ax.set(title=f"{task}, {source}", xlabel="end-to-end latency (s)", ylabel="accuracy (%)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle("Accuracy against latency (cf. paper Fig. 4; upper left is better)")
+    fig.tight_layout()
+    fig.savefig(out / "fig4.png", dpi=120)
+    plt.close(fig)
+    plotted = pd.DataFrame(points)
+    lines = provenance(frame) + ["Each method's accuracy against its mean workflow latency; the shaded band spans "
+                                 "FullShared to NonShared.", "", "### points, this machine", "",
+                                 plotted[plotted["source"] == "this machine"].drop(columns="source")
+                                 .to_markdown(index=False, disable_numparse=True), ""]
+    if with_paper:
+        lines += paper_section("Fig. 4's LLM panels (Table 1(a))", plotted[plotted["source"] == "the paper"]
+                               .drop(columns="source"))
+    return "\n".join(lines + ["![Fig. 4](fig4.png)"])

@@ -86,8 +86,9 @@ def _logprobs(raw: Any) -> dict[str, float] | None:
     return json.loads(raw) if isinstance(raw, str) and raw else None
 
 
-def compare_outputs(requests: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
-    """One row per (trajectory, turn) the run recorded and the reference completed."""
+def compare_outputs(requests: pd.DataFrame, reference: pd.DataFrame, first_token_only: bool = False) -> pd.DataFrame:
+    """One row per (trajectory, turn) the run recorded and the reference completed; a run whose
+    requests stopped at their first token (the paper's protocol) against the reference's first."""
     ok = reference[reference["success"]]
     ref = {(str(r.trajectory_id), str(r.turn_id)): (list(r.output_token_ids), _logprobs(getattr(r, "first_token_logprobs", None)))
            for r in ok.itertuples(index=False)}
@@ -97,6 +98,7 @@ def compare_outputs(requests: pd.DataFrame, reference: pd.DataFrame) -> pd.DataF
         if found is None:
             continue
         expected, expected_top = found
+        expected = expected[:1] if first_token_only else expected
         output = list(r.output_token_ids) if r.success and r.output_token_ids is not None else None
         top = _logprobs(getattr(r, "first_token_logprobs", None)) if output is not None else None
         if top and expected_top:  # the distributions' argmax; else the tokens generated (greedy: the same)
@@ -226,7 +228,9 @@ def write_quality(result_dir: Path, reference_dir: Path, floor_dir: Path | None 
     the trace has a task and all runs were scored; with a naive-reuse run (FullShared), the gain
     over it. The summary picks both up."""
     reference = _read_requests(reference_dir)
-    quality = compare_outputs(_read_requests(result_dir), reference)
+    config = result_dir / run_files.CONFIG
+    first_token_only = config.exists() and json.loads(config.read_text()).get("protocol") == "paper"
+    quality = compare_outputs(_read_requests(result_dir), reference, first_token_only)
     quality.to_parquet(result_dir / run_files.QUALITY, index=False)
     pgr_path = result_dir / run_files.QUALITY_PGR
     if floor_dir is not None:

@@ -113,6 +113,7 @@ class CompletionsBackend:
     sampling: SamplingParams
     logprobs: int = 0  # top-K logprobs of each first generated token (0: none)
     timeout_s: float = 600.0
+    first_token_only: bool = False  # every request stops at its first token (replay/protocol.py)
 
     def body(self, url: str, token_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any],
              salt: str | None, ignore_eos: bool = True, adapter: str | None = None) -> dict[str, Any]:
@@ -121,7 +122,8 @@ class CompletionsBackend:
         `kv_transfer_params`, and a `cache_salt` derived from `salt` when given. `adapter`: the
         LoRA adapter the turn's agent uses (vLLM takes its name as the model), else the base model."""
         body: dict[str, Any] = {
-            "model": adapter or self.served_models[url], "prompt": token_ids, "max_tokens": max_tokens,
+            "model": adapter or self.served_models[url], "prompt": token_ids,
+            "max_tokens": 1 if self.first_token_only else max_tokens,
             "ignore_eos": ignore_eos, **self.sampling.request_fields(), "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True, "kv_transfer_params": kv_transfer_params,

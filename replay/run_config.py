@@ -69,6 +69,8 @@ class QualitySettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy by default
     # Reference-anchored replay: later turns read the reference run's outputs, not this run's.
     reference: ReferenceRun | None = None
+    # Each request stops at its first generated token (the paper's protocol; replay/protocol.py).
+    first_token_only: bool = False
     drop_shared: bool = False  # every shared segment left out of every prompt (PGR's floor)
     logprobs: int = 0  # top-K logprobs of each first generated token, recorded (0: none)
     # Also keeps every turn's cache on the server, those no later turn reads too: KV-error and
@@ -164,6 +166,13 @@ def prompt_mode(cfg: ReplayConfig) -> str:
     return "drop_shared" if cfg.quality.drop_shared else "free"
 
 
+def protocol_name(cfg: ReplayConfig) -> str:
+    """The measurement protocol (replay/protocol.py) the run's settings make."""
+    if cfg.quality.reference is None:
+        return "free"
+    return "paper" if cfg.quality.first_token_only else "paper-decode"
+
+
 def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
     """A new run's config.json: what it replays and how, and where it ran (provenance)."""
     stamp = datetime.now(UTC)
@@ -188,6 +197,7 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
         "sampling": cfg.quality.sampling.to_dict(),
         "logprobs": cfg.quality.logprobs,
         "prompt_mode": prompt_mode(cfg),
+        "protocol": protocol_name(cfg),
         "concurrent_sources": cfg.load.concurrent_sources,
         "routing": cfg.load.routing,
         "reference_run": cfg.quality.reference.describe() if cfg.quality.reference is not None else None,
@@ -223,6 +233,9 @@ def check_resumable(run_config: dict[str, Any], cfg: ReplayConfig) -> None:
     if run_config.get("routing", "trajectory") != cfg.load.routing:
         raise ReplayError(f"--resume: {result_dir} was routed with --routing {run_config.get('routing', 'trajectory')}; "
                           "resume it with the same")
+    if run_config.get("protocol", "free") != protocol_name(cfg):
+        raise ReplayError(f"--resume: {result_dir} was replayed under --protocol {run_config.get('protocol', 'free')}, "
+                          f"not {protocol_name(cfg)}; resume it with the same")
     if run_config.get("prompt_mode", "free") != prompt_mode(cfg):
         raise ReplayError(f"--resume: {result_dir} was replayed in {run_config.get('prompt_mode', 'free')!r} "
                           f"mode, not {prompt_mode(cfg)!r}")

@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0  # how often the serving time and the method's stats reach the disk
 FINAL_POLL_TIMEOUT_S = 60.0
 UNREACHABLE_GRACE_S = 2.0  # for a managed server's process to be gone once it refuses connections
-
 # Trajectory tasks start this early and then wait precisely: asyncio timers are only ms-accurate.
 EARLY_START_S = 0.005
 
@@ -69,8 +68,9 @@ class Replayer:
         self._consecutive_unreachable = 0
         self.servers = ReplayServers(config.servers.base_urls, config.method, self.method_info.uses_connector)
         self.router = Router(config.servers.base_urls, config.load.routing)
-        self.backend = CompletionsBackend(self.servers.served_models, config.quality.sampling, config.quality.logprobs,
-                                          config.load.request_timeout_s)  # models: filled when the servers are checked
+        self.backend = CompletionsBackend(  # models: filled when the servers are checked
+            self.servers.served_models, config.quality.sampling, config.quality.logprobs,
+            config.load.request_timeout_s, config.quality.first_token_only)
         self.progress = ReplayProgress(config.method, 0, enabled=False)
         # Loaded runs only: a single stream cannot outrun its server.
         loaded = config.load.qps > 0 or config.load.use_trace_timestamps

@@ -225,6 +225,7 @@ def main() -> None:
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
     parser.add_argument("--connector", action="store_true", help="answer kvbench's worker RPCs")
+    parser.add_argument("--connector-method", default="fullshared", help="the method those RPCs say it runs")
     parser.add_argument("--child", action="store_true",
                         help="start a long-lived child process, as vLLM starts its engine (process-tree tests)")
     parser.add_argument("--timings-out", default=None, help="JSON file of per-request server timings, at exit")
@@ -239,7 +240,7 @@ def main() -> None:
         subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                           "time.sleep(3600)"])
     with StubServer(mode=args.mode, port=args.port, token_delay_s=args.token_delay,
-                    connector=args.connector) as stub:
+                    connector=args.connector, connector_method=args.connector_method) as stub:
         print(f"stub serving on {stub.base_url}", flush=True)
         # Polled: a signal the kernel hands to the server thread does not wake a main thread blocked
         # in an untimed wait, and Python runs handlers on the main thread only (a killed kvbench's

@@ -15,6 +15,7 @@ from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_optio
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.cli.workload_options import WorkloadOptions, workload_options
 from kvbench.replay.interrupts import Interrupted
+from kvbench.replay.protocol import PROTOCOLS
 from kvbench.replay.routing import ROUTING_POLICIES
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 
@@ -72,6 +73,11 @@ if TYPE_CHECKING:
               default=None, help="A NonShared run of the same trace: later turns read its recorded outputs instead "
                                  "of this run's own (every prompt token-identical to its), and each output is "
                                  "compared with its (quality.parquet).")
+@click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default=None,
+              help="free: each turn reads this run's outputs and decodes its whole output (decode load included); "
+                   "paper: the KVCMAS paper's serving protocol (Appendix B.4): prompts carry --reference's outputs "
+                   "and each request stops at its first token; paper-decode: those prompts, whole outputs (its "
+                   "single-stream tables) [default: paper-decode with --reference, else free].")
 @click.option("--logprobs", type=click.IntRange(min=0), default=None,
               help="Record the top-K logprobs of each first generated token (first-token KL against a reference; "
                    "vLLM serves up to 20) [default: 20 with --reference, else 0].")
@@ -96,7 +102,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
                    metric_percentiles: str, goodput_specs: tuple[str, ...], result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
                    request_timeout: float, save_prompt_ids: bool, temperature: float, top_p: float, top_k: int,
-                   reference_dir: Path | None, logprobs: int | None, drop_shared: bool, concurrent_sources: bool,
+                   reference_dir: Path | None, protocol: str | None, logprobs: int | None, drop_shared: bool,
+                   concurrent_sources: bool,
                    stop_on_saturation: bool, routing: str, workload: WorkloadOptions, server: ServerOptions,
                    instances: InstancePlan) -> None:
     """Replay a trace against vLLM: each agent's real output feeds the next agents' prompts."""
@@ -128,7 +135,8 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     try:
         config = replay_config(
             trace, tokenizer, model, method, params, base_urls=list(base_urls), result_dir=result_dir, label=label,
-            reference_dir=reference_dir, trace_path=trace_path, max_load_tokens_per_step=server.max_load_tokens_per_step,
+            reference_dir=reference_dir, protocol=protocol, trace_path=trace_path,
+            max_load_tokens_per_step=server.max_load_tokens_per_step,
             qps=qps, arrival=arrival, burstiness=burstiness, use_trace_timestamps=use_trace_timestamps,
             seed=workload.seed, max_concurrency=max_concurrency, num_warmups=workload.num_warmups,
             prime_method_state=prime_method_state, metric_percentiles=percentiles, goodput=goodput,

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from kvbench.cli.param_types import allow_code_execution_option, finite_float, role_paths
+from kvbench.replay.protocol import PROTOCOLS
 from kvbench.replay.routing import ROUTING_POLICIES
 from kvbench.tracegen.generate import task_model
 from kvbench.tracegen.roles import ROLE_PRESETS
@@ -127,6 +128,12 @@ def _sweep_options(func):
                      help="Also measure what each cell costs in outputs: a NonShared reference and a no-context "
                           "floor per trace (QPS 0), every cell compared with them (exact match, token F1, "
                           "first-token KL, PGR; NonShared's own cells give the noise floor under load)."),
+        click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default=None,
+                     help="free: each turn reads the cell's own outputs and decodes them whole (decode load included); "
+                          "paper: the KVCMAS paper's serving protocol (Appendix B.4): every prompt carries a NonShared "
+                          "reference run's outputs (run first, per trace) and each request stops at its first token; "
+                          "paper-decode: those prompts, whole outputs (its single-stream tables) [default: free; "
+                          "`kvbench paper`: the table's]."),
         click.option("--goodput", "--slo", "goodput_specs", multiple=True, metavar="KEY:MS",
                      help="Latency bounds of goodput in every cell (as kvbench replay --goodput: ttft, tpot, e2el, "
                           "workflow)."),
@@ -214,6 +221,7 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
         **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",
                                          "quality", "temperature", "stop_on_saturation", "instances", "routing",
                                          "shared_tier")},
+        protocol=options["protocol"] or defaults.get("protocol", "free"),
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
         save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks, roles=options["roles"],
@@ -224,6 +232,10 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
     if ray is not None:
         if search is not None:
             raise click.UsageError("--find-max-qps probes one rate after another on one machine; not with --ray")
+        if spec.protocol != "free":
+            raise click.UsageError(f"--protocol {spec.protocol} replays every cell on its trace's reference run, "
+                                   "which a Ray sweep does not yet place on its workers; run it without --ray (or "
+                                   "with --protocol free)")
         return _run_on_ray(spec, out, ray, after_cell)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))
@@ -235,7 +247,10 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
             _print_max_qps(report)
             return out
         with progress:
-            extra = 2 * len(spec.trace_specs()) if spec.quality else 0  # the reference and floor runs
+            from kvbench.replay.protocol import protocol
+
+            # the reference and floor runs (the reference alone where only the protocol needs it)
+            extra = (2 if spec.quality else 1 if protocol(spec.protocol).anchored else 0) * len(spec.trace_specs())
             task = progress.add_task("", total=len(cells) + extra)
             run_sweep(spec, out, lambda name: progress.update(task, advance=1, description=name), after_cell)
     except (ValueError, ServerError, ReplayError, ResultDirError, CodeExecutionRefused) as exc:
@@ -317,9 +332,25 @@ def _rate(qps: float | None) -> str:
     return "none in range" if qps is None else f"{qps:g}"
 
 
-@click.command("paper")
-@click.argument("table", type=click.Choice(["table1", "table5", "table6", "table8", "table7", "table11", "table12",
-                                            "table13", "table14", "table15", "fig2", "fig3", "table2", "fig7"]))
+def _paper_names() -> list[str]:
+    from kvbench.analysis.paper import TABLES
+
+    return list(TABLES)
+
+
+def _paper_help() -> str:
+    from kvbench.analysis.paper import NOT_COVERED, TABLES
+
+    listed = "\n\n".join(f"\b\n{name}: {table.title.split(': ', 1)[1]}"
+                          + (f" [--run: --protocol {table.protocol}]" if table.protocol != "free" else "")
+                          for name, table in TABLES.items())
+    return ("Render a table or figure of the KVCMAS paper from sweep results, the paper's values beside ours "
+            "(`--run` sweeps the paper's grid first; on a CPU pass smaller --shared-tokens/--qps).\n\n"
+            + listed + "\n\nNot covered: " + "; ".join(NOT_COVERED.values()) + ".")
+
+
+@click.command("paper", help=_paper_help())
+@click.argument("table", type=click.Choice(_paper_names()))
 @click.option("--results", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Render from an existing sweep directory.")
 @click.option("--run", "run_sweep", is_flag=True, help="Run the table's sweep first (at --shared-tokens/--qps...).")
@@ -330,10 +361,6 @@ def _rate(qps: float | None) -> str:
 @_sweep_options
 def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path | None, paper_values: bool,
                   **options: Any) -> None:
-    """Render a table of the KVCMAS paper from sweep results: its accuracy tables from benchmark
-    workloads (Tables 1, 5, 6, 8 and Table 13's accuracy column: --data TASK=PATH, --limit N), its
-    serving tables (7, 11-15; Figs 5, 6, 8 and 12 are drawn with the tables they plot), or one of
-    its cache-fidelity analyses (Figs 2, 3, 7 and Table 2: one sweep measures all four)."""
     from kvbench.analysis import paper
     from kvbench.analysis.runs import RunLoadError
 
@@ -353,7 +380,13 @@ def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path |
 
             after_cell = record_fidelity()
         entry, accuracy_options = paper.TABLES[table], dict(options)
-        results = _run_sweep(out / "sweep", entry.grid, after_cell=after_cell, **options)
+        grid = {**entry.grid, "protocol": entry.protocol}
+        if entry.output_lens and options["output_len"] is None:  # Table 10: one sweep per output length
+            for output_len in entry.output_lens:
+                _run_sweep(out / f"sweep-out{output_len}", grid, **{**options, "output_len": output_len})
+            results = out
+        else:
+            results = _run_sweep(out / "sweep", grid, after_cell=after_cell, **options)
         accuracy = entry.accuracy_grid
         if accuracy and all(t in accuracy_options["data_files"] or t == "humaneval" for t in accuracy["benchmarks"]):
             _run_sweep(out / "sweep-accuracy", accuracy, **accuracy_options)

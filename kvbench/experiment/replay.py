@@ -59,10 +59,11 @@ def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: s
                   base_urls: list[str], result_dir: Path | None, label: str | None, reference_dir: Path | None,
                   trace_path: Path | None, max_load_tokens_per_step: int | None, qps: float, num_warmups: int,
                   use_trace_timestamps: bool, drop_shared: bool, logprobs: int | None,
-                  **settings: Any) -> ReplayConfig:
+                  protocol: str | None = None, **settings: Any) -> ReplayConfig:
     """The run's configuration from the command's settings (the rest are ReplayConfig.build's), with
     what follows from them: the reference run read, the floor's label, the default result folder,
-    logprobs recorded against a reference (None: 20 with one, else 0)."""
+    logprobs recorded against a reference (None: 20 with one, else 0). `protocol` (replay/protocol.py;
+    None: paper-decode with a reference, else free) must agree with the reference given."""
     from kvbench.methods.registry import method_spec
     from kvbench.tracegen.schema import MAX_ARRIVAL_S
 
@@ -73,6 +74,16 @@ def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: s
     if method_spec(method).needs_adapters and not trace.header.adapters:
         raise ReplayInputError(f"--method {method} rebuilds each agent's values from its LoRA adapter, and this "
                                "trace's agents use none (gen-trace --adapter ROLE=PATH; kvbench model adapters)")
+    from kvbench.replay.protocol import protocol as find_protocol
+
+    chosen = find_protocol(protocol or ("paper-decode" if reference_dir is not None else "free"))
+    if chosen.anchored and reference_dir is None:
+        raise ReplayInputError(f"--protocol {chosen.name}: every prompt carries a reference run's outputs; give "
+                               "--reference RUN_DIR (a free NonShared replay of this trace: kvbench replay --method "
+                               "nonshared)", "--reference")
+    if not chosen.anchored and reference_dir is not None:
+        raise ReplayInputError("--protocol free: each turn reads this run's own outputs; --reference anchors them to "
+                               "the reference's (--protocol paper or paper-decode)", "--protocol")
     reference = None
     if reference_dir is not None:
         from kvbench.replay.reference import ReferenceRunError, load_reference
@@ -92,6 +103,7 @@ def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: s
         trace=trace, tokenizer=tokenizer, method=method, base_urls=[u.rstrip("/") for u in base_urls],
         result_dir=result_dir, label=label, reference=reference, method_params=params, qps=qps,
         num_warmups=num_warmups, use_trace_timestamps=use_trace_timestamps, drop_shared=drop_shared,
+        first_token_only=chosen.first_token_only,
         logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
         extra_config={"model": model, "method_params": params,
                       "trace_path": str(trace_path.resolve()) if trace_path else None,

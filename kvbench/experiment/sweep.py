@@ -86,6 +86,9 @@ class SweepSpec:
     # (QPS 0, under quality/), every cell recording first-token logprobs, and every cell compared
     # with them afterwards (quality.parquet, PGR; the gain over FullShared's cell where there is one).
     quality: bool = False
+    # The measurement protocol of every cell (replay/protocol.py): "paper" and "paper-decode" replay
+    # each turn on the NonShared reference run's outputs (quality/<trace>/reference, run first).
+    protocol: str = "free"
     goodput: dict[str, float] = field(default_factory=dict)  # latency bounds of every cell (analysis/goodput.py)
     # A loaded cell whose backlog and TTFT grow without bound stops early, marked saturated
     # (kvbench.replay.saturation), instead of running its whole queue.

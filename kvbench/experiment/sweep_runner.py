@@ -109,14 +109,24 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
     """One cell's replay on its method's running server, resumed where an earlier one stopped;
     its summary, or None when the replay failed with the server still up (error.txt says why)."""
     from kvbench.experiment.run import replay_and_summarize
+    from kvbench.replay.protocol import protocol
     from kvbench.replay.runner import ReplayConfig, ReplayError
     from kvbench.replay.sampling import SamplingParams
     from kvbench.replay.saturation import SaturationRule
     from kvbench.tracegen.schema import Trace
 
     method, trace = cell.method, inputs.traces[cell.trace_id]
+    trajectories = trace.trajectories[: spec.num_warmups + cell.num_trajectories]
+    chosen = protocol(spec.protocol)
+    reference = None
+    if chosen.anchored:  # every prompt on the reference's outputs (run first, on the NonShared server)
+        from kvbench.replay.reference import load_reference
+
+        reference = load_reference(quality_dirs(root_of(cell), cell.trace_id)[0], trajectories[spec.num_warmups:],
+                                   inputs.model)
     config = ReplayConfig.build(
-        trace=Trace(header=trace.header, trajectories=trace.trajectories[: spec.num_warmups + cell.num_trajectories]),
+        trace=Trace(header=trace.header, trajectories=trajectories), reference=reference,
+        first_token_only=chosen.first_token_only,
         tokenizer=inputs.tokenizer, method=method.method, base_urls=server.base_urls, result_dir=cell.path,
         routing=spec.routing, qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
         prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
@@ -154,11 +164,18 @@ def sweep_servers(spec: SweepSpec, config: Any) -> Any:
 
 
 def _quality_baselines_todo(spec: SweepSpec, root: Path, trace_ids: list[str]) -> list[tuple[str, Path, bool]]:
-    """(trace, run folder, drop_shared) of the quality references and floors not yet done."""
-    if not spec.quality:
-        return []
+    """(trace, run folder, drop_shared) of the quality references and floors not yet done: both
+    with --quality, the reference alone under a protocol whose prompts carry its outputs."""
+    from kvbench.replay.protocol import protocol
+
+    kinds = (False, True) if spec.quality else (False,) if protocol(spec.protocol).anchored else ()
     return [(name, run, drop) for name in trace_ids for run, drop in zip(quality_dirs(root, name), (False, True))
-            if not cell_done(run)]
+            if drop in kinds and not cell_done(run)]
+
+
+def root_of(cell: SweepCell) -> Path:
+    """The sweep folder a cell's run folder is in (cell_dir: ROOT/runs/METHOD/RUN)."""
+    return cell.path.parents[2]
 
 
 def _run_quality_baseline(spec: SweepSpec, inputs: SweepInputs, name: str, run: Path, drop: bool, server: Any) -> None:

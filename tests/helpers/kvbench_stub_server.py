@@ -17,8 +17,10 @@ from kvbench.server import lifecycle as server
 def _stub_command(self: server.VLLMServer) -> list[str]:
     if os.environ.get("STUB_FAIL_START"):  # a server that exits during its start, as a misconfigured vLLM does
         return [sys.executable, "-c", "import sys; print('stub: refusing to start'); sys.exit(3)"]
+    transfer = self.config.kv_transfer_config or {}
+    method = (transfer.get("kv_connector_extra_config") or {}).get("method", "fullshared")
     return [sys.executable, "-m", "kvbench.replay.stub", "--port", str(self.port), "--child", "--connector",
-            "--token-delay", os.environ.get("STUB_TOKEN_DELAY", "0.02")]
+            "--connector-method", method, "--token-delay", os.environ.get("STUB_TOKEN_DELAY", "0.02")]
 
 
 def use_stub_servers() -> None:

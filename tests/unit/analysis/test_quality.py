@@ -127,6 +127,36 @@ def test_reference_anchored_and_drop_shared_replays(tiny_tokenizer_dir: Path, tm
     assert "output PGR (token F1) 1.000" in result.output
 
 
+def test_the_papers_protocol_sends_max_tokens_1_on_the_references_prompts(tiny_tokenizer_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """--protocol paper (Appendix B.4): every prompt token-identical to the reference's, every
+    request asking for one token; its outputs compared with the reference's first tokens."""
+    with StubServer() as stub:
+        assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir).exit_code == 0
+        reference_requests = set(stub.bodies)
+        paper = _replay(stub, tmp_path / "paper", tiny_tokenizer_dir, "--protocol", "paper", "--reference",
+                        str(tmp_path / "ref"))
+        assert paper.exit_code == 0, paper.output
+        sent = [body for request_id, body in stub.bodies.items() if request_id not in reference_requests]
+        unanchored = _replay(stub, tmp_path / "x", tiny_tokenizer_dir, "--protocol", "paper")
+        assert unanchored.exit_code == 2 and "give --reference RUN_DIR" in unanchored.output
+        contradicting = _replay(stub, tmp_path / "y", tiny_tokenizer_dir, "--protocol", "free", "--reference",
+                                str(tmp_path / "ref"))
+        assert contradicting.exit_code == 2 and "--protocol free" in contradicting.output
+        resumed = _replay(stub, tmp_path / "paper", tiny_tokenizer_dir, "--reference", str(tmp_path / "ref"),
+                          "--resume")  # under paper-decode, --reference's default
+        assert resumed.exit_code == 1 and "under --protocol paper, not paper-decode" in resumed.output
+    assert sent and all(body["max_tokens"] == 1 for body in sent)
+    assert {body["max_tokens"] for request_id, body in stub.bodies.items() if request_id in reference_requests} == {4}
+    ref = pd.read_parquet(tmp_path / "ref" / "requests.parquet").set_index(["trajectory_id", "turn_id"])
+    run = pd.read_parquet(tmp_path / "paper" / "requests.parquet").set_index(["trajectory_id", "turn_id"])
+    assert len(run) == len(ref) and (run["output_tokens"] == 1).all()
+    for key in ref.index:
+        assert list(run.loc[key, "prompt_token_ids"]) == list(ref.loc[key, "prompt_token_ids"])
+    summary = json.loads((tmp_path / "paper" / "summary.json").read_text())
+    assert summary["config"]["protocol"] == "paper" and summary["exact_match_rate"] == 1.0  # first tokens agree
+
+
 def test_a_reference_of_another_trace_or_method_is_refused(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     with StubServer() as stub:
         assert _replay(stub, tmp_path / "ref", tiny_tokenizer_dir).exit_code == 0

@@ -100,4 +100,4 @@ def test_help_lists_every_command_with_a_whole_phrase() -> None:
     listing = CliRunner().invoke(main, ["--help"]).output.split("Commands:")[1]
     assert "(e.g." not in listing and "vLLM's own CLI and benchmark client" in listing
     paper = CliRunner().invoke(main, ["paper", "--help"]).output
-    assert "Figs 5, 6, 8 and 12 are drawn with the" in " ".join(paper.split())
+    assert "fig12: single-stream TTFT, throughput and memory (Tables 11-12)" in " ".join(paper.split())

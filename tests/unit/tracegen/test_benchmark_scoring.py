@@ -119,13 +119,13 @@ def test_paper_table1_renders_accuracy_with_its_interval_beside_the_papers(tmp_p
     result = CliRunner().invoke(main, ["paper", "table1", "--results", str(GOLDEN_TABLE1), "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output
     text = (tmp_path / "table1.md").read_text()
-    ours = text.split("### final-answer accuracy (%; HumanEval: pass@1) [95% interval]")[1].split("the paper")[0]
+    ours = text.split("### final-answer accuracy (%; HumanEval: pass@1) [95% interval]")[1].split("### the paper")[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in ours.splitlines() if line.startswith("| ") and "method" not in line}
     # columns in the paper's order (mmlu, gsm8k); Wilson intervals over 4 items each
     assert rows == {"fullshared": ["50.0 [15, 85]", "50.0 [15, 85]"], "nonshared": ["75.0 [30, 95]", "100.0 [51, 100]"]}
     assert list(rows) == ["nonshared", "fullshared"]  # the paper's row order
-    assert "| nonshared  |  67.54 |   85.6  |       86.96 |" in text  # the paper's values
+    assert "| NonShared    | 67.54  | 85.60   | 86.96       |" in text  # the paper's values, as printed
     assert "kvbench:recall-v1 is a constructed test model" in text
     unreadable = text.split("### final answers that could not be read")[1]
     assert "| fullshared |      1 |       0 |" in unreadable
@@ -149,8 +149,8 @@ def test_table5_shows_the_spread_over_repeats_beside_the_papers(tmp_path: Path) 
     frame = _frame([{"method": "kvcmas", "task": "mmlu", "task_accuracy": 0.65, "repeats": 3,
                      "task_accuracy_std": 0.0123, "task_accuracy_ci": 0.03}])
     text = render_table5(frame, tmp_path, True)
-    ours, paper = text.split("### this machine")[1].split("### the paper (Table 5)")
-    assert "over 3 runs" in text and "| kvcmas   |   1.23 |" in ours and "| kvcmas   |   0.36 |    0.35 |" in paper
+    ours, paper = text.split("### this machine")[1].split("### the paper: Table 5")
+    assert "over 3 runs" in text and "| kvcmas   |   1.23 |" in ours and "| KVCMAS       | 0.36   | 0.35    |" in paper
     assert "constructed test model" not in text  # a real model's name
 
 
@@ -178,6 +178,6 @@ def test_table8_and_table13_accuracy(tmp_path: Path) -> None:
                        "task_accuracy": 0.6 if task == "mmlu" else float("nan"),
                        **{k: x for k, x in efficiency.items()}, **{f"{k}_ci": float("nan") for k in efficiency}}
                       for v in (1, 10) for task in ("none", "mmlu")])
-    table13 = render_table13(v_frame, tmp_path, True)
-    row = next(line for line in table13.splitlines() if line.startswith("| kvcmas-V10"))
-    assert "60.0 [50, 69]" in row and "65.45" in row
+    ours, paper = render_table13(v_frame, tmp_path, True).split("### the paper: Table 13")
+    row = next(line for line in ours.splitlines() if line.startswith("| kvcmas-V10"))
+    assert "60.0 [50, 69]" in row and "65.45" in next(line for line in paper.splitlines() if line.startswith("| 10 "))
