@@ -230,9 +230,12 @@ def main() -> None:
                         help="start a long-lived child process, as vLLM starts its engine (process-tree tests)")
     parser.add_argument("--timings-out", default=None, help="JSON file of per-request server timings, at exit")
     args = parser.parse_args()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # A handler only appends: one that takes a lock (Event.set) deadlocks when it interrupts the
+    # main thread inside that lock (a wait on the same Event), as a parent-death SIGTERM arriving
+    # beside the replay's own stop did.
+    stop_signals: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _: stop_signals.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _: stop_signals.append(signum))
     if args.child:  # it ignores SIGTERM: only a kill of the whole process group ends it
         import subprocess
         import sys
@@ -242,11 +245,10 @@ def main() -> None:
     with StubServer(mode=args.mode, port=args.port, token_delay_s=args.token_delay,
                     connector=args.connector, connector_method=args.connector_method) as stub:
         print(f"stub serving on {stub.base_url}", flush=True)
-        # Polled: a signal the kernel hands to the server thread does not wake a main thread blocked
-        # in an untimed wait, and Python runs handlers on the main thread only (a killed kvbench's
-        # parent-death SIGTERM then went unanswered).
-        while not stop.wait(0.2):
-            pass
+        # Polled: Python runs handlers on the main thread only, and a signal the kernel hands to the
+        # server thread does not interrupt the main thread's sleep.
+        while not stop_signals:
+            time.sleep(0.2)
     if args.timings_out:
         with open(args.timings_out, "w") as handle:
             json.dump(stub.timings, handle)
