@@ -80,18 +80,20 @@ def trace() -> tuple[Trace, object]:
 
 
 def _replay(method: str, model: str, ranks: int, trace: tuple[Trace, object], tmp: Path,
-            error_turns: int = 0, params: dict | None = None) -> tuple[dict, list[dict], list[float]]:
+            error_turns: int = 0, params: dict | None = None, warmups: int = 3) -> tuple[dict, list[dict], list[float]]:
     """Replay the trace on a fresh server with `ranks` tensor-parallel CPU workers: the summary,
     each request's method stats and the KV error of the last `error_turns` turns whose query was
-    reused (mean over the context-dependent layers of the K and V errors, over all heads)."""
+    reused (mean over the context-dependent layers of the K and V errors, over all heads). Fewer
+    `warmups` (methods without an anchor pool) replay that many fewer trajectories before the four measured."""
     config = method_server_config(method, model, params or {}, log_path=tmp / f"{method}-tp{ranks}.log",
                                   max_model_len=4096,
                                   extra_args=["--tensor-parallel-size", str(ranks)])
     full_trace, tokenizer = trace
+    full_trace = Trace(header=full_trace.header, trajectories=full_trace.trajectories[3 - warmups:])
     out = tmp / f"{method}-tp{ranks}"
     with serving(config) as server:
         summary = replay_and_summarize(ReplayConfig.build(trace=full_trace, tokenizer=tokenizer, method=method,  # type: ignore[arg-type]
-                                                    base_urls=[server.base_url], result_dir=out, qps=0, num_warmups=3,
+                                                    base_urls=[server.base_url], result_dir=out, qps=0, num_warmups=warmups,
                                                     prime_method_state=True, save_prompt_ids=True,
                                                     show_progress=False))
         requests = pd.read_parquet(out / "requests.parquet")
@@ -153,7 +155,7 @@ def test_selective_recomputation_ranks_pick_the_same_rows(default_model: str, tr
                                                           tmp_path: Path, method: str, stats_key: str) -> None:
     """The rows to recompute are picked from deviations (and RelayCaching's attention influence)
     over all heads: both ranks pick the same rows (compared by digest)."""
-    summary, stats, _ = _replay(method, default_model, 2, trace, tmp_path)
+    summary, stats, _ = _replay(method, default_model, 2, trace, tmp_path, warmups=0)  # no state to warm
     assert summary["rank_mismatched_requests"] == 0
     picks = [s[stats_key] for s in stats if stats_key in s]
     assert len(picks) == 12 and all(p["picked_digest"] for p in picks)

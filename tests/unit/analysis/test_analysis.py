@@ -375,7 +375,7 @@ def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
     result = _invoke("leaderboard", str(results), "-o", str(out))
     assert result.exit_code == 0, result.output
     board = json.loads((out / "leaderboard.json").read_text())
-    assert board["schema"] == "kvbench-leaderboard" and board["version"] == 4 and "PGR over the task" in board["sort"]
+    assert board["schema"] == "kvbench-leaderboard" and board["version"] == 5 and "PGR over the task" in board["sort"]
     rows = board["rows"]
     assert [r["method"] for r in rows] == ["nonshared", "fullshared"]  # quality first, though FullShared is faster
     assert [r["output_pgr"] for r in rows] == [0.5, 0.9]
@@ -384,6 +384,28 @@ def test_leaderboard_ranks_by_quality_then_savings(tmp_path: Path) -> None:
     assert rows[0]["ttft_saved"] == 0.0 and rows[0]["recompute_share"] == 1.0
     assert rows[1]["recompute_share"] == pytest.approx(1 - fs["realized_rho"])
     assert (out / "leaderboard.csv").exists() and "| cell" in (out / "leaderboard.md").read_text()
+
+
+def test_leaderboard_ranks_within_each_model_never_across(tmp_path: Path) -> None:
+    """Two constructed families, each favouring another method: each model's rows ranked on their own."""
+    results = tmp_path / "runs"
+    for family, winner in (("kvbench:roles-deep", "fullshared"), ("kvbench:roles-sparse", "nonshared")):
+        for method in ("nonshared", "fullshared"):
+            run = results / family.split(":")[1] / method
+            shutil.copytree(GOLDEN / method, run)
+            config = json.loads((run / "config.json").read_text())
+            (run / "config.json").write_text(json.dumps({**config, "model_identity": family}))
+            summary = _summary(run)
+            summary.update(task_accuracy_reuse=1.0 if method == winner else 0.2, config={**summary["config"],
+                                                                                       "model_identity": family})
+            (run / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "board"
+    assert _invoke("leaderboard", str(results), "-o", str(out)).exit_code == 0
+    rows = json.loads((out / "leaderboard.json").read_text())["rows"]
+    assert [(r["model"], r["rank"], r["method"]) for r in rows] == [
+        ("kvbench:roles-deep", 1, "fullshared"), ("kvbench:roles-deep", 2, "nonshared"),
+        ("kvbench:roles-sparse", 1, "nonshared"), ("kvbench:roles-sparse", 2, "fullshared")]
+    assert "ranks hold within a model, never across" in (out / "leaderboard.md").read_text()
 
 
 def test_leaderboard_without_pgr_ranks_by_task_accuracy_not_speed(tmp_path: Path) -> None:
