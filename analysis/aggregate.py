@@ -19,7 +19,8 @@ DIMENSIONS = ["method_config", "method", "method_params", "model", "task", "shar
 QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "output_pgr", "pgr", "task_accuracy"]
 METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "mean_trajectory_ttft_s", "reuse_ttft_s", "latency_s",
            "throughput_tok_s", "mean_trajectory_tokens", "max_trajectory_tokens",
-           "method_state_mib", "peak_rss_mib", "peak_kv_usage_pct", "realized_rho", "failed", *QUALITY_METRICS,
+           "method_state_mib", "peak_gpu_memory_gib", "peak_cpu_tensor_memory_gib", "peak_rss_mib", "peak_kv_usage_pct",
+           "realized_rho", "failed", *QUALITY_METRICS,
            "task_items", "task_unparseable", "saturated"]
 
 
@@ -60,6 +61,9 @@ def run_row(run: Run) -> dict:
         "throughput_tok_s": run.summary.get("mean_trajectory_token_throughput", math.nan),
         "method_state_mib": memory["method_state_mib"],
         "peak_rss_mib": memory["peak_server_rss_mib"],
+        # memory as the paper counts it (analysis/device_memory.py): a GPU's peak, or its CPU twin
+        "peak_gpu_memory_gib": summary_number(run.summary.get("peak_gpu_memory_gib")),
+        "peak_cpu_tensor_memory_gib": summary_number(run.summary.get("peak_cpu_tensor_memory_gib")),
         "peak_kv_usage_pct": memory["peak_kv_cache_usage_perc"],
         "realized_rho": run.summary.get("realized_rho") if run.summary.get("realized_rho") is not None else math.nan,
         "failed": run.summary.get("failed", 0),

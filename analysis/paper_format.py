@@ -92,6 +92,13 @@ def what_it_cost(frame: pd.DataFrame, columns: list[str], names: list[str]) -> l
     return lines
 
 
+def peak_memory(frame: pd.DataFrame) -> pd.Series:
+    """Each row's peak memory (GiB) as the paper counts it: a GPU's peak, else the CPU twin from
+    tensors (analysis/device_memory.py); NaN where the run reported neither."""
+    nan = pd.Series(float("nan"), index=frame.index)
+    return frame.get("peak_gpu_memory_gib", nan).fillna(frame.get("peak_cpu_tensor_memory_gib", nan))
+
+
 def context_label(tokens: int) -> str:
     """2048 -> 2K, as the paper labels shared contexts."""
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else f"{tokens / 1024:g}K"

@@ -16,7 +16,16 @@ import pandas as pd
 
 from kvbench.analysis.aggregate import method_params
 from kvbench.analysis.paper_accuracy import accuracy_cell, benchmark_rows, provenance
-from kvbench.analysis.paper_format import context_label, flatten, fmt, in_paper_order, paper_number, paper_section, pivot
+from kvbench.analysis.paper_format import (
+    context_label,
+    flatten,
+    fmt,
+    in_paper_order,
+    paper_number,
+    paper_section,
+    peak_memory,
+    pivot,
+)
 from kvbench.analysis.paper_methods import METHOD_NAMES, paper_name
 from kvbench.analysis.paper_serving import protocol_caption
 from kvbench.analysis.paper_values_efficiency import (
@@ -31,8 +40,16 @@ from kvbench.analysis.paper_values_efficiency import (
 )
 
 # What a single-stream table reports about memory on this machine (the paper's is peak GPU memory).
-MEMORY_METRICS = [("method_state_mib", "method state (MiB)", 1), ("peak_rss_mib", "server peak RSS (MiB)", 0),
+MEMORY_METRICS = [("peak_gpu_memory_gib", "peak GPU memory (GiB; the paper's measure, in GB)", 2),
+                  ("peak_cpu_tensor_memory_gib", "CPU twin of peak memory: weights + KV pool + store + method state "
+                   "(GiB, from their tensors; no temporary buffers)", 3),
+                  ("method_state_mib", "method state (MiB)", 1), ("peak_rss_mib", "server peak RSS (MiB)", 0),
                   ("peak_kv_usage_pct", "peak vLLM KV usage (%)", 2)]
+
+
+def _measured(frame: pd.DataFrame, metrics: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """The metrics some run of `frame` reported (a GPU's peak or the CPU twin, not both)."""
+    return [m for m in metrics if m[0] in frame and frame[m[0]].notna().any()]
 
 
 def _single(frame: pd.DataFrame) -> pd.DataFrame:
@@ -63,7 +80,8 @@ def render_single_stream(frame: pd.DataFrame, out: Path, with_paper: bool) -> st
              "trajectory tokens / trajectory E2E; memory figures kept apart (vLLM pre-allocates its KV pool).", "",
              *protocol_caption(single)]
     for metric, label, digits in [("reuse_ttft_s", "reuse-request TTFT (s)", 3),
-                                  ("throughput_tok_s", "trajectory throughput (tokens/s)", 0), *MEMORY_METRICS,
+                                  ("throughput_tok_s", "trajectory throughput (tokens/s)", 0),
+                                  *_measured(single, MEMORY_METRICS),
                                   ("realized_rho", "realized rho", 3)]:
         table = flatten(pivot(single, ["method_config"], ["shared_tokens"], metric, digits), ["ctx"])
         lines += [f"### {label}", "", table.to_markdown(index=False), ""]
@@ -103,7 +121,7 @@ def render_scaling(dimension: str, label: str, table_name: str,
         lines = [f"Single stream by {label}: TTFT averaged over all agent requests, trajectory throughput, memory.",
                  "", *protocol_caption(single)]
         for metric, title, digits in [("mean_ttft_s", "TTFT (s)", 3), ("throughput_tok_s", "throughput (tokens/s)", 0),
-                                      *MEMORY_METRICS, ("realized_rho", "realized rho", 3)]:
+                                      *_measured(single, MEMORY_METRICS), ("realized_rho", "realized rho", 3)]:
             table = flatten(pivot(single, ["method_config"], [dimension], metric, digits), [label])
             lines += [f"### {title}", "", table.to_markdown(index=False), ""]
         if with_paper:
@@ -134,6 +152,7 @@ def render_table13(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
         "TTFT (s)": [fmt(v, c, 3) for v, c in zip(single["mean_ttft_s"], single["mean_ttft_s_ci"])],
         "throughput (tok/s)": [fmt(v, c, 0) for v, c in zip(single["throughput_tok_s"], single["throughput_tok_s_ci"])],
         "method state (MiB)": [fmt(v, c, 1) for v, c in zip(single["method_state_mib"], single["method_state_mib_ci"])],
+        "peak memory (GiB)": [fmt(v, None, 2) for v in peak_memory(single)],  # a GPU's peak, else the CPU twin
         "realized rho": [fmt(v, None, 3) for v in single["realized_rho"]],
     }, index=single.index).sort_values("V")
     notes: list[str] = []

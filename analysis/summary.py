@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench import run_files
+from kvbench.analysis.device_memory import memory_figures, segment_device_memory
 from kvbench.analysis.metrics import summarize
 from kvbench.analysis.quality import read_quality_figures
 from kvbench.analysis.shared_tier import shared_tier_figures
@@ -57,7 +58,8 @@ def server_figures(result_dir: Path, segment: int, journal: list[dict[str, Any]]
     rss = [s["process_tree_rss_bytes"] for s in samples if "process_tree_rss_bytes" in s]
     usage = [s["vllm:kv_cache_usage_perc"] for s in samples if "vllm:kv_cache_usage_perc" in s]
     out: dict[str, Any] = {"peak_server_rss_bytes": max(rss) if rss else None,
-                           "peak_kv_cache_usage_perc": max(usage) if usage else None}
+                           "peak_kv_cache_usage_perc": max(usage) if usage else None,
+                           "device_memory": segment_device_memory(samples)}
     servers = list(dict.fromkeys(s["server_url"] for s in samples))
     for name, key in (("vllm:prefix_cache_hits_total", "prefix_cache_hits"),
                       ("vllm:prefix_cache_queries_total", "prefix_cache_queries"),
@@ -88,7 +90,8 @@ def _over_segments(per_segment: list[dict[str, Any]]) -> dict[str, Any]:
         if not values:
             combined[key] = None
         elif isinstance(values[0], dict):
-            combined[key] = {name: max(v.get(name, 0) for v in values) for name in {n for v in values for n in v}}
+            combined[key] = {name: max((v[name] for v in values if v.get(name) is not None), default=None)
+                             for name in {n for v in values for n in v}}
         else:
             combined[key] = sum(values) if key in _ADDED_OVER_SEGMENTS else max(values)
     return combined
@@ -161,6 +164,8 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         "requests_source": read.source,
         "config": config,
     }
+    summary.update(memory_figures(summary.pop("device_memory"), summary.get("method_store_peak_bytes"),
+                                  summary.get("method_state_bytes")))
     if "shared_remote_bytes" in summary and summary.get("reused_tokens"):
         summary["shared_remote_bytes_per_reused_token"] = summary["shared_remote_bytes"] / summary["reused_tokens"]
     return {**summary, **cache_hit_figures(summary)}

@@ -194,6 +194,29 @@ class WorkerRpc(StrEnum):
     # agents' contexts compared (spectra, reuse error, selection coverage); added without a version
     # bump (no existing field changed): an older server answers it with an unknown-method error
     SEGMENT_FIDELITY = "kvbench_segment_fidelity"
+    # (reset) -> DeviceMemory: what the worker's device holds; added without a version bump, as above
+    MEMORY = "kvbench_memory"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One worker's memory as the KVCMAS paper counts it (WorkerRpc.MEMORY): on a GPU the peak of
+    torch's allocated bytes since the last reset (model, KV pool, method state and every temporary
+    buffer); on any device the parts measured from their tensors. Method state and the saved-cache
+    store come with WorkerStats."""
+
+    device: str  # "cuda", "cpu", ...
+    peak_allocated_bytes: int | None  # torch's peak since the reset; None where torch keeps none (CPU)
+    weights_bytes: int  # the model's weights (methods/core/device_memory.py: loaded_weights_bytes)
+    kv_pool_bytes: int  # vLLM's KV cache tensors (each storage once)
+    contract_version: int = CONTRACT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> DeviceMemory:
+        return cls(**_checked(cls, raw, WorkerRpc.MEMORY))
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,24 @@ class MetricsSampler:
             if values:
                 self.samples.append({"server_url": url, "phase": phase, "t_s": round(now, 3), **values})
 
+    async def device_memory(self, reset: bool) -> None:
+        """Each server's workers' memory (WorkerRpc.MEMORY), recorded as a sample; `reset` starts
+        a new peak. Servers without kvbench's worker extension are left out (no figure)."""
+        from kvbench.server.errors import ServerError
+        from kvbench.server.worker_rpc import WorkerClient
+
+        for url in self.servers:
+            try:
+                ranks = await asyncio.to_thread(WorkerClient(url, timeout_s=30).memory, reset)
+            except ServerError:
+                continue
+            self.samples.append({"server_url": url, "phase": "reset" if reset else "after",
+                                 "t_s": round(time.monotonic() - self._started, 3),
+                                 "device_memory": [rank.to_dict() for rank in ranks]})
+
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._started = time.monotonic()
+        await self.device_memory(reset=True)
         await self.sample(session, "before")
 
         async def loop() -> None:
@@ -107,6 +123,7 @@ class MetricsSampler:
             except asyncio.CancelledError:
                 pass
         await self.sample(session, "after")
+        await self.device_memory(reset=False)
 
     def prefix_cache_hit_share(self) -> float | None:
         """vLLM's prefix-cache hits over its queries (tokens) since the run started, over every

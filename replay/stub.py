@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from kvbench.contracts import Plan, ServerInfo, WorkerRpc, WorkerStats, vllm_prefill_stats
+from kvbench.contracts import DeviceMemory, Plan, ServerInfo, WorkerRpc, WorkerStats, vllm_prefill_stats
 from kvbench.replay.prompts import reusable_rows
 
 StubMode = Literal["ok", "hang", "stream_error", "http_500", "truncate"]
@@ -154,6 +154,9 @@ class StubServer:
                                  method_state_bytes={}, model_attached=True,
                                  # as if each loaded request left 2 ms of deferred work (anchor building)
                                  extra={"deferred_s": 0.002 * self._loaded}).to_dict()
+        elif method == WorkerRpc.MEMORY:  # a stand-in: fixed weights and pool, no GPU peak
+            result = DeviceMemory(device="cpu", peak_allocated_bytes=None, weights_bytes=3 * 2**20,
+                                  kv_pool_bytes=5 * 2**20).to_dict()
         elif method == WorkerRpc.RESET:
             self._stats.clear()
             self._saved = self._loaded = 0

@@ -41,11 +41,12 @@ def default_model() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """One plain vLLM server (no connector) on the embedded model, shared by the whole session
-    (with a plain chat template, for clients that send chat requests)."""
+    """One plain vLLM server (no connector; kvbench's worker extension, as NonShared's servers have
+    it, for its memory RPC) on the embedded model, shared by the whole session (with a plain chat
+    template, for clients that send chat requests)."""
     log = Path(tmp_path_factory.mktemp("vllm")) / "server.log"
     template = Path(__file__).parent / "data" / "plain-chat-template.jinja"
-    with serving(ServerConfig(model=default_model, log_path=log, max_model_len=8192,
+    with serving(ServerConfig(model=default_model, log_path=log, max_model_len=8192, worker_extension_cls=WORKER_EXTENSION,
                               extra_args=["--chat-template", str(template)])) as server:
         yield server
 

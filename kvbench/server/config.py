@@ -115,7 +115,8 @@ def method_server_config(method: str, model: str, params: dict[str, Any] | None 
                          max_load_tokens_per_step: int = 0, max_store_bytes: int | None = None,
                          fault_injection: str | None = None, **options: Any) -> ServerConfig:
     """A server for a sharing method: plain vLLM, or vLLM with the kvbench connector, its worker
-    extension and the model handed to the connector once the server is up. The connector's
+    extension and the model handed to the connector once the server is up. Every server gets the
+    worker extension: its memory RPC (WorkerRpc.MEMORY) needs no connector. The connector's
     settings (load spreading, store cap, injected faults) mean nothing to plain vLLM and are
     left out for it."""
     from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, method_spec
@@ -125,5 +126,5 @@ def method_server_config(method: str, model: str, params: dict[str, Any] | None 
                                   max_store_bytes=max_store_bytes if uses_connector else None,
                                   fault_injection=fault_injection if uses_connector else None)
     return ServerConfig(model=model, kv_transfer_config=transfer,
-                        worker_extension_cls=WORKER_EXTENSION if uses_connector else None,
+                        worker_extension_cls=WORKER_EXTENSION,
                         post_start_rpcs=[WorkerRpc.ATTACH_MODEL] if uses_connector else [], **options)

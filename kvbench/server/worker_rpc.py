@@ -11,6 +11,7 @@ from typing import Any
 from kvbench.contracts import (
     CONTRACT_VERSION,
     ContractError,
+    DeviceMemory,
     FidelityRequest,
     SegmentFidelity,
     ServerInfo,
@@ -80,6 +81,14 @@ class WorkerClient:
     def set_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """Swap in the method with these parameters (its state dropped); returns all of them."""
         return self.call(WorkerRpc.SET_PARAMS, params=json.dumps(params))[0]
+
+    def memory(self, reset: bool = False) -> list[DeviceMemory]:
+        """Per rank: its device memory (DeviceMemory); `reset` starts a new peak after reading."""
+        answers = self.call(WorkerRpc.MEMORY, reset=str(reset).lower())
+        try:
+            return [DeviceMemory.from_dict(answer) for answer in answers]
+        except ContractError as exc:
+            raise ServerError(f"the server at {self.base_url}: {exc}") from None
 
     def reset(self, keep_method_state: bool = False) -> None:
         self.call(WorkerRpc.RESET, keep_method_state=str(keep_method_state).lower())

@@ -41,6 +41,15 @@ class KVBenchWorkerExtension:
         """Per-request method stats, segment-store and method-state bytes of this worker."""
         return _worker().stats(clear=_flag(clear)).to_dict()
 
+    def kvbench_memory(self, reset: str = "false") -> dict[str, Any]:
+        """This worker's device memory (kvbench.contracts.DeviceMemory); `reset` starts a new peak.
+        Needs no connector: NonShared's plain vLLM servers answer it too."""
+        from kvbench.methods.core.device_memory import device_memory, loaded_weights_bytes
+
+        runner = self.model_runner
+        caches = runner.kv_caches.values() if isinstance(runner.kv_caches, dict) else runner.kv_caches
+        return device_memory(loaded_weights_bytes(runner), caches, reset=_flag(reset)).to_dict()
+
     def kvbench_set_params(self, params: str) -> dict[str, Any]:
         """Swap in the method with new parameters (a JSON object), dropping its learned state."""
         import json

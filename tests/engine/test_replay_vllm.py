@@ -29,6 +29,16 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
     return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
 
 
+def _weights_bytes(model: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as weights:
+            total += sum(weights.get_tensor(name).nbytes for name in weights.keys())
+    return total
+
+
 @pytest.mark.parametrize("qps", ["0", "2"])
 def test_replay_end_to_end(vllm_server: VLLMServer, tmp_path: Path, qps: str) -> None:
     out = tmp_path / "run"
@@ -53,6 +63,13 @@ def test_replay_end_to_end(vllm_server: VLLMServer, tmp_path: Path, qps: str) ->
     # The summary agrees with requests.parquet recomputed independently.
     ttft = requests["ttft_ms"].to_numpy()
     assert summary["completed"] == 12 and summary["failed"] == 0
+    # memory as the paper counts it, the CPU twin: the model's weights as its files hold them
+    # (each storage once), vLLM's KV pool, no connector state
+    parts = summary["memory_parts_gib"]
+    assert summary["peak_gpu_memory_gib"] is None
+    assert summary["peak_cpu_tensor_memory_gib"] == pytest.approx(sum(parts.values()))
+    assert parts["model_weights"] * 2**30 == pytest.approx(_weights_bytes(vllm_server.config.model), rel=0.01)
+    assert parts["kv_pool"] > 0 and parts["store"] == parts["method_state"] == 0
     assert summary["p50_ttft_ms"] == pytest.approx(np.percentile(ttft, 50))
     assert summary["p90_ttft_ms"] == pytest.approx(np.percentile(ttft, 90))
     assert summary["mean_e2el_ms"] == pytest.approx(requests["e2el_ms"].mean())

@@ -161,7 +161,7 @@ def test_table9_and_the_single_stream_tables_print_the_papers_values(tmp_path: P
 def test_the_accuracy_tables_print_the_papers_llm_columns(tmp_path: Path) -> None:
     table1 = _flat_table1()
     text = _render("table1", tmp_path)
-    for index, title in enumerate(["final-answer accuracy", "mean workflow latency", "TTFT", "method state",
+    for index, title in enumerate(["final-answer accuracy", "mean workflow latency", "TTFT", "peak memory",
                                    "realized rho"]):
         printed = _rendered(text, title, 1)
         assert printed == {m: values[index::5] for m, values in table1.items()}, title

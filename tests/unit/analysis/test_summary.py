@@ -161,3 +161,30 @@ def test_the_shared_tiers_figures_come_from_each_servers_latest_state() -> None:
     assert out["shared_remote_hit_share"] == pytest.approx(0.4) and out["shared_store_peak_bytes"] == 3200
     assert out["shared_put_ms_total"] == pytest.approx(20.0)
     assert shared_tier_figures([{"kind": "state", "segment": 0, "server_url": "a"}], [], 5) == {}
+
+
+def test_a_run_records_its_servers_memory_from_their_workers(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Each server's workers are asked for their memory at the run's start (a new peak) and end;
+    the summary's CPU twin adds the parts. A server without kvbench's worker extension gives none."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.replay.stub import StubServer
+
+    args = ["--model", str(tiny_tokenizer_dir), "--shared-tokens", "64", "--output-len", "4", "--qps", "0",
+            "--num-trajectories", "2"]
+    with StubServer(connector=True) as stub, StubServer() as plain:
+        ran = CliRunner().invoke(main, ["replay", "--method", "fullshared", "--base-url", stub.base_url, *args,
+                                        "--result-dir", str(tmp_path / "fs")])
+        bare = CliRunner().invoke(main, ["replay", "--method", "nonshared", "--base-url", plain.base_url, *args,
+                                         "--result-dir", str(tmp_path / "ns")])
+        assert ran.exit_code == 0 and bare.exit_code == 0, ran.output + bare.output
+        assert stub.rpc_calls.count("kvbench_memory") == 2  # reset at the start, read at the end
+    summary = json.loads((tmp_path / "fs" / run_files.SUMMARY).read_text())
+    parts = summary["memory_parts_gib"]
+    assert parts["model_weights"] == 3 / 1024 and parts["kv_pool"] == 5 / 1024  # the stub's stand-in sizes
+    assert parts["store"] == summary["method_store_peak_bytes"] / 2**30 > 0
+    assert summary["peak_cpu_tensor_memory_gib"] == pytest.approx(sum(parts.values()))
+    assert summary["peak_gpu_memory_gib"] is None
+    plain_summary = json.loads((tmp_path / "ns" / run_files.SUMMARY).read_text())
+    assert plain_summary["peak_cpu_tensor_memory_gib"] is None and plain_summary["memory_parts_gib"] is None
