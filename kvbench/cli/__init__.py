@@ -17,10 +17,11 @@ from kvbench.cli.analysis import (
 from kvbench.cli.calibrate import calibrate_command
 from kvbench.cli.check import check_command
 from kvbench.cli.model import model_group
+from kvbench.cli.paper import paper_command
 from kvbench.cli.quickstart import quickstart_command
 from kvbench.cli.replay import replay_command
 from kvbench.cli.serve import methods_command, serve_command
-from kvbench.cli.sweep import paper_command, sweep_command
+from kvbench.cli.sweep import sweep_command
 from kvbench.cli.trace import gen_trace_command, trace_group
 from kvbench.cli.vllm_cli import vllm_command
 

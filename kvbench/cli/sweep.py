@@ -1,10 +1,9 @@
-"""`kvbench sweep` and `kvbench paper`: grids of runs, and the paper's tables from them."""
+"""`kvbench sweep`: a grid of runs (its options are also `kvbench paper --run`'s: kvbench/cli/paper.py)."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,7 @@ def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[An
     return configs
 
 
-def _sweep_options(func):
+def sweep_options(func):
     for option in reversed([
         click.option("--methods", callback=_csv(str, "names"), default=None, help="Comma-separated methods."),
         click.option("--method-param", "method_params", multiple=True, metavar="METHOD:KEY=V1,V2",
@@ -169,7 +168,7 @@ def _sweep_options(func):
     return func
 
 
-def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, search: dict[str, Any] | None = None,
+def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search: dict[str, Any] | None = None,
                **options: Any) -> Path:
     """Build the sweep's spec from the options and run it (or, with `search`, the max-QPS search
     kvbench.experiment.max_qps runs over it)."""
@@ -184,6 +183,8 @@ def _run_sweep(out: Path, defaults: dict[str, Any], after_cell: Any = None, sear
     from kvbench.tracegen.code_execution import CodeExecutionRefused
 
     methods = options.pop("methods") or defaults.get("methods", ["nonshared", "fullshared"])
+    # a table about one method's parameter (Table 13's V, Fig 13's ranks) keeps that method
+    methods = [*methods, *(m for m in defaults.get("method_params", {}) if m not in methods)]
     param_specs = tuple(options.pop("method_params"))
     for method, grid in defaults.get("method_params", {}).items():
         if not any(p.startswith(method + ":") for p in param_specs):
@@ -301,7 +302,7 @@ def _run_on_ray(spec: Any, out: Path, ray: Any, after_cell: Any) -> Path:
               metavar="LOW,HIGH", help="Rates the search stays within.")
 @click.option("--search-steps", type=click.IntRange(min=0), default=3, show_default=True,
               help="Bisections of the bracket between the last passing and the first failing rate.")
-@_sweep_options
+@sweep_options
 def sweep_command(out: Path, find_max_qps: bool, goodput_share: float, goodput_metric: str, qps_range: list[float],
                   search_steps: int, **options: Any) -> None:
     """Replay a grid: methods x --shared-tokens x --qps x --agents x --rounds x repeats."""
@@ -309,7 +310,7 @@ def sweep_command(out: Path, find_max_qps: bool, goodput_share: float, goodput_m
         raise click.BadParameter(f"expected LOW,HIGH with 0 < LOW < HIGH, got {qps_range}", param_hint="--qps-range")
     search = ({"target_share": goodput_share, "metric": goodput_metric, "qps_range": (qps_range[0], qps_range[1]),
                "steps": search_steps} if find_max_qps else None)
-    _run_sweep(out, {}, search=search, **options)
+    run_grid(out, {}, search=search, **options)
     click.echo(f"sweep done: {out}  (kvbench report {out}; kvbench paper table7 --results {out})")
 
 
@@ -330,72 +331,3 @@ def _print_max_qps(report: dict[str, Any]) -> None:
 
 def _rate(qps: float | None) -> str:
     return "none in range" if qps is None else f"{qps:g}"
-
-
-def _paper_names() -> list[str]:
-    from kvbench.analysis.paper import TABLES
-
-    return list(TABLES)
-
-
-def _paper_help() -> str:
-    from kvbench.analysis.paper import NOT_COVERED, TABLES
-
-    listed = "\n\n".join(f"\b\n{name}: {table.title.split(': ', 1)[1]}"
-                          + (f" [--run: --protocol {table.protocol}]" if table.protocol != "free" else "")
-                          for name, table in TABLES.items())
-    return ("Render a table or figure of the KVCMAS paper from sweep results, the paper's values beside ours "
-            "(`--run` sweeps the paper's grid first; on a CPU pass smaller --shared-tokens/--qps).\n\n"
-            + listed + "\n\nNot covered: " + "; ".join(NOT_COVERED.values()) + ".")
-
-
-@click.command("paper", help=_paper_help())
-@click.argument("table", type=click.Choice(_paper_names()))
-@click.option("--results", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Render from an existing sweep directory.")
-@click.option("--run", "run_sweep", is_flag=True, help="Run the table's sweep first (at --shared-tokens/--qps...).")
-@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Output directory [default: reports/<table>].")
-@click.option("--paper-values/--no-paper-values", default=True, show_default=True,
-              help="Show the paper's values beside ours where it has them.")
-@_sweep_options
-def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path | None, paper_values: bool,
-                  **options: Any) -> None:
-    from kvbench.analysis import paper
-    from kvbench.analysis.runs import RunLoadError
-
-    started = time.monotonic()
-    out = out or Path("reports") / table
-    if run_sweep == (results is not None):
-        raise click.UsageError("give exactly one of --results DIR or --run")
-    if run_sweep:
-        after_cell = None
-        if table in paper.FIDELITY_TABLES and options.get("ray_address") is not None:
-            # FullShared's segments are measured in the prompts of NonShared's cell, which a Ray
-            # task of its own may not have finished, nor on the same worker
-            raise click.UsageError(f"paper {table} --run measures FullShared's caches against NonShared's cell of the "
-                                   "same sweep on one machine; run it without --ray")
-        if table in paper.FIDELITY_TABLES:
-            from kvbench.experiment.fidelity import record_fidelity
-
-            after_cell = record_fidelity()
-        entry, accuracy_options = paper.TABLES[table], dict(options)
-        grid = {**entry.grid, "protocol": entry.protocol}
-        if entry.output_lens and options["output_len"] is None:  # Table 10: one sweep per output length
-            for output_len in entry.output_lens:
-                _run_sweep(out / f"sweep-out{output_len}", grid, **{**options, "output_len": output_len})
-            results = out
-        else:
-            results = _run_sweep(out / "sweep", grid, after_cell=after_cell, **options)
-        accuracy = entry.accuracy_grid
-        if accuracy and all(t in accuracy_options["data_files"] or t == "humaneval" for t in accuracy["benchmarks"]):
-            _run_sweep(out / "sweep-accuracy", accuracy, **accuracy_options)
-            results = out  # both sweeps
-    assert results is not None
-    try:
-        path = paper.render(table, results, out, paper_values)
-    except (RunLoadError, FileNotFoundError) as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(path.read_text())
-    click.echo(f"written: {path}" + (f" (sweep and table in {time.monotonic() - started:.0f} s)" if run_sweep else ""),
-               err=True)

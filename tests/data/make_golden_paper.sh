@@ -16,10 +16,10 @@ kvbench() {
     >"$scratch/log" 2>&1 || { cat "$scratch/log"; exit 1; }
 }
 common=(--num-trajectories 2 --num-warmups 0)
-kvbench paper table7 --run -o "$scratch/serving" "${common[@]}" --shared-tokens 2048,8192 --qps 0,8 \
+kvbench paper table7 --run -o "$scratch/table7" "${common[@]}" --shared-tokens 2048,8192 --qps 0,8 \
   --methods nonshared,fullshared,cacheblend,kvcmas,kvcmas-nonchained
 kvbench paper table10 --run -o "$scratch/table10" "${common[@]}" --qps 0,8 --methods nonshared,kvcmas --shared-tokens 2048
-kvbench paper table12 --run -o "$scratch/single" "${common[@]}" --shared-tokens 2048,8192 --methods nonshared,fullshared,kvcmas
+kvbench paper table12 --run -o "$scratch/table11" "${common[@]}" --shared-tokens 2048,8192 --methods nonshared,fullshared,kvcmas
 kvbench paper table13 --run -o "$scratch/table13" "${common[@]}" --shared-tokens 2048
 kvbench paper fig13 --run -o "$scratch/fig13" "${common[@]}" --shared-tokens 2048 --method-param kvcmas:r_c=16,32 \
   --method-param kvcmas:r_delta=16,32
@@ -28,7 +28,7 @@ kvbench paper table15 --run -o "$scratch/table15" "${common[@]}" --shared-tokens
 mmlu=(--data mmlu=tests/data/mmlu-sample.parquet --limit 2 --num-warmups 0)
 kvbench paper table6 --run -o "$scratch/table6" "${mmlu[@]}" --method-param kvcmas:tau=0.1,0.3
 kvbench paper table8 --run -o "$scratch/table8" "${mmlu[@]}"
-for name in serving table10 single table13 fig13 table14 table15 table6 table8; do
+for name in table7 table10 table11 table13 fig13 table14 table15 table6 table8; do
   mkdir -p "$out/$name"
   (cd "$scratch/$name" && find . -path '*/runs/*' \( -name config.json -o -name summary.json -o -name requests.parquet \) \
     -print0 | tar --null -cf - -T -) | tar -xf - -C "$out/$name"

@@ -5,6 +5,7 @@ here, never through kvbench.analysis.paper_values, so a value mistyped there fai
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -19,11 +20,11 @@ PAPER_TEXT = (DATA / "kvcmas-paper-tables.txt").read_text()
 GOLDEN = DATA / "golden-paper"
 # Each renderer and the folder it renders from; what it must draw.
 RENDERS = {
-    "table7": ("serving", ["fig5_p50_ttft.png", "fig8_p90_ttft.png", "fig6_chained.png"]),
-    "fig5": ("serving", ["fig5.png"]), "fig6": ("serving", []), "fig8": ("serving", []),
-    "table9": ("serving", ["fig9_chained_p90.png"]), "fig9": ("serving", []),
+    "table7": ("table7", ["fig5_p50_ttft.png", "fig8_p90_ttft.png", "fig6_chained.png"]),
+    "fig5": ("table7", ["fig5.png"]), "fig6": ("table7", []), "fig8": ("table7", []),
+    "table9": ("table7", ["fig9_chained_p90.png"]), "fig9": ("table7", []),
     "table10": ("table10", ["fig10.png", "fig11.png"]), "fig10": ("table10", []), "fig11": ("table10", []),
-    "table11": ("single", ["fig12_single_stream.png"]), "table12": ("single", []), "fig12": ("single", []),
+    "table11": ("table11", ["fig12_single_stream.png"]), "table12": ("table11", []), "fig12": ("table11", []),
     "table13": ("table13", []), "fig13": ("fig13", ["fig13.png"]),
     "table14": ("table14", []), "table15": ("table15", []),
     "table1": ("../golden-table1", []), "table4": ("../golden-table1", []), "fig4": ("../golden-table1", ["fig4.png"]),
@@ -123,9 +124,9 @@ def test_every_renderer_renders_from_its_golden_folder(name: str, tmp_path: Path
                                  if name not in ("table9", "fig9") or "kvcmas" in config)
     for figure in RENDERS[name][1]:
         assert (tmp_path / figure).stat().st_size > 0 and f"]({figure})" in text
-    if RENDERS[name][0] in ("serving", "table10"):
+    if RENDERS[name][0] in ("table7", "table10"):
         assert "Protocol: paper, the paper's (Appendix B.4)" in text
-    elif RENDERS[name][0] in ("single", "table13", "fig13", "table14", "table15"):
+    elif RENDERS[name][0] in ("table11", "table13", "fig13", "table14", "table15"):
         assert "Protocol: paper-decode" in text
 
 
@@ -207,3 +208,38 @@ def test_a_value_mistyped_in_paper_values_fails(tmp_path: Path, monkeypatch: pyt
 def test_the_excerpt_is_the_papers_text() -> None:
     full = Path(os.environ["KVBENCH_PAPER_TEXT"]).read_text().splitlines()
     assert all(line in full for line in PAPER_TEXT.splitlines())
+
+
+def test_paper_all_renders_every_entry_with_a_manifest(tmp_path: Path) -> None:
+    """`kvbench paper all --results DIR` over a `paper all --run` folder (here the golden sweeps
+    laid out as it lays them out): every entry rendered from its group's sweep, one that has no
+    sweep recorded as failed with why, manifest.json naming the commit, host and device."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.cli.paper import sweep_groups
+
+    groups = sweep_groups()
+    assert groups["table7"] == ["table7", "fig5", "fig8"] and groups["table9"] == ["fig6", "table9", "fig9"]
+    assert groups["table11"] == ["table11", "table12", "fig12"] and set(groups["table2"]) == {"fig2", "fig3", "table2", "fig7"}
+    assert sorted(n for names in groups.values() for n in names) == sorted(paper.TABLES)  # each entry once
+    runs = tmp_path / "all"
+    for group in groups:
+        source = {"table9": "table7", "table1": "../golden-table1", "table5": "../golden-table1"}.get(group, group)
+        if (GOLDEN / source).is_dir() and group != "table2":
+            target = runs / group if (GOLDEN / source / "sweep-out128").is_dir() or (GOLDEN / source / "sweep").is_dir() \
+                else runs / group / "sweep"
+            shutil.copytree(GOLDEN / source, target)
+    result = CliRunner().invoke(main, ["paper", "all", "--results", str(runs), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "4 entries did not render: fig2, fig3, table2, fig7" in result.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["device"].startswith(("cpu", "cuda")) and manifest["command"] == "kvbench paper all"
+    assert set(manifest) >= {"kvbench_version", "git_sha", "host", "model", "started", "finished"}
+    statuses = {name: entry["status"] for name, entry in manifest["entries"].items()}
+    assert statuses == {name: "failed" if name in groups["table2"] else "rendered" for name in paper.TABLES}
+    assert "no " in manifest["entries"]["fig2"]["reason"] and manifest["entries"]["table9"]["grid_of"] == "table9"
+    for name, entry in manifest["entries"].items():
+        if entry["status"] == "rendered":
+            assert Path(entry["table"]).read_text().startswith(f"# {paper.TABLES[name].title}")
