@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -110,6 +111,18 @@ def _render(name: str, tmp_path: Path) -> str:
     return paper.render(name, (GOLDEN / folder).resolve(), tmp_path).read_text()
 
 
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[str, Path]]:
+    """Each entry rendered once for the module's tests: (its text, its folder)."""
+    root, cache = tmp_path_factory.mktemp("paper"), {}
+
+    def get(name: str) -> tuple[str, Path]:
+        if name not in cache:
+            cache[name] = (_render(name, root / name), root / name)
+        return cache[name]
+    return get
+
+
 def test_paper_help_lists_every_table_and_figure_with_numbers() -> None:
     numbered = {f"table{n}" for n in range(1, 16)} | {f"fig{n}" for n in range(2, 14)}
     assert numbered - set(paper.TABLES) == {"table3"}  # settings, not results (its counts are the runbook's)
@@ -117,8 +130,8 @@ def test_paper_help_lists_every_table_and_figure_with_numbers() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(RENDERS))
-def test_every_renderer_renders_from_its_golden_folder(name: str, tmp_path: Path) -> None:
-    text = _render(name, tmp_path)
+def test_every_renderer_renders_from_its_golden_folder(name: str, rendered: Callable[[str], tuple[str, Path]]) -> None:
+    text, tmp_path = rendered(name)
     measured = pd.read_csv(tmp_path / f"{name}.csv")  # the grid points the table averaged
     assert len(measured) and all(f"| {config}" in text for config in set(measured["method_config"])
                                  if name not in ("table9", "fig9") or "kvcmas" in config)
@@ -130,13 +143,13 @@ def test_every_renderer_renders_from_its_golden_folder(name: str, tmp_path: Path
         assert "Protocol: paper-decode" in text
 
 
-def test_table7_and_table10_print_the_papers_ttft(tmp_path: Path) -> None:
-    assert _rendered(_render("table7", tmp_path), "Table 7", 3) == _flat_rows("Table 7:")
-    assert _rendered(_render("table10", tmp_path), "Table 10", 3) == _flat_rows("Table 10:")
+def test_table7_and_table10_print_the_papers_ttft(rendered: Callable[[str], tuple[str, Path]]) -> None:
+    assert _rendered(rendered("table7")[0], "Table 7", 3) == _flat_rows("Table 7:")
+    assert _rendered(rendered("table10")[0], "Table 10", 3) == _flat_rows("Table 10:")
 
 
-def test_fig5_pairs_selective_recomputation_with_delta_correction(tmp_path: Path) -> None:
-    text, table7 = _render("fig5", tmp_path), _flat_rows("Table 7:")
+def test_fig5_pairs_selective_recomputation_with_delta_correction(rendered: Callable[[str], tuple[str, Path]]) -> None:
+    text, table7 = rendered("fig5")[0], _flat_rows("Table 7:")
     columns = {0.9: slice(0, 7), 0.8: slice(7, 14), 0.6: slice(14, 21)}
     for pair in ((0.9, 0.8), (0.8, 0.6)):
         printed = _rendered(text, f"rho {pair[0]:g} / {pair[1]:g}", 3)
@@ -149,32 +162,32 @@ def test_fig5_pairs_selective_recomputation_with_delta_correction(tmp_path: Path
             assert values == table7[(size, "p50", method)][columns[float(rho)]]
 
 
-def test_table9_and_the_single_stream_tables_print_the_papers_values(tmp_path: Path) -> None:
-    assert _rendered(_render("table9", tmp_path), "Table 9", 3) == _tab_rows("Table 9:", 3)
-    single = _render("table12", tmp_path)
+def test_table9_and_the_single_stream_tables_print_the_papers_values(rendered: Callable[[str], tuple[str, Path]]) -> None:
+    assert _rendered(rendered("table9")[0], "Table 9", 3) == _tab_rows("Table 9:", 3)
+    single = rendered("table12")[0]
     assert _rendered(single, "Table 11", 2) == _tab_rows("Table 11:", 2)
     assert _rendered(single, "Table 12", 2) == _tab_rows("Table 12:", 2)
-    assert _rendered(_render("table13", tmp_path), "Table 13", 1) == _tab_rows("Table 13:", 1)
-    assert _rendered(_render("table14", tmp_path), "Table 14", 1) == _tab_rows("Table 14:", 1)
-    assert _rendered(_render("table15", tmp_path), "Table 15", 1) == _tab_rows("Table 15:", 1)
+    assert _rendered(rendered("table13")[0], "Table 13", 1) == _tab_rows("Table 13:", 1)
+    assert _rendered(rendered("table14")[0], "Table 14", 1) == _tab_rows("Table 14:", 1)
+    assert _rendered(rendered("table15")[0], "Table 15", 1) == _tab_rows("Table 15:", 1)
 
 
-def test_the_accuracy_tables_print_the_papers_llm_columns(tmp_path: Path) -> None:
+def test_the_accuracy_tables_print_the_papers_llm_columns(rendered: Callable[[str], tuple[str, Path]]) -> None:
     table1 = _flat_table1()
-    text = _render("table1", tmp_path)
+    text = rendered("table1")[0]
     for index, title in enumerate(["final-answer accuracy", "mean workflow latency", "TTFT", "peak memory",
                                    "realized rho"]):
         printed = _rendered(text, title, 1)
         assert printed == {m: values[index::5] for m, values in table1.items()}, title
     assert list(_rendered(text, "final-answer accuracy", 1))[5:7] == [("graphflow",), ("kvcomm",)]  # its order
     llm = {key: values[:6] for key, values in _tab_rows("Table 4:", 1).items()}
-    assert _rendered(_render("table4", tmp_path), "Table 4", 1) == llm
-    assert _rendered(_render("table5", tmp_path), "Table 5", 1) == {k: v[:3] for k, v in _tab_rows("Table 5:", 1).items()}
+    assert _rendered(rendered("table4")[0], "Table 4", 1) == llm
+    assert _rendered(rendered("table5")[0], "Table 5", 1) == {k: v[:3] for k, v in _tab_rows("Table 5:", 1).items()}
     table6 = [line.split("\t")[:3] for line in _block("Table 6:") if _is_number(line.split("\t")[0])]
-    assert _rendered(_render("table6", tmp_path), "Table 6", 1) == {(t,): [_number(a), _number(r)] for t, a, r in table6}
+    assert _rendered(rendered("table6")[0], "Table 6", 1) == {(t,): [_number(a), _number(r)] for t, a, r in table6}
     table8 = {(_label(line.split("\t")[0]),): [_number(line.split("\t")[1])] for line in _block("Table 8:")[1:]}
-    assert _rendered(_render("table8", tmp_path), "Table 8", 1) == table8
-    fig4 = _rendered(_render("fig4", tmp_path), "Fig. 4", 2)
+    assert _rendered(rendered("table8")[0], "Table 8", 1) == table8
+    fig4 = _rendered(rendered("fig4")[0], "Fig. 4", 2)
     assert fig4 == {(task, method): [values[1 + 5 * i], values[5 * i]] for (method,), values in table1.items()
                     for i, task in enumerate(("mmlu", "gsm8k"))}  # (latency, accuracy) per task
 
