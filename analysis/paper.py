@@ -88,7 +88,7 @@ def table2_paper_lines() -> list[str]:
     return paper_section("Table 2 (LLM rows; rho 0.9)", table)
 
 
-TABLE10 = {"shared_tokens": [2048], "qps": PAPER_QPS, "agents": [4], "methods": PAPER_METHODS}
+TABLE10 = {**SERVING_GRID, "shared_tokens": [2048]}
 TABLES: dict[str, PaperTable] = {t.name: t for t in [
     PaperTable("table1", "Table 1: task accuracy, latency, memory and rho on MMLU, GSM8K and HumanEval",
                TABLE1_GRID, render_table1),
@@ -106,13 +106,16 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
     PaperTable("fig8", "Fig 8: p90 TTFT under concurrent serving (with Table 7)", SERVING_GRID, render_table7,
                protocol="paper"),
     PaperTable("fig6", "Fig 6: chained against non-chained KVCMAS, p50 TTFT (with Table 7)",
-               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table7, protocol="paper"),
+               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"], "target_rhos": [0.8]}, render_table7,
+               protocol="paper"),
     PaperTable("table8", "Table 8: chained against non-chained KVCMAS accuracy (MMLU)",
                {**MMLU_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table8),
     PaperTable("table9", "Table 9: chained against non-chained KVCMAS TTFT",
-               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table9, protocol="paper"),
+               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"], "target_rhos": [0.8]}, render_table9,
+               protocol="paper"),
     PaperTable("fig9", "Fig 9: chained against non-chained KVCMAS, p90 TTFT (with Table 9)",
-               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"]}, render_table9, protocol="paper"),
+               {**SERVING_GRID, "methods": ["kvcmas", "kvcmas-nonchained"], "target_rhos": [0.8]}, render_table9,
+               protocol="paper"),
     *[PaperTable(name, title, TABLE10, render_table10, protocol="paper", output_lens=(128, 512, 2048))
       for name, title in (("table10", "Table 10: TTFT with long agent outputs"),
                           ("fig10", "Fig 10: p50 TTFT with long agent outputs (with Table 10)"),
@@ -122,11 +125,12 @@ TABLES: dict[str, PaperTable] = {t.name: t for t in [
                           ("table12", "Table 12: single-stream reuse TTFT and throughput"),
                           ("fig12", "Fig 12: single-stream TTFT, throughput and memory (Tables 11-12)"))],
     PaperTable("table13", "Table 13: anchor-pool capacity V",
-               {**SINGLE_32K, "methods": ["kvcmas"], "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}}, render_table13,
+               {**SINGLE_32K, "methods": ["kvcmas"], "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}},
+                "target_rhos": [0.8]}, render_table13,
                accuracy_grid={**MMLU_GRID, "methods": ["kvcmas"], "method_params": {"kvcmas": {"V": [1, 5, 10, 20]}}},
                protocol="paper-decode"),
     PaperTable("fig13", "Fig 13: KVCMAS's ranks r_C and r_Delta",
-               {**SINGLE_32K, "methods": ["kvcmas"], "method_params": RANKS}, render_fig13,
+               {**SINGLE_32K, "methods": ["kvcmas"], "method_params": RANKS, "target_rhos": [0.8]}, render_fig13,
                accuracy_grid={**MMLU_GRID, "methods": ["kvcmas"], "method_params": RANKS}, protocol="paper-decode"),
     PaperTable("table14", "Table 14: scaling with the number of agents",
                {**SINGLE_32K, "agents": [2, 4, 8]}, render_table14, protocol="paper-decode"),

@@ -29,6 +29,15 @@ def _csv(kind: Callable[[str], Any], what: str):
     return parse
 
 
+def _target_rho(text: str) -> float | None:
+    if text.strip() == "none":
+        return None
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(text)
+    return value
+
+
 def _data_files(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> dict[str, str]:
     files = {}
     for spec in value:
@@ -52,8 +61,10 @@ def _benchmarks(tasks: list[str], files: dict[str, str]) -> dict[str, str | None
     return runnable
 
 
-def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[Any]:
-    """`kvcmas:V=5,10` (repeatable) -> one configuration per value combination of that method."""
+def _method_configs(methods: list[str], param_specs: tuple[str, ...], target_rhos: list[float] | None = None) -> list[Any]:
+    """`kvcmas:V=5,10` (repeatable) -> one configuration per value combination of that method;
+    with `target_rhos`, each configuration of a method with a threshold once per target (the
+    others once: nothing to calibrate)."""
     from kvbench.experiment.sweep import MethodConfig
     from kvbench.methods.registry import method_spec, validate_params
 
@@ -73,13 +84,18 @@ def _method_configs(methods: list[str], param_specs: tuple[str, ...]) -> list[An
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--methods") from None
         keys = sorted(grids[method])
-        for values in itertools.product(*(grids[method][k] for k in keys)):
-            params = dict(zip(keys, values))
+        for combination in itertools.product(*(grids[method][k] for k in keys)):
+            params = dict(zip(keys, combination))
             try:
                 validate_params(method, params)
             except ValueError as exc:
                 raise click.BadParameter(str(exc), param_hint="--method-param") from None
-            configs.append(MethodConfig(method, params))
+            gate = method_spec(method).threshold_name
+            if target_rhos and gate is not None and gate in params:
+                raise click.BadParameter(f"{method}:{gate} is what --target-rho calibrates; give one or the other",
+                                         param_hint="--method-param")
+            targets: list[float | None] = list(target_rhos) if target_rhos and gate is not None else [None]
+            configs += [MethodConfig(method, params, target_rho=target) for target in targets]
     return configs
 
 
@@ -133,6 +149,13 @@ def sweep_options(func):
                           "reference run's outputs (run first, per trace) and each request stops at its first token; "
                           "paper-decode: those prompts, whole outputs (its single-stream tables) [default: free; "
                           "`kvbench paper`: the table's]."),
+        click.option("--target-rho", "target_rhos", callback=_csv(_target_rho, "reuse ratios in [0, 1] (or none)"),
+                     default=None, metavar="RHO1,RHO2",
+                     help="Calibrate each gated method (a threshold: kvcmas's tau, kvcomm's gamma, graphflow's "
+                          "budget, cacheblend's ratio...) to each reuse ratio on its server first, on trajectories "
+                          "the cells do not replay (kvbench calibrate's bisection), one configuration per target "
+                          "(`kvcmas-rho0.8`); methods without a threshold run once. `none`: no calibration "
+                          "[default: none; `kvbench paper`: the table's targets]."),
         click.option("--goodput", "--slo", "goodput_specs", multiple=True, metavar="KEY:MS",
                      help="Latency bounds of goodput in every cell (as kvbench replay --goodput: ttft, tpot, e2el, "
                           "workflow)."),
@@ -215,8 +238,10 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
         click.echo("note: --quality adds nonshared to --methods: its cells at each QPS show how much load alone "
                    "changes the outputs", err=True)
         methods = ["nonshared", *methods]
+    given = options.pop("target_rhos")
+    target_rhos = [t for t in (given if given is not None else defaults.get("target_rhos", [])) if t is not None]
     spec = SweepSpec(
-        methods=_method_configs(methods, param_specs),
+        methods=_method_configs(methods, param_specs, target_rhos),
         **{key: (options[key] if options[key] is not None else defaults.get(key, default))
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
         **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",

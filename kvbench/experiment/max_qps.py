@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from kvbench import run_files
 from kvbench.experiment.sweep import SweepCell, SweepSpec, cell_dir, cell_done, prepare_sweep
+from kvbench.experiment.sweep_calibration import calibrated_params
 from kvbench.experiment.sweep_runner import replay_cell, sweep_servers
 
 MAX_QPS_FILE = "max_qps.json"
@@ -103,13 +104,14 @@ def find_max_qps(spec: SweepSpec, root: Path, target_share: float = 0.9, metric:
                 for trace_id, trace in inputs.traces.items():
                     context = int(trace.header.generator.get("shared_tokens") or 0)
                     trajectories = workloads.get(context, spec.num_trajectories)
+                    params = calibrated_params(spec, root, inputs, method, trace_id, server)  # --target-rho
 
                     def probe(qps: float, method: Any = method, trace_id: str = trace_id, context: int = context,
-                              trajectories: int = trajectories) -> Probe:
+                              trajectories: int = trajectories, params: dict[str, Any] = params) -> Probe:
                         cell = SweepCell(method, trace_id, context, qps, trajectories, 0,
                                          cell_dir(root, method, trace_id, qps, 0))
                         summary = (json.loads((cell.path / run_files.SUMMARY).read_text()) if cell_done(cell.path)
-                                   else replay_cell(spec, cell, server, inputs))
+                                   else replay_cell(spec, cell, server, inputs, None, params))
                         found = probe_of(cell, root, summary, metric, target_share)
                         if on_probe:
                             on_probe(f"{method.name} {trace_id} QPS {qps:g}: {metric} goodput {found.share:.1%} "

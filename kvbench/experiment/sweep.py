@@ -25,11 +25,15 @@ class MethodConfig:
     method: str
     params: dict[str, Any] = field(default_factory=dict)
     label: str | None = None  # the row's name in tables; derived from method and params by default
+    # The reuse ratio its threshold is calibrated to on its server before its cells (sweep
+    # --target-rho; kvbench.experiment.sweep_calibration); None: its parameters as given.
+    target_rho: float | None = None
 
     @property
     def name(self) -> str:
-        """Directory-safe name, e.g. `kvcmas` or `kvcmas-V10-tau0.3` (or the label)."""
-        return self.label or self.method + "".join(f"-{k}{v}" for k, v in sorted(self.params.items()))
+        """Directory-safe name, e.g. `kvcmas`, `kvcmas-V10-tau0.3` or `kvcmas-rho0.8` (or the label)."""
+        return self.label or self.method + "".join(f"-{k}{v}" for k, v in sorted(self.params.items())) + (
+            f"-rho{self.target_rho:g}" if self.target_rho is not None else "")
 
 
 # The plain NonShared configuration: the one whose server also runs a sweep's quality references.

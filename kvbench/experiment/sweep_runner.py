@@ -29,6 +29,7 @@ from kvbench.experiment.sweep import (
     prepare_sweep,
     quality_dirs,
 )
+from kvbench.experiment.sweep_calibration import calibrated_params
 
 logger = logging.getLogger(__name__)
 
@@ -97,17 +98,21 @@ def group_steps(spec: SweepSpec, root: Path, inputs: SweepInputs, group: CellGro
             yield GroupStep(run, label, finished=False)
             _run_quality_baseline(spec, inputs, name, run, drop, server)
             yield GroupStep(run, label, finished=True)
+        calibrated: dict[str, dict[str, Any]] = {}  # trace -> the parameters its cells run with
         for cell in group.todo:
             label = f"{group.method.name} {cell.path.name}"
             yield GroupStep(cell.path, label, finished=False)
-            replay_cell(spec, cell, server, inputs, after_cell)
+            if cell.trace_id not in calibrated:  # --target-rho: the threshold set first, once per trace
+                calibrated[cell.trace_id] = calibrated_params(spec, root, inputs, group.method, cell.trace_id, server)
+            replay_cell(spec, cell, server, inputs, after_cell, calibrated[cell.trace_id])
             yield GroupStep(cell.path, label, finished=True)
 
 
 def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInputs,
-                after_cell: AfterCell | None = None) -> dict[str, Any] | None:
+                after_cell: AfterCell | None = None, params: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """One cell's replay on its method's running server, resumed where an earlier one stopped;
-    its summary, or None when the replay failed with the server still up (error.txt says why)."""
+    its summary, or None when the replay failed with the server still up (error.txt says why).
+    `params`: the method's parameters as the server runs them (calibrated: --target-rho)."""
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.replay.protocol import protocol
     from kvbench.replay.runner import ReplayConfig, ReplayError
@@ -116,6 +121,7 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
     from kvbench.tracegen.schema import Trace
 
     method, trace = cell.method, inputs.traces[cell.trace_id]
+    params = dict(method.params) if params is None else params
     trajectories = trace.trajectories[: spec.num_warmups + cell.num_trajectories]
     chosen = protocol(spec.protocol)
     reference = None
@@ -130,13 +136,14 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
         tokenizer=inputs.tokenizer, method=method.method, base_urls=server.base_urls, result_dir=cell.path,
         routing=spec.routing, qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
         prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
-        label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=method.params,
+        label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=params,
         request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
         sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
         saturation=SaturationRule() if spec.stop_on_saturation else None,
         server_pids=server.pids, server_failure=server.failure, server_tier_url=server.tier_url,
         metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
-        extra_config={**inputs.recorded(cell.trace_id), "method_params": method.params, "method_config": method.name,
+        extra_config={**inputs.recorded(cell.trace_id), "method_params": params, "method_config": method.name,
+                      "target_rho": method.target_rho,
                       "server_options": spec.server_options, "server_command": server.command(),
                       **server.describe()})
     try:

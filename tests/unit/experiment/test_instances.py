@@ -171,7 +171,7 @@ def test_a_sweep_runs_each_method_configuration_on_its_instances(fake_servers, t
 
     seen: list[tuple[str, list[str], str, bool]] = []
 
-    def fake_replay(spec, cell, server, inputs, after_cell=None) -> None:
+    def fake_replay(spec, cell, server, inputs, after_cell=None, params=None) -> None:
         master = server.master
         seen.append((cell.method.name, server.base_urls, spec.routing, master is not None and _alive(master.pid)))
 

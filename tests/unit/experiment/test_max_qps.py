@@ -70,7 +70,7 @@ def test_the_command_searches_every_method_and_resumes(tmp_path: Path, monkeypat
     capacity = {"nonshared": 1.5, "fullshared": 5.0}
     replayed: list[tuple[str, float]] = []
 
-    def fake_replay(spec, cell, server, inputs, after_cell=None) -> dict:
+    def fake_replay(spec, cell, server, inputs, after_cell=None, params=None) -> dict:
         replayed.append((cell.method.name, cell.qps))
         share = 1.0 if cell.qps <= capacity[cell.method.name] else 0.6
         summary = {"workflow_goodput_share": share, "completed_trajectories": 20, "failed_trajectories": 0}

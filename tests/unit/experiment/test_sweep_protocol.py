@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,31 @@ def test_a_paper_protocol_sweep_replays_every_cell_on_the_reference(tiny_tokeniz
         assert (merged["prompt_tokens"] == merged["prompt_tokens_ref"]).all()
     refused = _sweep(tmp_path / "r", tiny_tokenizer_dir, "--protocol", "paper", "--ray")
     assert refused.returncode == 2 and "without --ray" in refused.stderr
+
+
+def test_target_rho_calibrates_each_gated_configuration_once_per_trace(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """`sweep --target-rho 0.5,0.9`: one configuration per target for a gated method (kvcmas), the
+    ungated ones once; each calibrated on its server on trajectories the cells do not replay, the
+    threshold recorded and run by every cell; a rerun reads the calibration back."""
+    extra = ["--methods", "nonshared,kvcmas", "--qps", "0", "--target-rho", "0.5,0.9"]
+    done = _sweep(tmp_path / "s", tiny_tokenizer_dir, *extra)
+    assert done.returncode == 0, done.stderr
+    configs = sorted(p.name for p in (tmp_path / "s" / "runs").iterdir())
+    assert configs == ["kvcmas-rho0.5", "kvcmas-rho0.9", "nonshared"]
+    for target in (0.5, 0.9):
+        report = json.loads((tmp_path / "s" / "calibration" / f"kvcmas-rho{target:g}-ctx64-a4-r1.json").read_text())
+        assert report["target_rho"] == target and report["steps"] and report["seed"] == 1000
+        (cell,) = (tmp_path / "s" / "runs" / f"kvcmas-rho{target:g}").glob("ctx64-*")
+        config = json.loads((cell / "config.json").read_text())
+        assert config["target_rho"] == target and config["method_params"]["tau"] == report["tau"]
+        assert config["method_config"] == f"kvcmas-rho{target:g}"
+    nonshared = json.loads(next((tmp_path / "s" / "runs" / "nonshared").glob("ctx64-*/config.json")).read_text())
+    assert nonshared["target_rho"] is None
+    calibration = tmp_path / "s" / "calibration" / "kvcmas-rho0.5-ctx64-a4-r1.json"
+    shutil.rmtree(next((tmp_path / "s" / "runs" / "kvcmas-rho0.5").glob("ctx64-*")))  # a cell to run again
+    before = calibration.stat().st_mtime_ns
+    assert _sweep(tmp_path / "s", tiny_tokenizer_dir, *extra).returncode == 0
+    assert calibration.stat().st_mtime_ns == before  # read back, not calibrated again
+    assert len(list((tmp_path / "s" / "runs" / "kvcmas-rho0.5").glob("ctx64-*"))) == 1
+    refused = _sweep(tmp_path / "r", tiny_tokenizer_dir, *extra, "--method-param", "kvcmas:tau=0.3")
+    assert refused.returncode == 2 and "what --target-rho calibrates" in refused.stderr
