@@ -258,10 +258,6 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
     if ray is not None:
         if search is not None:
             raise click.UsageError("--find-max-qps probes one rate after another on one machine; not with --ray")
-        if spec.protocol != "free":
-            raise click.UsageError(f"--protocol {spec.protocol} replays every cell on its trace's reference run, "
-                                   "which a Ray sweep does not yet place on its workers; run it without --ray (or "
-                                   "with --protocol free)")
         return _run_on_ray(spec, out, ray, after_cell)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                         TimeElapsedColumn(), console=Console(stderr=True))

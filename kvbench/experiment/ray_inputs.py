@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbench.experiment.file_bundle import BundleError, FileBundle, folder_bytes, folder_digests, place_folder
+from kvbench.experiment.file_bundle import (
+    BundleError,
+    FileBundle,
+    folder_bytes,
+    folder_digests,
+    folder_files,
+    place_folder,
+)
 from kvbench.experiment.sweep import SweepInputs, SweepSpec
 
 SHIP_LIMIT_BYTES = 2 << 30  # a larger local folder must be on storage every node mounts at the same path
@@ -65,9 +72,12 @@ class ClusterInputs:
     model_folder: FolderInput | None  # a local model folder (not embedded, not a hub name)
     adapters: dict[str, FolderInput] = field(default_factory=dict)  # LoRA name -> its folder
     consent_env: dict[str, str] = field(default_factory=dict)  # e.g. consent to run model-written code
+    # --protocol paper: the traces' reference runs (quality/<trace>/reference), done before the cells
+    references: FileBundle | None = None
+    root: str = ""  # the driver's sweep folder (what runs record in place of a worker's scratch)
 
 
-def cluster_inputs(spec: SweepSpec, inputs: SweepInputs) -> ClusterInputs:
+def cluster_inputs(spec: SweepSpec, inputs: SweepInputs, root: Path) -> ClusterInputs:
     """The driver's side: its traces, model and adapters as a worker will check them."""
     import os
 
@@ -81,7 +91,18 @@ def cluster_inputs(spec: SweepSpec, inputs: SweepInputs) -> ClusterInputs:
         trace_paths={name: str(path) for name, path in inputs.trace_paths.items()}, model=inputs.model,
         model_identity=inputs.model_identity, tokenizer_name=inputs.tokenizer.name, model_folder=model_folder,
         adapters={name: _folder_input(Path(path)) for name, path in inputs.lora_modules.items()},
-        consent_env={CONSENT_ENV: os.environ[CONSENT_ENV]} if os.environ.get(CONSENT_ENV) else {})
+        consent_env={CONSENT_ENV: os.environ[CONSENT_ENV]} if os.environ.get(CONSENT_ENV) else {}, root=str(root))
+
+
+def with_references(inputs: ClusterInputs, trace_ids: list[str]) -> ClusterInputs:
+    """`inputs` carrying the finished reference runs of `trace_ids` from the driver's sweep folder
+    (under --protocol paper every cell's prompts are built on them)."""
+    from kvbench.experiment.sweep import cell_done, quality_dirs
+
+    root = Path(inputs.root)
+    runs = [run for run in (quality_dirs(root, trace)[0] for trace in trace_ids) if cell_done(run)]
+    files = {path.relative_to(root).as_posix(): path for run in runs for path in folder_files(run)}
+    return dataclasses.replace(inputs, references=FileBundle.of_files(files))
 
 
 def _folder_input(folder: Path) -> FolderInput:
@@ -111,6 +132,8 @@ def place_inputs(inputs: ClusterInputs, scratch: Path) -> SweepInputs:
 
     os.environ.update(inputs.consent_env)
     inputs.traces.write_into(scratch)
+    if inputs.references is not None:  # where the cells look for them: quality/<trace>/reference
+        inputs.references.write_into(scratch)
     traces = {name: read_trace(scratch / "traces" / f"{name}.jsonl") for name in inputs.trace_paths}
     cache = Path(tempfile.gettempdir()) / "kvbench-ray-inputs"
     spec = inputs.spec
@@ -130,4 +153,5 @@ def place_inputs(inputs: ClusterInputs, scratch: Path) -> SweepInputs:
     return SweepInputs(tokenizer=tokenizer, model=inputs.model, traces=traces,
                        lora_modules={name: folder.place(cache) for name, folder in inputs.adapters.items()},
                        trace_paths={name: Path(path) for name, path in inputs.trace_paths.items()},
-                       model_identity=inputs.model_identity, served_model=served)
+                       model_identity=inputs.model_identity, served_model=served,
+                       recorded_root=Path(inputs.root) if inputs.root else None)

@@ -119,8 +119,9 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
                      after_cell: AfterCell | None = None) -> list[SweepCell]:
     """The sweep in `root` with its groups as Ray tasks; all its cells. SweepRunsFailed after
     committing everything else when runs failed on every attempt."""
-    from kvbench.experiment.ray_inputs import cluster_inputs
+    from kvbench.experiment.ray_inputs import cluster_inputs, with_references
     from kvbench.experiment.ray_task import run_cell_group
+    from kvbench.replay.protocol import protocol
     from kvbench.replay.result_lock import result_dir_lock
 
     with result_dir_lock(root):  # one sweep per folder
@@ -138,7 +139,7 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
                         + f" in {time.monotonic() - began:.1f} s; {sum(len(g.todo) + len(g.baselines) for g in todo)} "
                         f"run(s) in {len(todo)} task(s)")
                 resources = cell_resources(spec, options, ray.nodes())
-                shipped = cluster_inputs(spec, inputs)
+                shipped = cluster_inputs(spec, inputs, root)
                 remote = ray.remote(max_retries=0)(run_cell_group).options(**resources)
 
                 def submit(group: CellGroup, attempt: int) -> _Task:
@@ -146,7 +147,19 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
                     task.generator = remote.remote(shipped, group, str(root), after_cell)
                     return task
 
-                failed = _drive(ray, [submit(group, 1) for group in todo], submit, root, options, on_line)
+                # Under --protocol paper every cell's prompts are built on its trace's reference run:
+                # the group running the references goes first, and the rest carry them.
+                anchored = protocol(spec.protocol).anchored
+                first = [group for group in todo if anchored and group.baselines]
+                failed = _drive(ray, [submit(group, 1) for group in first], submit, root, options, on_line)
+                rest = [group for group in todo if not (anchored and group.baselines)]
+                if failed and rest:
+                    raise SweepRunsFailed(f"the reference run(s) {', '.join(failed)} failed on every attempt; the "
+                                          f"other {sum(len(g.todo) for g in rest)} run(s) replay on them and were not "
+                                          f"started (reasons in their error.txt); rerun the same command")
+                if anchored:
+                    shipped = with_references(shipped, list(inputs.traces))
+                failed += _drive(ray, [submit(group, 1) for group in rest], submit, root, options, on_line)
         cells = finish_sweep(spec, root)
     if failed:
         raise SweepRunsFailed(f"{len(failed)} run(s) failed on every attempt: {', '.join(failed)} (reasons in their "

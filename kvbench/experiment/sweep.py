@@ -208,7 +208,8 @@ class SweepInputs:
 
     `model`, `model_identity` and `trace_paths` are what runs record (the sweep folder's, read by
     its analysis); `served_model` is where a cell's server loads the model from when that differs
-    (a cluster worker's own copy, kvbench.experiment.ray_inputs)."""
+    (a cluster worker's own copy, kvbench.experiment.ray_inputs); `recorded_root`, where runs say
+    their reference run is when they run in a worker's scratch folder."""
 
     tokenizer: Any
     model: str
@@ -217,6 +218,7 @@ class SweepInputs:
     trace_paths: dict[str, Path] = field(default_factory=dict)
     model_identity: str | None = None
     served_model: str | None = None
+    recorded_root: Path | None = None  # a cluster worker's: the driver's sweep folder, recorded for its scratch one
 
     def server_config(self, spec: SweepSpec, root: Path, method: MethodConfig) -> Any:
         """The server of one method configuration (its log in the configuration's folder)."""

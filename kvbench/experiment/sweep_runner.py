@@ -9,6 +9,7 @@ cell with `after_cell`, while the cell's server is still up)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -128,8 +129,10 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
     if chosen.anchored:  # every prompt on the reference's outputs (run first, on the NonShared server)
         from kvbench.replay.reference import load_reference
 
-        reference = load_reference(quality_dirs(root_of(cell), cell.trace_id)[0], trajectories[spec.num_warmups:],
-                                   inputs.model)
+        root = root_of(cell)
+        reference = load_reference(quality_dirs(root, cell.trace_id)[0], trajectories[spec.num_warmups:], inputs.model)
+        if inputs.recorded_root is not None:  # a cluster worker's copy: recorded where the driver keeps it
+            reference = dataclasses.replace(reference, path=inputs.recorded_root / reference.path.relative_to(root))
     config = ReplayConfig.build(
         trace=Trace(header=trace.header, trajectories=trajectories), reference=reference,
         first_token_only=chosen.first_token_only,

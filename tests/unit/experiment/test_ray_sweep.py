@@ -139,6 +139,26 @@ def test_a_ray_sweep_leaves_a_local_sweeps_files_and_reruns_nothing(local_sweep:
     assert not _left_behind(before)
 
 
+def test_a_paper_protocol_sweep_ships_the_reference_to_the_later_tasks(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """--protocol paper on Ray: the task running the references (NonShared's) ends before any
+    other starts, and the others replay every prompt on the references it made, recorded where
+    the driver keeps them."""
+    out = tmp_path / "sweep"
+    result = _sweep(out, tiny_tokenizer_dir, "--protocol", "paper", "--ray", "--cell-cpus", "1")
+    assert result.returncode == 0, result.stderr
+    reference = out / "quality" / "ctx64-a4-r1" / "reference"
+    assert result.stderr.index("quality/ctx64-a4-r1/reference: finished") < result.stderr.index("fullshared ctx64-a4-r1")
+    ref = pd.read_parquet(reference / "requests.parquet")[["trajectory_id", "turn_id", "prompt_tokens"]]
+    for method in ("nonshared", "fullshared"):
+        cell = out / "runs" / method / "ctx64-a4-r1-qps0-rep0"
+        config = json.loads((cell / "config.json").read_text())
+        assert config["protocol"] == "paper" and config["reference_run"]["path"] == str(reference)
+        requests = pd.read_parquet(cell / "requests.parquet").merge(ref, on=["trajectory_id", "turn_id"],
+                                                                    suffixes=("", "_ref"))
+        assert len(requests) == len(ref) and (requests["output_tokens"] == 1).all()
+        assert (requests["prompt_tokens"] == requests["prompt_tokens_ref"]).all()
+
+
 def test_a_killed_workers_runs_are_retried(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     before = _ray_and_stub_processes()
     out = tmp_path / "sweep"

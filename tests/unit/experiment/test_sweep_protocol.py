@@ -43,8 +43,6 @@ def test_a_paper_protocol_sweep_replays_every_cell_on_the_reference(tiny_tokeniz
         # the prompts carry the reference's outputs: each turn's prompt is as long as the reference's
         merged = requests.merge(ref, on=["trajectory_id", "turn_id"], suffixes=("", "_ref"))
         assert (merged["prompt_tokens"] == merged["prompt_tokens_ref"]).all()
-    refused = _sweep(tmp_path / "r", tiny_tokenizer_dir, "--protocol", "paper", "--ray")
-    assert refused.returncode == 2 and "without --ray" in refused.stderr
 
 
 def test_target_rho_calibrates_each_gated_configuration_once_per_trace(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
