@@ -24,6 +24,7 @@ from kvbench.analysis.paper_format import (
 from kvbench.analysis.paper_methods import METHOD_NAMES, paper_name
 from kvbench.analysis.paper_values_serving import (
     FIG5_PAIRS,
+    NO_RHO,
     QPS,
     RHOS,
     TABLE9_METHODS,
@@ -126,10 +127,11 @@ def render_fig5(frame: pd.DataFrame, out: Path, with_paper: bool) -> str:
     table = flatten(pivot(frame, ["method_config"], ["shared_tokens", "qps"], "p50_ttft_s", 3), ["ctx", "qps"])
     lines = ["p50 TTFT (s) against trajectory QPS, by shared context.", "", *protocol_caption(frame),
              "### p50 TTFT (s), this machine", "", table.to_markdown(index=False), ""]
-    if with_paper:  # the paper's points at the contexts drawn, as its two rows pair them
+    if with_paper:  # the paper's points at the contexts drawn, as its two rows pair them (its baselines have no rho)
         for pair in FIG5_PAIRS:
             paired = pd.DataFrame([
-                {"shared": context_label(c), "method": paper_name(m), "rho": f"{paired_rho(m, pair):g}",
+                {"shared": context_label(c), "method": paper_name(m),
+                 "rho": "–" if m in NO_RHO else f"{paired_rho(m, pair):g}",
                  **{f"qps={q:g}": paper_number(values[(m, c, "p50", paired_rho(m, pair), q)], 2) for q in QPS}}
                 for c in contexts for m in METHOD_NAMES.values() if (m, c, "p50", paired_rho(m, pair), 0.0) in values])
             if len(paired):

@@ -16,6 +16,7 @@ from kvbench.analysis.paper_methods import METHOD_NAMES
 QPS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 RHOS = (0.9, 0.8, 0.6)
 SELECTIVE = ("droidspeak", "cacheblend", "relaycaching")  # the rest are delta correction (or no reuse)
+NO_RHO = ("nonshared", "fullshared")  # no reuse ratio to pair: every row of the paper has the same values
 FIG5_PAIRS = ((0.9, 0.8), (0.8, 0.6))  # (selective recomputation's rho, delta correction's), per row
 
 

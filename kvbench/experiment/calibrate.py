@@ -56,14 +56,16 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
                         on_step: Callable[[CalibrationStep], None] | None = None,
                         num_warmups: int = 0, tolerance: float | None = None,
                         threshold_range: tuple[float, float] = (0.0, 1.0),
-                        rho_rises: bool = True) -> list[CalibrationStep]:
+                        rho_rises: bool = True, prime_method_state: bool | None = None) -> list[CalibrationStep]:
     """Realized rho grows with a gate's threshold (a looser gate accepts more; `rho_rises` False:
     it falls, as with a share of tokens recomputed), so bisect on `threshold_range` ([0, 1]),
     stopping at a step within `tolerance` of the target, or as soon as two thresholds realize the
     same rho (`flat_rho`: the threshold is not what limits it; `what_limits` says what is). A threshold named `rho` is a reuse
     budget (GraphFlow's), which realizes about itself: its first probe is the target.
     Each replay starts from a reset method state, filled by the trace's first `num_warmups`
-    trajectories (not measured), as a measured run with --prime-method-state does."""
+    trajectories (not measured), as a measured run with --prime-method-state does
+    (`prime_method_state` False: the warm-ups leave it empty, as a run without that flag)."""
+    prime = num_warmups > 0 if prime_method_state is None else prime_method_state
     from kvbench.experiment.run import replay_and_summarize
     from kvbench.replay.runner import ReplayConfig
     from kvbench.server.worker_rpc import WorkerClient
@@ -78,7 +80,7 @@ def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, ba
         with tempfile.TemporaryDirectory() as tmp:
             summary = replay_and_summarize(ReplayConfig.build(
                 trace=trace, tokenizer=tokenizer, method=method, base_urls=[base_url], result_dir=Path(tmp) / "run",
-                qps=0, show_progress=False, num_warmups=num_warmups, prime_method_state=num_warmups > 0))
+                qps=0, show_progress=False, num_warmups=num_warmups, prime_method_state=prime))
             decisions: dict[str, int] = {}
             requests = Path(tmp) / "run" / run_files.REQUESTS
             for stats in method_stats_of(pd.read_parquet(requests)) if requests.exists() else []:

@@ -1,8 +1,11 @@
 """`sweep --target-rho`: each configuration of a gated method is first set to a target reuse ratio
 on its own server (kvbench.experiment.calibrate's bisection over its threshold), on a calibration
 trace of the same shape as the cells' and other trajectories (another seed: the threshold is not
-fitted to the measured items). The threshold found is recorded once per (configuration, trace) in
-`calibration/` and reused when the sweep resumes; every cell records its target and threshold."""
+fitted to the measured items), replayed as a cell is: as many trajectories and warm-ups, and the
+method state primed by them only under --prime-method-state (a delta method's anchor pool starts
+cold in a cell and sends its first segments dense; a calibration on a warm pool would not see it).
+The threshold found is recorded once per (configuration, trace) in `calibration/` and reused when
+the sweep resumes; every cell records its target and threshold."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ from kvbench import run_files
 from kvbench.experiment.sweep import MethodConfig, SweepInputs, SweepSpec
 
 CALIBRATION_SEED_OFFSET = 1000  # the calibration trace's seed: the sweep's + this
-CALIBRATION_TRAJECTORIES, CALIBRATION_WARMUPS = 8, 2
 CALIBRATION_TOLERANCE = 0.05
 
 
@@ -28,7 +30,7 @@ def calibrated_params(spec: SweepSpec, root: Path, inputs: SweepInputs, method: 
     """The configuration's parameters with its threshold set for `method.target_rho` on trace
     `trace_id` (found now on `server`, or read from an earlier run of the sweep), and set on
     every one of the server's instances; its parameters unchanged without a target."""
-    from kvbench.experiment.calibrate import calibrate_threshold, summary_dict
+    from kvbench.experiment.calibrate import calibrate_threshold, summary_dict, what_limits, within
     from kvbench.methods.registry import method_spec
     from kvbench.server.worker_rpc import WorkerClient
 
@@ -44,11 +46,15 @@ def calibrated_params(spec: SweepSpec, root: Path, inputs: SweepInputs, method: 
         for url in server.base_urls:  # the configuration's own parameters, then the threshold's probes
             WorkerClient(url).set_params(dict(method.params))
         steps = calibrate_threshold(trace, inputs.tokenizer, method.method, server.base_urls[0], method.target_rho,
-                                    gate.threshold_name, num_warmups=CALIBRATION_WARMUPS,
+                                    gate.threshold_name, num_warmups=spec.num_warmups,
+                                    prime_method_state=spec.prime_method_state,
                                     tolerance=CALIBRATION_TOLERANCE, threshold_range=gate.threshold_range,
                                     rho_rises=gate.rho_rises_with_threshold)
         report = {**summary_dict(steps, method.target_rho, gate.threshold_name), "trace": trace_id,
-                  "seed": spec.seed + CALIBRATION_SEED_OFFSET}
+                  "seed": spec.seed + CALIBRATION_SEED_OFFSET, "trajectories": len(trace.trajectories),
+                  "num_warmups": spec.num_warmups, "prime_method_state": spec.prime_method_state}
+        if not within(report["realized_rho"], method.target_rho, CALIBRATION_TOLERANCE):
+            report["what_limits"] = what_limits(steps)  # why the target was not reached
         path.parent.mkdir(parents=True, exist_ok=True)
         run_files.write_text_atomic(path, json.dumps(report, indent=2) + "\n")
     params = {**method.params, gate.threshold_name: report[gate.threshold_name]}
@@ -58,13 +64,10 @@ def calibrated_params(spec: SweepSpec, root: Path, inputs: SweepInputs, method: 
 
 
 def _calibration_trace(spec: SweepSpec, inputs: SweepInputs, trace_id: str) -> Any:
-    """A trace of the cells' shape with other trajectories (another seed), warm-ups first."""
+    """The cells' trace with other trajectories (another seed), warm-ups first."""
     from kvbench.tracegen.generate import generate_trace
     from kvbench.tracegen.schema import Trace
 
-    trace_spec = spec.trace_specs()[trace_id]
-    size = CALIBRATION_TRAJECTORIES + CALIBRATION_WARMUPS
-    changes = {"limit": size} if spec.benchmarks else {"num_trajectories": size}
-    header, trajectories = generate_trace(dataclasses.replace(trace_spec, seed=spec.seed + CALIBRATION_SEED_OFFSET,
-                                                              **changes), inputs.tokenizer)
+    trace_spec = dataclasses.replace(spec.trace_specs()[trace_id], seed=spec.seed + CALIBRATION_SEED_OFFSET)
+    header, trajectories = generate_trace(trace_spec, inputs.tokenizer)  # as many trajectories as the longest cell
     return Trace(header=header, trajectories=trajectories)

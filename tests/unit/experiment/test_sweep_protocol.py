@@ -14,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 from paths import HELPERS, ROOT
 
+from kvbench.tracegen.trace_files import read_trace
+
 GRID = ["--methods", "nonshared,fullshared", "--shared-tokens", "64", "--qps", "0,4", "--num-trajectories", "2",
         "--output-len", "4", "--num-warmups", "0"]
 
@@ -57,6 +59,9 @@ def test_target_rho_calibrates_each_gated_configuration_once_per_trace(tiny_toke
     for target in (0.5, 0.9):
         report = json.loads((tmp_path / "s" / "calibration" / f"kvcmas-rho{target:g}-ctx64-a4-r1.json").read_text())
         assert report["target_rho"] == target and report["steps"] and report["seed"] == 1000
+        # replayed as a cell is: the cells' trajectory count and warm-ups, a pool they leave cold
+        cells_trace = read_trace(tmp_path / "s" / "traces" / "ctx64-a4-r1.jsonl")
+        assert report["trajectories"] == len(cells_trace.trajectories) and report["prime_method_state"] is False
         (cell,) = (tmp_path / "s" / "runs" / f"kvcmas-rho{target:g}").glob("ctx64-*")
         config = json.loads((cell / "config.json").read_text())
         assert config["target_rho"] == target and config["method_params"]["tau"] == report["tau"]
