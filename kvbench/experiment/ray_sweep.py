@@ -23,7 +23,7 @@ from typing import Any
 
 from kvbench.contracts import CellTaskEvent
 from kvbench.experiment.file_bundle import FileBundle, commit_folder
-from kvbench.experiment.sweep import AfterCell, SweepCell, SweepSpec, prepare_sweep
+from kvbench.experiment.sweep import AfterCell, SweepCell, SweepSpec, cell_done, prepare_sweep, quality_dirs
 from kvbench.experiment.sweep_runner import CellGroup, finish_sweep, plan_groups
 
 RAY_CELLS_FILE = "ray_cells.jsonl"
@@ -153,8 +153,9 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
                 first = [group for group in todo if anchored and group.baselines]
                 failed = _drive(ray, [submit(group, 1) for group in first], submit, root, options, on_line)
                 rest = [group for group in todo if not (anchored and group.baselines)]
-                if failed and rest:
-                    raise SweepRunsFailed(f"the reference run(s) {', '.join(failed)} failed on every attempt; the "
+                missing = [trace for trace in inputs.traces if anchored and not cell_done(quality_dirs(root, trace)[0])]
+                if missing and rest:
+                    raise SweepRunsFailed(f"the reference run(s) of {', '.join(missing)} failed on every attempt; the "
                                           f"other {sum(len(g.todo) for g in rest)} run(s) replay on them and were not "
                                           f"started (reasons in their error.txt); rerun the same command")
                 if anchored:
