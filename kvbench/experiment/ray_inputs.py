@@ -74,10 +74,9 @@ class ClusterInputs:
     consent_env: dict[str, str] = field(default_factory=dict)  # e.g. consent to run model-written code
     # --protocol paper: the traces' reference runs (quality/<trace>/reference), done before the cells
     references: FileBundle | None = None
-    root: str = ""  # the driver's sweep folder (what runs record in place of a worker's scratch)
 
 
-def cluster_inputs(spec: SweepSpec, inputs: SweepInputs, root: Path) -> ClusterInputs:
+def cluster_inputs(spec: SweepSpec, inputs: SweepInputs) -> ClusterInputs:
     """The driver's side: its traces, model and adapters as a worker will check them."""
     import os
 
@@ -91,15 +90,14 @@ def cluster_inputs(spec: SweepSpec, inputs: SweepInputs, root: Path) -> ClusterI
         trace_paths={name: str(path) for name, path in inputs.trace_paths.items()}, model=inputs.model,
         model_identity=inputs.model_identity, tokenizer_name=inputs.tokenizer.name, model_folder=model_folder,
         adapters={name: _folder_input(Path(path)) for name, path in inputs.lora_modules.items()},
-        consent_env={CONSENT_ENV: os.environ[CONSENT_ENV]} if os.environ.get(CONSENT_ENV) else {}, root=str(root))
+        consent_env={CONSENT_ENV: os.environ[CONSENT_ENV]} if os.environ.get(CONSENT_ENV) else {})
 
 
-def with_references(inputs: ClusterInputs, trace_ids: list[str]) -> ClusterInputs:
+def with_references(inputs: ClusterInputs, root: Path, trace_ids: list[str]) -> ClusterInputs:
     """`inputs` carrying the finished reference runs of `trace_ids` from the driver's sweep folder
-    (under --protocol paper every cell's prompts are built on them)."""
+    `root` (under --protocol paper every cell's prompts are built on them)."""
     from kvbench.experiment.sweep import cell_done, quality_dirs
 
-    root = Path(inputs.root)
     runs = [run for run in (quality_dirs(root, trace)[0] for trace in trace_ids) if cell_done(run)]
     files = {path.relative_to(root).as_posix(): path for run in runs for path in folder_files(run)}
     return dataclasses.replace(inputs, references=FileBundle.of_files(files))
@@ -153,5 +151,4 @@ def place_inputs(inputs: ClusterInputs, scratch: Path) -> SweepInputs:
     return SweepInputs(tokenizer=tokenizer, model=inputs.model, traces=traces,
                        lora_modules={name: folder.place(cache) for name, folder in inputs.adapters.items()},
                        trace_paths={name: Path(path) for name, path in inputs.trace_paths.items()},
-                       model_identity=inputs.model_identity, served_model=served,
-                       recorded_root=Path(inputs.root) if inputs.root else None)
+                       model_identity=inputs.model_identity, served_model=served)

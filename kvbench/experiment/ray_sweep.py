@@ -139,7 +139,7 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
                         + f" in {time.monotonic() - began:.1f} s; {sum(len(g.todo) + len(g.baselines) for g in todo)} "
                         f"run(s) in {len(todo)} task(s)")
                 resources = cell_resources(spec, options, ray.nodes())
-                shipped = cluster_inputs(spec, inputs, root)
+                shipped = cluster_inputs(spec, inputs)
                 remote = ray.remote(max_retries=0)(run_cell_group).options(**resources)
 
                 def submit(group: CellGroup, attempt: int) -> _Task:
@@ -159,7 +159,7 @@ def run_sweep_on_ray(spec: SweepSpec, root: Path, options: RayOptions, on_line: 
                                           f"other {sum(len(g.todo) for g in rest)} run(s) replay on them and were not "
                                           f"started (reasons in their error.txt); rerun the same command")
                 if anchored:
-                    shipped = with_references(shipped, list(inputs.traces))
+                    shipped = with_references(shipped, root, list(inputs.traces))
                 failed += _drive(ray, [submit(group, 1) for group in rest], submit, root, options, on_line)
         cells = finish_sweep(spec, root)
     if failed:

@@ -40,7 +40,7 @@ def run_cell_group(inputs: ClusterInputs, group: CellGroup, root: str,
     scratch = Path(tempfile.mkdtemp(prefix="kvbench-cells-"))
     log = None
     try:
-        cells = place_inputs(inputs, scratch)
+        cells = replace(place_inputs(inputs, scratch), recorded_root=Path(root))  # runs name the driver's folder
         local = rebased(group, Path(root), scratch)
         log = scratch / ("runs/" + group.method.name if local.todo else "quality") / "server.log"
         yield CellTaskEvent("started", node, time.time(), detail={

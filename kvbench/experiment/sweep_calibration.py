@@ -37,7 +37,7 @@ def calibrated_params(spec: SweepSpec, root: Path, inputs: SweepInputs, method: 
     if method.target_rho is None:
         return dict(method.params)
     gate = method_spec(method.method)
-    assert gate.threshold_name is not None  # MethodConfig refuses a target for a method without one
+    assert gate.threshold_name is not None  # sweep gives targets to methods with a threshold only
     path = calibration_path(root, method, trace_id)
     if path.exists():
         report = json.loads(path.read_text())
