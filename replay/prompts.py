@@ -99,7 +99,7 @@ class PromptBuilder:
             if self.reference_outputs is not None:
                 reference = self.reference_outputs.get((trajectory.trajectory_id, producer))
                 if reference is not None:
-                    return reference
+                    return self.tokenizer.message_ids(reference)  # recorded whole: its message, as a free run passes on
             return outputs[producer]
         ids = self._ids_of_text(trajectory.shared[segment.ph].text)
         expected = trajectory.shared[segment.ph].num_tokens

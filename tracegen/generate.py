@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from kvbench import __version__
 from kvbench.tracegen.adapters import with_adapters
 from kvbench.tracegen.arrivals import arrival_times
-from kvbench.tracegen.benchmark_workloads import NUM_AGENTS, BenchmarkTask, chat_frame
+from kvbench.tracegen.benchmark_workloads import NUM_AGENTS, BenchmarkTask, ChatFrame, chat_frame
 from kvbench.tracegen.roles import MAX_AGENTS, Role, roles_for
 from kvbench.tracegen.schema import (
     OUT_PREFIX,
@@ -63,6 +63,14 @@ class TraceSpec:
     limit: int | None = None  # benchmark items to take (a sample drawn with `seed`); None: all
     # role -> the PEFT folder of that role's LoRA adapter (tracegen/adapters.py); None: no adapters
     adapters: dict[str, str] | None = None
+    # Controlled prompts in the model's chat template (system message: the role; user message: the
+    # context, the notes and the question), as a chat model is served (gen-trace's default for a
+    # model with a template); False: plain text, as the embedded models read it.
+    chat_template: bool = False
+    # Turns end at the model's end of sequence (`output_len` a cap; gen-trace's default for a chat
+    # model); False: exactly `output_len` tokens each, replayed with ignore_eos (the paper's fixed
+    # output lengths). Either way the text an agent passes on ends where its message ended.
+    stop_at_eos: bool = False
 
     @property
     def is_benchmark(self) -> bool:
@@ -183,20 +191,27 @@ def shared_context(counter: TokenCounter, rng: random.Random, num_tokens: int) -
     return counter.fit(pieces, num_tokens, _single_token_filler(counter, rng))
 
 
-def _turn_segments(role: Role, visible: list[tuple[str, Role]], counter: TokenCounter) -> list[Segment]:
+def _turn_segments(role: Role, visible: list[tuple[str, Role]], counter: TokenCounter,
+                   frame: ChatFrame | None = None) -> list[Segment]:
+    """A turn's prompt: the role's system prompt, its glue around the shared context and every
+    visible output; with a chat frame, the template's text around the system and user messages
+    (agent-specific text segments, so the shared segments stay token-identical across agents)."""
     def pf_text(text: str) -> Segment:
         return Segment(pf="text", text=text, num_tokens=counter.count(text))
 
-    segments = [Segment(pf="system"), pf_text(role.task_intro), Segment(ph="q")]
+    intro = frame.between + role.task_intro.lstrip() if frame else role.task_intro
+    segments = ([pf_text(frame.before)] if frame and frame.before else []) + [
+        Segment(pf="system"), pf_text(intro), Segment(ph="q")]
     for k, (turn_id, source_role) in enumerate(visible):
         glue = role.peer_glue.format(agent=turn_id.split(".")[0], role=source_role.name)
         segments.append(pf_text((role.peer_intro if k == 0 else "") + glue))
         segments.append(Segment(ph=OUT_PREFIX + turn_id))
-    segments.append(pf_text(role.answer_prefix))
+    segments.append(pf_text(role.answer_prefix + (frame.after if frame else "")))
     return segments
 
 
-def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: TokenCounter) -> Trajectory:
+def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: TokenCounter,
+                        frame: ChatFrame | None = None) -> Trajectory:
     # A string seed goes through SHA-512: stable across Python versions and platforms.
     rng = random.Random(f"kvbench-trace:{spec.seed}:{index}")
     roles = roles_for(spec.roles, spec.num_agents)
@@ -210,8 +225,8 @@ def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: 
         ancestors[node.turn_id] = set(node.after).union(*(ancestors[a] for a in node.after))
         visible = [(t, roles[int(t[1:].split(".")[0])]) for t in sorted(ancestors[node.turn_id], key=order.get)]
         turns.append(Turn(turn_id=node.turn_id, agent=f"A{node.agent_index}", after=list(node.after),
-                          max_tokens=spec.output_len,
-                          segments=_turn_segments(roles[node.agent_index], visible, counter)))
+                          max_tokens=spec.output_len, stop_at_eos=True if spec.stop_at_eos else None,
+                          segments=_turn_segments(roles[node.agent_index], visible, counter, frame)))
     trajectory_id = f"t{index:06d}"
     if spec.task != NO_TASK:  # the task writes the shared context and its answers
         draft = Trajectory(trajectory_id=trajectory_id, arrival_s=arrival_s, agents=agents, turns=turns)
@@ -234,20 +249,23 @@ def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
     if spec.is_benchmark:
         trajectories = _benchmark_trajectories(spec, tokenizer, counter, on_trajectory)
     else:
-        trajectories = _controlled_trajectories(spec, counter, on_trajectory)
+        frame = chat_frame(tokenizer) if spec.chat_template else None
+        if spec.chat_template and frame is None:
+            raise ValueError(f"--chat-template: {tokenizer.name} has no chat template")
+        trajectories = _controlled_trajectories(spec, counter, on_trajectory, frame)
     if spec.adapters:
         adapters, trajectories = with_adapters(trajectories, spec.adapters)
         header = header.model_copy(update={"adapters": adapters})
     return header, trajectories
 
 
-def _controlled_trajectories(spec: TraceSpec, counter: TokenCounter,
-                             on_trajectory: Callable[[int], None] | None) -> list[Trajectory]:
+def _controlled_trajectories(spec: TraceSpec, counter: TokenCounter, on_trajectory: Callable[[int], None] | None,
+                             frame: ChatFrame | None = None) -> list[Trajectory]:
     arrivals = arrival_times(spec.num_trajectories, spec.qps, spec.arrival,  # type: ignore[arg-type]
                              spec.burstiness, seed=spec.seed)
     trajectories = []
     for index, arrival_s in enumerate(arrivals):
-        trajectories.append(generate_trajectory(spec, index, arrival_s, counter))
+        trajectories.append(generate_trajectory(spec, index, arrival_s, counter, frame))
         if on_trajectory is not None:
             on_trajectory(index)
     return trajectories

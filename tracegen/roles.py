@@ -21,6 +21,9 @@ class Role:
     answer_prefix: str  # PF glue at the end of the prompt
     # `--task role-recall`: which route of a record this role follows (tracegen/tasks/role_recall.py)
     reading: int | None = None
+    # `--task role-lookup`: the fact about the request's subject this role reports (a key of
+    # tracegen/tasks/role_lookup.py's FACTS)
+    reports: str | None = None
 
 
 _MATH_GLUE = dict(
@@ -58,6 +61,19 @@ _ROLE_RECALL_RULE = ("Every queue in the table has two lines, one with -> and on
                      "take the name in the last note (or, if there are no notes yet, the name the tool output starts "
                      "from), find the line of the table that begins with that name and has {arrow}, and write the name "
                      "after it on a line of its own. Copy names exactly.")
+
+# `--task role-lookup`: the question names the fact in the words its sentence in the tool output
+# uses, and the subject (`{subject}`, filled in by the task per trajectory); a small real model
+# finds a fact far more often when question and sentence match word for word.
+_LOOKUP_GLUE = dict(
+    task_intro="\n\nThe tool returned:\n\n",
+    peer_intro="\n\nNotes from your teammates:",
+    peer_glue="\n\n{role} noted: ",
+)
+_LOOKUP_ROLES = (("Security Officer", "access code"), ("Travel Planner", "home city"),
+                 ("Parking Attendant", "car color"), ("Facilities Manager", "room number"),
+                 ("Pet Sitter", "pet"), ("HR Clerk", "department"), ("Event Planner", "birth month"),
+                 ("Caterer", "favorite fruit"))
 
 # kvbench's own wording; each role's system prompt keeps about the token length of the agent
 # prompts of published multi-agent benchmarks (60-120 tokens), which the PF segments' sizes follow.
@@ -137,6 +153,11 @@ ROLE_POOL: dict[str, Role] = {r.name: r for r in [
           ("Ticket Tracer", "Your job on this team is tracing where a ticket ends up."),
           ("Continuity Auditor", "Your job on this team is auditing the plan that keeps work moving."),
       ))],
+    *[Role(name, f"You are the {name} of the team. You report the {fact} of the person a request is about, "
+                 "and nothing else.",
+           answer_prefix=f"\n\nWhat is the {fact} of {{subject}}? Answer in one short sentence.",
+           **_LOOKUP_GLUE, reports=fact)
+      for name, fact in _LOOKUP_ROLES],
     Role("Test Analyst",
          "Your job on this team is testing. Given a function signature, its documentation and your "
          "teammates' code, write test cases for ordinary inputs, edge values and invalid calls, "
@@ -162,6 +183,8 @@ ROLE_PRESETS: dict[str, tuple[str, ...]] = {
     # for `--task role-recall` where every agent follows the main route (its even-numbered roles): a
     # control without cross-role difference, and the same-adapter scenario of adapter traces
     "role-recall-main": ("Route Planner", "Queue Router", "Shift Dispatcher", "Ticket Tracer"),
+    # for `--task role-lookup`: each agent reports another fact about the request's subject
+    "role-lookup": tuple(name for name, _ in _LOOKUP_ROLES),
 }
 MAX_AGENTS = 8
 

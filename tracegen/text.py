@@ -63,12 +63,17 @@ def _sentence(rng: random.Random) -> str:
     return " ".join(words)
 
 
-def document_words(rng: random.Random, approx_words: int) -> list[str]:
-    """Words (each with its leading separator) of a document of paragraphs, about `approx_words` long."""
+def document_words(rng: random.Random, approx_words: int, digits: bool = True) -> list[str]:
+    """Words (each with its leading separator) of a document of paragraphs, about `approx_words` long.
+    `digits` False: no sentence holds a number (a document that hides numbers a task asks for
+    among none of its own, so a small model is not led astray by the filler)."""
     words: list[str] = []
     sentences_left_in_paragraph = rng.randrange(3, 8)
     while len(words) < approx_words:
-        sentence = _sentence(rng).split(" ")
+        text = _sentence(rng)
+        while not digits and any(c.isdigit() for c in text):
+            text = _sentence(rng)
+        sentence = text.split(" ")
         separator = "\n\n" if sentences_left_in_paragraph == 0 and words else " "
         if sentences_left_in_paragraph == 0:
             sentences_left_in_paragraph = rng.randrange(3, 8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,10 @@ class TraceTokenizer:
     # workloads and chat imports frame their prompts with it.
     chat_source: str | None = None
     chat_tokenizer: Any = None
+    # The model's context length (its config's max_position_embeddings, else the tokenizer's
+    # model_max_length), when the folder says; None: unknown (a hub name not cached, say)
+    context_length: int | None = None
+    _special_ids: frozenset[int] | None = field(default=None, repr=False)
 
     @property
     def chat(self) -> Any:
@@ -48,8 +52,23 @@ class TraceTokenizer:
 
     def is_special(self, token_id: int) -> bool:
         """A control token (end of sequence, end of turn) rather than text."""
-        return self.backend.decode([token_id], skip_special_tokens=True) == "" and \
-            self.backend.decode([token_id], skip_special_tokens=False) != ""
+        return token_id in self.special_ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, token in self.backend.get_added_tokens_decoder().items()
+                                          if token.special)
+        return self._special_ids
+
+    def message_ids(self, output_ids: Sequence[int]) -> list[int]:
+        """What an agent's output passes on to later prompts: its message, up to the first control
+        token (its end of sequence; under ignore_eos what follows that is not the message, and a
+        special token in another agent's prompt would end or open a message there)."""
+        for index, token_id in enumerate(output_ids):
+            if token_id in self.special_ids:
+                return list(output_ids[:index])
+        return list(output_ids)
 
     @property
     def sha256(self) -> str:
@@ -115,7 +134,23 @@ def load_tokenizer(model: str | None) -> TraceTokenizer:
         raise ValueError(f"cannot load a tokenizer for {model or path!r}: {exc}") from exc
     has_template = bool(config.get("chat_template")) or (tokenizer_json.parent / "chat_template.jinja").is_file()
     return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=_prefix_ids(backend, config),
-                          chat_source=str(tokenizer_json.parent) if has_template else None)
+                          chat_source=str(tokenizer_json.parent) if has_template else None,
+                          context_length=_context_length(tokenizer_json.parent, config))
+
+
+# transformers' "no limit" model_max_length (int(1e30)) and anything like it is no context length
+_NO_LIMIT = 1 << 40
+
+
+def _context_length(folder: Path, tokenizer_config: dict[str, Any]) -> int | None:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    for value in (config.get("max_position_embeddings"), tokenizer_config.get("model_max_length")):
+        if isinstance(value, int) and 0 < value < _NO_LIMIT:
+            return value
+    return None
 
 
 def _via_transformers(path: str, model: str | None, name: str) -> TraceTokenizer:
@@ -133,5 +168,7 @@ def _via_transformers(path: str, model: str | None, name: str) -> TraceTokenizer
                          "for exact per-segment token counts")
     prefix = _leading(hf("x").input_ids, backend.encode("x", add_special_tokens=False).ids)
     templated = bool(getattr(hf, "chat_template", None))
+    limit = getattr(hf, "model_max_length", None)
     return TraceTokenizer(name=name, backend=backend, prompt_prefix_ids=list(prefix),
-                          chat_source=path if templated else None, chat_tokenizer=hf if templated else None)
+                          chat_source=path if templated else None, chat_tokenizer=hf if templated else None,
+                          context_length=limit if isinstance(limit, int) and 0 < limit < _NO_LIMIT else None)

