@@ -141,6 +141,10 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
                     config.get("metric_percentiles") or [50.0, 90.0, 99.0], config.get("goodput") or {}),
         "duration_basis": "active" if len(segments) == 1 else f"active: {len(segments)} segments added, pauses left out",
         "segment_durations_s": [s.get("duration_s") for s in segments],
+        # the warm-ups' wall time (the first segment's: a resumed run warms up again), and per warm-up
+        "warmup_s": segments[0].get("warmup_s"),
+        "warmup_s_per_trajectory": (segments[0]["warmup_s"] / segments[0]["warmup_trajectories"]
+                                    if segments[0].get("warmup_trajectories") else None),
         **_over_segments([server_figures(result_dir, i, metrics) for i in range(len(segments))]),
         # store and method state over every segment (each resets the store: peaks are the
         # largest of any segment, counts their sum)

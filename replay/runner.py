@@ -152,6 +152,8 @@ class Replayer:
         # Every run starts cold (design: caches are reset between runs), after the warm-ups:
         # they warm kernels and leave no prefix-cache blocks; method state only when asked.
         await self.servers.reset(session, keep_method_state=prime)
+        if warmups:  # what the warm-ups cost (a method's anchor building in them included)
+            self.segment.update(warmup_s=round(time.time() - self.segment["started"], 3), warmup_trajectories=len(warmups))
         await sampler.start(session)
         stats = self.stats
         self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.output.show_progress,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvbench import __version__
 from kvbench.tracegen.adapters import with_adapters
@@ -63,14 +63,26 @@ class TraceSpec:
     limit: int | None = None  # benchmark items to take (a sample drawn with `seed`); None: all
     # role -> the PEFT folder of that role's LoRA adapter (tracegen/adapters.py); None: no adapters
     adapters: dict[str, str] | None = None
-    # Controlled prompts in the model's chat template (system message: the role; user message: the
-    # context, the notes and the question), as a chat model is served (gen-trace's default for a
-    # model with a template); False: plain text, as the embedded models read it.
-    chat_template: bool = False
-    # Turns end at the model's end of sequence (`output_len` a cap; gen-trace's default for a chat
-    # model); False: exactly `output_len` tokens each, replayed with ignore_eos (the paper's fixed
-    # output lengths). Either way the text an agent passes on ends where its message ended.
-    stop_at_eos: bool = False
+    # Prompts in the model's chat template (system message: the role; user message: the context,
+    # the notes and the question), as a chat model is served; False: plain text, as the embedded
+    # models read it; None: the template when the model has one (resolved and recorded by
+    # generate_trace). Benchmark workloads always use a template the model has.
+    chat_template: bool | None = None
+    # Turns end at the model's end of sequence (`output_len` a cap); False: exactly `output_len`
+    # tokens each, replayed with ignore_eos (the paper's fixed output lengths); None: as
+    # `chat_template` resolves (a chat model's answers end where it ends them). Either way the text
+    # an agent passes on ends where its message ended.
+    stop_at_eos: bool | None = None
+
+    def with_prompt_form(self, tokenizer: TraceTokenizer) -> TraceSpec:
+        """This spec with `chat_template` and `stop_at_eos` decided for this tokenizer's model."""
+        has_template = tokenizer.chat_source is not None
+        if self.is_benchmark:
+            return replace(self, chat_template=has_template, stop_at_eos=True)
+        if self.chat_template and not has_template:
+            raise ValueError(f"--chat-template: {tokenizer.name} has no chat template")
+        framed = has_template if self.chat_template is None else self.chat_template
+        return replace(self, chat_template=framed, stop_at_eos=framed if self.stop_at_eos is None else self.stop_at_eos)
 
     @property
     def is_benchmark(self) -> bool:
@@ -239,6 +251,7 @@ def generate_trajectory(spec: TraceSpec, index: int, arrival_s: float, counter: 
 def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
                    on_trajectory: Callable[[int], None] | None = None) -> tuple[TraceHeader, list[Trajectory]]:
     spec.validate()
+    spec = spec.with_prompt_form(tokenizer)
     header = TraceHeader(
         format=TRACE_FORMAT, version=TRACE_VERSION,
         generator={"name": "kvbench gen-trace", "kvbench_version": __version__, **asdict(spec)},
@@ -250,8 +263,6 @@ def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
         trajectories = _benchmark_trajectories(spec, tokenizer, counter, on_trajectory)
     else:
         frame = chat_frame(tokenizer) if spec.chat_template else None
-        if spec.chat_template and frame is None:
-            raise ValueError(f"--chat-template: {tokenizer.name} has no chat template")
         trajectories = _controlled_trajectories(spec, counter, on_trajectory, frame)
     if spec.adapters:
         adapters, trajectories = with_adapters(trajectories, spec.adapters)

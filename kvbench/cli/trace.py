@@ -104,9 +104,13 @@ def gen_trace_command(output: Path, model: str | None, chat_template: bool | Non
     try:
         tokenizer = load_tokenizer(model)
         params["output_len"] = params["output_len"] or default_output_len(str(params["task"]), tokenizer.encode)
-        params["chat_template"], params["stop_at_eos"] = _prompt_form(tokenizer, str(params["task"]), chat_template,
-                                                                      ignore_eos)
-        spec = TraceSpec(**params)  # type: ignore[arg-type]
+        if params["task"] in benchmark_names() and (chat_template is not None or ignore_eos is not None):
+            raise click.UsageError(f"--task {params['task']} frames prompts in the model's chat template when it has "
+                                   "one and ends answers at its end of sequence; --[no-]chat-template and "
+                                   "--ignore-eos do not apply")
+        params["chat_template"] = chat_template
+        params["stop_at_eos"] = None if ignore_eos is None else not ignore_eos
+        spec = TraceSpec(**params).with_prompt_form(tokenizer)  # type: ignore[arg-type]
         spec.validate()
     except (ValueError, FileNotFoundError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -121,21 +125,6 @@ def gen_trace_command(output: Path, model: str | None, chat_template: bool | Non
     size = write_trace(output, header, trajectories)
     turns = sum(len(t.turns) for t in trajectories)
     click.echo(f"wrote {output}: {len(trajectories)} trajectories, {turns} turns, {size:,} bytes")
-
-
-def _prompt_form(tokenizer, task: str, chat_template: bool | None, ignore_eos: bool | None) -> tuple[bool, bool]:
-    """(chat template, stop at end of sequence) of a trace: as asked, else from the model."""
-    has_template = tokenizer.chat_source is not None
-    if task in benchmark_names():  # the paper's workflow: the template when there is one, answers end at EOS
-        if chat_template is not None or ignore_eos is not None:
-            raise click.UsageError(f"--task {task} frames prompts in the model's chat template when it has one and "
-                                   "ends answers at its end of sequence; --[no-]chat-template and --ignore-eos do "
-                                   "not apply")
-        return has_template, True
-    if chat_template and not has_template:
-        raise click.UsageError(f"--chat-template: {tokenizer.name} has no chat template")
-    framed = has_template if chat_template is None else chat_template
-    return framed, framed if ignore_eos is None else not ignore_eos
 
 
 def _check_context(spec, header, trajectories, limit: int, model: str) -> None:

@@ -69,10 +69,24 @@ def test_controlled_prompts_are_the_models_chat_template_around_the_role(smollm2
 
 
 def test_plain_and_fixed_length_forms_stay_available(smollm2) -> None:
-    spec = TraceSpec(shared_tokens=200, output_len=8, num_trajectories=1)  # the defaults: plain text, ignore_eos
-    _, (trajectory,) = generate_trace(spec, smollm2)
-    assert all(t.stop_at_eos is None for t in trajectory.turns)
+    spec = TraceSpec(shared_tokens=200, output_len=8, num_trajectories=1, chat_template=False, stop_at_eos=False)
+    header, (trajectory,) = generate_trace(spec, smollm2)
+    assert all(t.stop_at_eos is None for t in trajectory.turns)  # exactly output_len tokens each
     assert not any("<|im_start|>" in (s.text or "") for t in trajectory.turns for s in t.segments)
+    assert header.generator["chat_template"] is False and header.generator["stop_at_eos"] is False
+
+
+def test_the_prompt_form_follows_the_model_unless_asked(smollm2) -> None:
+    """Left open, a chat model's trace is a chat whose turns end at its end of sequence (in gen-trace,
+    sweeps and replay's in-memory trace alike), the embedded models' plain text of fixed lengths."""
+    spec = TraceSpec(shared_tokens=200, output_len=8, num_trajectories=1)
+    chat = spec.with_prompt_form(smollm2)
+    assert (chat.chat_template, chat.stop_at_eos) == (True, True)
+    assert TraceSpec(stop_at_eos=False).with_prompt_form(smollm2).stop_at_eos is False  # chat, fixed lengths
+    plain = spec.with_prompt_form(load_tokenizer(None))
+    assert (plain.chat_template, plain.stop_at_eos) == (False, False)
+    with pytest.raises(ValueError, match="has no chat template"):
+        TraceSpec(chat_template=True).with_prompt_form(load_tokenizer(None))
 
 
 def test_only_an_agents_message_is_passed_on(smollm2) -> None:
@@ -165,4 +179,4 @@ def test_gen_trace_uses_the_template_and_refuses_what_does_not_fit(smollm2, tmp_
     assert header["generator"]["chat_template"] is False and header["generator"]["stop_at_eos"] is False
     result = runner.invoke(main, ["gen-trace", "-o", str(tmp_path / "x.jsonl"), "--chat-template",
                                   "--num-trajectories", "1", "--shared-tokens", "100"])  # the embedded model
-    assert result.exit_code == 2 and "has no chat template" in result.output
+    assert result.exit_code == 1 and "has no chat template" in result.output
