@@ -13,6 +13,7 @@ from kvbench.analysis.runs import Run, summary_number
 from kvbench.analysis.savings import reuse_turn_savings
 from kvbench.analysis.shared_tier import shared_tier_table
 from kvbench.analysis.tables import method_table, ttft_by_agent
+from kvbench.model.packaged import packaged_note
 from kvbench.model.store import is_constructed
 
 COLUMN_NOTES = {
@@ -95,8 +96,8 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     savings = reuse_turn_savings(runs)
     savings.to_csv(out_dir / "reuse_turn_savings.csv", index=False)
     lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
-             "Model: " + ", ".join(f"`{m}`" + (" (a constructed test model, docs/models.md)" if is_constructed(m) else "")
-                                  for m in models), "",
+             "Model: " + ", ".join(f"`{m}`" + (" (a constructed test model, docs/models.md)" if is_constructed(m) else
+                                               f" ({note})" if (note := packaged_note(m)) else "") for m in models), "",
              "## Latency (failures beside every figure)", "", _markdown(latency), "",
              *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle['run'])}.", ""] if len(idle) else []),
              *([f"**Cold start**: in {', '.join(cold)}, over a quarter of the method's segment decisions went dense "

@@ -143,7 +143,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         "segment_durations_s": [s.get("duration_s") for s in segments],
         # the warm-ups' wall time (the first segment's: a resumed run warms up again), and per warm-up
         "warmup_s": segments[0].get("warmup_s"),
-        "warmup_s_per_trajectory": (segments[0]["warmup_s"] / segments[0]["warmup_trajectories"]
+        "warmup_per_trajectory_s": (segments[0]["warmup_s"] / segments[0]["warmup_trajectories"]
                                     if segments[0].get("warmup_trajectories") else None),
         **_over_segments([server_figures(result_dir, i, metrics) for i in range(len(segments))]),
         # store and method state over every segment (each resets the store: peaks are the

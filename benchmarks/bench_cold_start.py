@@ -12,10 +12,13 @@ context and start:
 - FullShared / NonShared on reuse turns: where it is above 1, claiming the turn costs more than
   prefilling it;
 - KVCMAS's realized rho and the share of its segment decisions that went dense for want of
-  anchors (`dense_few_anchors`).
+  anchors (`dense_few_anchors`);
+- the warm-ups' wall time per trajectory (anchor building included), KVCMAS / NonShared
+  (issue 64's target on a deep model: <= 2).
 
     .venv/bin/python benchmarks/bench_cold_start.py [--contexts 1024,2048,8192] [--trajectories 8]
-        [--warmups 2] [--output-len 128] [--starts cold,primed] [--result-dir DIR] [--json FILE]
+        [--warmups 2] [--output-len 128] [--starts cold,primed] [--model M] [--task T]
+        [--result-dir DIR] [--json FILE]
 
 The runs are `kvbench sweep`s (kept in --result-dir for `kvbench report` / `kvbench profile`).
 """
@@ -76,6 +79,7 @@ def cell_figures(runs: dict[str, pd.DataFrame], summaries: dict[str, dict[str, A
         "first_kvcmas_over_nonshared": _ratio(first["kvcmas"], first["nonshared"]),
         "first_fullshared_over_nonshared": _ratio(first["fullshared"], first["nonshared"]),
         "kvcmas_realized_rho": summaries["kvcmas"].get("realized_rho"),
+        "warmup_per_trajectory_s": {m: summaries[m].get("warmup_per_trajectory_s") for m in METHODS},
         "failed": {m: int((~r["success"]).sum()) for m, r in runs.items()},
     }
     total, dense = _decisions(runs["kvcmas"])
@@ -99,6 +103,10 @@ def print_cell(context: int, start: str, fig: dict[str, Any]) -> None:
     share = fig["kvcmas_dense_few_anchors_share"]
     print(f"  KVCMAS realized rho {fig['kvcmas_realized_rho']}, decisions dense for want of anchors "
           f"{'n/a' if share is None else f'{share:.0%}'}; failed requests {fig['failed']}")
+    warmup = fig["warmup_per_trajectory_s"]
+    if all(warmup.get(m) for m in ("kvcmas", "nonshared")):
+        print("  warm-up per trajectory s: " + ", ".join(f"{m} {warmup[m]:.1f}" for m in METHODS if warmup.get(m))
+              + f"; KVCMAS / NonShared {warmup['kvcmas'] / warmup['nonshared']:.2f}x")
 
 
 def main() -> None:
@@ -109,6 +117,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--starts", default="cold,primed", help="cold, primed or both")
     parser.add_argument("--model", default=None, help="default: the embedded kvbench:recall-v1")
+    parser.add_argument("--task", default="none", help="the traces' task (gen-trace --task), e.g. role-lookup")
     parser.add_argument("--result-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write every figure here too")
     args = parser.parse_args()
@@ -120,7 +129,8 @@ def main() -> None:
                 parser.error(f"--starts: cold or primed, got {start!r}")
             spec = SweepSpec(methods=[MethodConfig(m) for m in METHODS], shared_tokens=contexts, qps=[0.0],
                              num_trajectories=args.trajectories, num_warmups=args.warmups,
-                             prime_method_state=start == "primed", output_len=args.output_len, model=args.model)
+                             prime_method_state=start == "primed", output_len=args.output_len, model=args.model,
+                             task=args.task)
             cells = run_sweep(spec, Path(root) / start)
             for context in contexts:
                 mine = [c for c in cells if c.shared_tokens == context]

@@ -48,6 +48,13 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in [
 ]}
 
 
+def packaged_note(model: str) -> str | None:
+    """What a report says beside a packaged model's name: that no one here made it."""
+    packaged = PACKAGED_MODELS.get(model.removeprefix(EMBEDDED_PREFIX)) if model.startswith(EMBEDDED_PREFIX) else None
+    return None if packaged is None else (f"a real pretrained model, {packaged.summary.split(' (')[0]}, fetched from "
+                                          f"its PyPI wheel {packaged.requirement}; docs/models.md")
+
+
 def packaged_dir(name: str) -> Path:
     return cache_root() / "models" / name
 

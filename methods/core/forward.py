@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from kvbench.methods.core.layer_fit import check_llama_layers
 from kvbench.methods.core.lora import VLora
 from kvbench.methods.core.paged import CpuPackedLayout, cpu_cache_halves
 
@@ -76,6 +77,7 @@ class PartialForward:
         embed_tokens = getattr(inner, "embed_tokens", None)
         self.embed = getattr(embed_tokens, "base_layer", None) or inner.embed_input_ids
         self.layers = list(inner.layers)[inner.start_layer:inner.end_layer]
+        check_llama_layers(self.layers, type(model).__name__)  # refused at start, not computed wrongly
         self.layer_names = layer_names
         self.layouts = layouts
         self.kv_caches = kv_caches
