@@ -126,7 +126,13 @@ def import_command(file: Path, name: str | None, force: bool) -> None:
     weights' sha256 (the identity every run records). Needs: pip install 'kvbench[gguf]'."""
     import re
 
-    from kvbench.model.gguf_import import UnsupportedModelError, convert_gguf, file_sha256
+    from kvbench.model.gguf_import import (
+        UnsupportedModelError,
+        check_supported,
+        convert_gguf,
+        file_sha256,
+        gguf_architecture,
+    )
     from kvbench.model.packaged import PACKAGED_MODELS
     from kvbench.model.store import ROLES_PREFIX, SHIPPED_DIR, cache_root
 
@@ -138,8 +144,9 @@ def import_command(file: Path, name: str | None, force: bool) -> None:
     path = cache_root() / "models" / name
     if is_built(path) and not force:
         raise click.ClickException(f"kvbench:{name} exists ({path}); --force replaces it")
-    click.echo(f"converting {file} (transformers' GGUF loader)", err=True)
     try:
+        check_supported(gguf_architecture(file))  # refused before minutes of conversion
+        click.echo(f"converting {file} (transformers' GGUF loader)", err=True)
         manifest = convert_gguf(file, path, name, {"file": file.name, "gguf_sha256": file_sha256(file)})
     except (UnsupportedModelError, ImportError, ValueError) as exc:
         raise click.ClickException(f"{file}: {exc}") from None

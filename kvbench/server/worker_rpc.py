@@ -4,6 +4,7 @@ vLLM's `/collective_rpc` (a dev endpoint: the server needs VLLM_SERVER_DEV_MODE=
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from typing import Any
@@ -30,8 +31,11 @@ def collective_rpc(base_url: str, method: str, timeout_s: float = 120.0, **kwarg
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.load(response).get("results", [])
     except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:500]
-        raise ServerError(f"collective_rpc {method} on {base_url} failed ({exc.code}): {detail}; is the server "
+        detail = exc.read().decode(errors="replace")
+        if (refused := re.search(r"Worker failed with error '(.+?)', please check", detail, re.DOTALL)) is not None:
+            # the worker ran the call and refused it (an unsupported model, say): its own words
+            raise ServerError(f"{method} on {base_url}: {refused.group(1)}") from None
+        raise ServerError(f"collective_rpc {method} on {base_url} failed ({exc.code}): {detail[:500]}; is the server "
                           "started with VLLM_SERVER_DEV_MODE=1 and kvbench's --worker-extension-cls?") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ServerError(f"collective_rpc {method} on {base_url} failed: {exc}") from None
