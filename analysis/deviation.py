@@ -16,10 +16,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from kvbench import run_files
+from kvbench.analysis.intervals import cluster_mean_interval
 from kvbench.analysis.leaderboard import recompute_share
 from kvbench.analysis.runs import Run
 
@@ -41,15 +41,8 @@ def _scores(run: Run) -> pd.DataFrame | None:
 
 def accuracy_interval(scores: pd.DataFrame, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
     """Bootstrap interval of the mean of `correct`, resampling whole trajectories."""
-    by_trajectory = scores.groupby("trajectory_id")["correct"].agg(["sum", "count"])
-    if not len(by_trajectory):
-        return math.nan, math.nan
-    right, count = by_trajectory["sum"].to_numpy(float), by_trajectory["count"].to_numpy(float)
-    draws = np.random.default_rng(seed).integers(0, len(right), size=(BOOTSTRAP_RESAMPLES, len(right)))
-    means = right[draws].sum(axis=1) / count[draws].sum(axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
-    return float(low), float(high)
+    return cluster_mean_interval(scores["correct"].astype(float), scores["trajectory_id"], confidence,
+                                 BOOTSTRAP_RESAMPLES, seed)
 
 
 def mcnemar_p(method: pd.Series, naive: pd.Series) -> float:

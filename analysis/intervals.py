@@ -1,4 +1,4 @@
-"""Confidence intervals for ratios of p50 TTFT between two runs.
+"""Confidence intervals: ratios of p50 TTFT between two runs, and means of per-turn scores.
 
 A median over a few dozen requests under Poisson arrivals moves by more than many targets'
 margins between identical runs, so a ratio of two runs' medians is reported with a bootstrap
@@ -117,3 +117,21 @@ def ratio_change_interval(base_num: pd.DataFrame, base_den: pd.DataFrame, cand_n
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(draws, [tail, 100 - tail])
     return RatioInterval(point, float(low), float(high), confidence)
+
+
+def cluster_mean_interval(values: pd.Series, trajectories: pd.Series, confidence: float = 0.95,
+                          resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the mean of per-turn `values` (NaN left out), resampling
+    whole trajectories (`trajectories`: each turn's id), as the TTFT ratios do: turns of one
+    trajectory share its content. (NaN, NaN) without values."""
+    frame = pd.DataFrame({"value": pd.to_numeric(values, errors="coerce").to_numpy(dtype=float),
+                          "trajectory": trajectories.to_numpy()}).dropna()
+    by_trajectory = frame.groupby("trajectory")["value"].agg(["sum", "count"])
+    if not len(by_trajectory):
+        return float("nan"), float("nan")
+    totals, counts = by_trajectory["sum"].to_numpy(float), by_trajectory["count"].to_numpy(float)
+    draws = np.random.default_rng(seed).integers(0, len(totals), size=(resamples, len(totals)))
+    means = totals[draws].sum(axis=1) / counts[draws].sum(axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.analysis import plots
+from kvbench.analysis.reuse_cost import reuse_turn_costs
 from kvbench.analysis.runs import Run, summary_number
 from kvbench.analysis.savings import reuse_turn_savings
 from kvbench.analysis.shared_tier import shared_tier_table
@@ -95,6 +96,8 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     models = sorted({run.model_name for run in runs})
     savings = reuse_turn_savings(runs)
     savings.to_csv(out_dir / "reuse_turn_savings.csv", index=False)
+    costs = reuse_turn_costs(runs)
+    costs.to_csv(out_dir / "reuse_turn_costs.csv", index=False)
     lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
              "Model: " + ", ".join(f"`{m}`" + (" (a constructed test model, docs/models.md)" if is_constructed(m) else
                                                f" ({note})" if (note := packaged_note(m)) else "") for m in models), "",
@@ -111,6 +114,11 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                 "Reuse turns: turns some earlier agent's cache could serve; first turns reuse nothing (there a "
                 "method should cost nothing). A ratio whose interval holds 1 is no finding.", "",
                 _markdown(savings), ""] if len(savings) else []),
+             *(["## What reuse costs: reuse turns against the reference (mean, 95% interval over trajectories)", "",
+                "Task accuracy where the answer is known; exact match, token F1 and first-token KL against the "
+                "reference's output of the same turn; where the differing outputs first diverge (token index). "
+                "NonShared's own row is the noise floor: a gap inside its interval is no finding.", "",
+                _markdown(costs, ".1f"), ""] if len(costs) else []),
              "## Quality (against a NonShared reference: `replay --reference`, `kvbench quality`)", "",
              _markdown(quality, ".3f") if compared else
              "No run here was compared with a reference or scored on a task: the tables above say what the "
