@@ -18,6 +18,7 @@ from kvbench.tracegen.schema import (
     Agent,
     Segment,
     SharedText,
+    Trace,
     TraceHeader,
     Trajectory,
     Turn,
@@ -25,6 +26,7 @@ from kvbench.tracegen.schema import (
 from kvbench.tracegen.tasks.registry import NO_TASK, benchmark_names, get_task, task_names
 from kvbench.tracegen.text import document_words, question
 from kvbench.tracegen.tokenizer import TraceTokenizer
+from kvbench.tracegen.validate import context_problem
 from kvbench.tracegen.workflows import workflow_turns
 
 MAX_ROUNDS = 8
@@ -267,6 +269,11 @@ def generate_trace(spec: TraceSpec, tokenizer: TraceTokenizer,
     if spec.adapters:
         adapters, trajectories = with_adapters(trajectories, spec.adapters)
         header = header.model_copy(update={"adapters": adapters})
+    if tokenizer.context_length is not None:  # refused here, not when a replay reaches the turn
+        problem = context_problem(Trace(header=header, trajectories=trajectories), tokenizer.context_length,
+                                  tokenizer.name, None if spec.is_benchmark else spec.shared_tokens)
+        if problem is not None:
+            raise ValueError(problem)
     return header, trajectories
 
 

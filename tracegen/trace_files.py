@@ -187,7 +187,7 @@ def iter_trace(path: str | Path, max_problems: int = 200) -> Iterator[tuple[int,
     if not header_seen:
         problems.append("line 1: the file is empty (expected a kvbench-trace header)")
     elif not ids and not problems:
-        problems.append("the trace has a header but no trajectories")
+        problems.append("line 2: the trace has a header but no trajectories (one per line after it)")
     if problems:
         raise TraceError(path, problems)
 

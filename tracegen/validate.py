@@ -89,6 +89,24 @@ def length_problems(trace: Trace, max_model_len: int) -> list[str]:
     return problems
 
 
+def context_problem(trace: Trace, limit: int, model: str, shared_tokens: int | None) -> str | None:
+    """Why a trace's turns do not fit the model's context of `limit` tokens, naming the first such
+    turn and, for a generated context of `shared_tokens` (every prompt holds it once), the largest
+    that fits; None when they all fit."""
+    problems = length_problems(trace, limit)
+    if not problems:
+        return None
+    prefix = len(trace.header.prompt_prefix_ids)
+    need = max(prefix + t.prompt_tokens(turn) + turn.max_tokens for t in trace.trajectories for turn in t.turns)
+    if shared_tokens and (fits := shared_tokens - (need - limit)) > 0:
+        hint = f"; the largest --shared-tokens that fits is {fits:,}" + (
+            f" ({fits // 256 * 256:,} in steps of 256)" if fits >= 256 else "")
+    else:
+        hint = "; a smaller --output-len lowers each turn's need"
+    return (f"{len(problems)} turns do not fit {model}'s context of {limit:,} tokens (the prompt with every upstream "
+            f"output at --output-len, plus its own --output-len); first: {problems[0].split(': ', 1)[1]}{hint}")
+
+
 def check_trace(trace: Trace, tokenizer: TraceTokenizer, path: str = "<trace>") -> None:
     """Raise one TraceError listing every tokenizer problem of a structurally valid trace."""
     problems = tokenizer_problems(trace, tokenizer)

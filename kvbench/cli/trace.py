@@ -120,34 +120,9 @@ def gen_trace_command(output: Path, model: str | None, chat_template: bool | Non
             header, trajectories = generate_trace(spec, tokenizer, lambda i: progress.update(task, completed=i + 1))
         except ValueError as exc:  # a benchmark file kvbench cannot read (DatasetError) names its row
             raise click.ClickException(str(exc)) from None
-    if tokenizer.context_length is not None:
-        _check_context(spec, header, trajectories, tokenizer.context_length, tokenizer.name)
     size = write_trace(output, header, trajectories)
     turns = sum(len(t.turns) for t in trajectories)
     click.echo(f"wrote {output}: {len(trajectories)} trajectories, {turns} turns, {size:,} bytes")
-
-
-def _check_context(spec, header, trajectories, limit: int, model: str) -> None:
-    """Refuse, before writing, a trace whose turns do not fit the model's context, naming the first
-    such turn and the largest shared context that fits."""
-    from kvbench.tracegen.schema import Trace
-    from kvbench.tracegen.validate import length_problems
-
-    trace = Trace(header=header, trajectories=trajectories)
-    problems = length_problems(trace, limit)
-    if not problems:
-        return
-    prefix = len(header.prompt_prefix_ids)
-    need = max(prefix + t.prompt_tokens(turn) + turn.max_tokens for t in trajectories for turn in t.turns)
-    hint = ""
-    if not spec.is_benchmark and (fits := spec.shared_tokens - (need - limit)) > 0:
-        hint = (f"; the largest --shared-tokens that fits is {fits:,}"
-                + (f" ({fits // 256 * 256:,} in steps of 256)" if fits >= 256 else ""))
-    elif spec.is_benchmark:
-        hint = "; --output-len lowers each turn's cap"
-    raise click.ClickException(f"{len(problems)} turns do not fit {model}'s context of {limit:,} tokens (the prompt "
-                               f"with every upstream output at --output-len, plus its own --output-len); first: "
-                               f"{problems[0].split(': ', 1)[1]}{hint}. Nothing was written.")
 
 
 def _stderr_console():
