@@ -100,7 +100,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str, source: dict[str, An
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=torch.bfloat16,
                                                  quantization_config=GgufConfig(dequantize=True))
     model.config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # (not serializable while it is set)
     max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if max_positions:
         tokenizer.model_max_length = max_positions  # the GGUF tokenizer says "unbounded"
