@@ -99,8 +99,10 @@ class PromptBuilder:
             if self.reference_outputs is not None:
                 reference = self.reference_outputs.get((trajectory.trajectory_id, producer))
                 if reference is not None:
-                    return self.tokenizer.message_ids(reference)  # recorded whole: its message, as a free run passes on
-            return outputs[producer]
+                    return self.tokenizer.message_ids(reference)
+            # an agent passes on its message: up to its end of sequence, no control token (outputs
+            # are the generated ids as recorded, by this run or rebuilt from its files)
+            return self.tokenizer.message_ids(outputs[producer])
         ids = self._ids_of_text(trajectory.shared[segment.ph].text)
         expected = trajectory.shared[segment.ph].num_tokens
         if len(ids) != expected:

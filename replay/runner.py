@@ -393,8 +393,7 @@ class Replayer:
         if not self.method_info.uses_connector:  # plain vLLM: all of what it calls cached is its prefix cache
             record.prefix_cached_tokens = record.cached_tokens
         if result.success:
-            # later agents read this agent's message: up to its end of sequence, no control token
-            outputs[turn.turn_id] = self.config.tokenizer.message_ids(output_ids)
+            outputs[turn.turn_id] = list(output_ids)  # (later prompts take its message: PromptBuilder)
             self._consecutive_unreachable = 0
         elif result.error_type == "connection_refused":
             self._consecutive_unreachable += 1

@@ -37,8 +37,9 @@ class StubServer:
     connector_method: str = "fullshared"  # the method its RPCs say it runs
     shared_tier: dict[str, Any] | None = None  # the shared tier its info reports (ServerInfo.shared_tier)
     output_shift: int = 0  # added to every generated token: a stand-in for a method that changes outputs
-    # A request sent without ignore_eos ends after this many tokens with token 2 (the embedded
-    # models' end of sequence), as vLLM's stream carries it; None: every request runs to max_tokens.
+    # After this many tokens the model "ends its message" with token 2 (the embedded models' end of
+    # sequence): a request sent without ignore_eos stops there, as vLLM's stream carries it; one
+    # sent with ignore_eos runs on past it to max_tokens, as vLLM's does. None: no end of sequence.
     eos_after: int | None = None
     metrics_text: str = "vllm:num_requests_running 0\n"
     rpc_calls: list[str] = field(default_factory=list)
@@ -92,7 +93,7 @@ class StubServer:
             max_tokens = self.eos_after + 1  # type: ignore[operator]
         for index in range(max_tokens):
             token = (len(prompt) + index) % 1000 + 3 + self.output_shift
-            if stops and index == max_tokens - 1:
+            if self.eos_after is not None and index == self.eos_after:
                 token = 2
             choice: dict[str, Any] = {"index": 0, "text": f" t{token}", "token_ids": [token]}
             if body.get("logprobs"):  # a made-up distribution whose top token is the one sent

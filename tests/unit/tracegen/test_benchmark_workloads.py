@@ -184,6 +184,31 @@ def test_an_agent_stopped_by_eos_passes_on_its_text_without_the_eos_token(tmp_pa
     assert any(later[i:i + 3] == text for i in range(len(later))) and 2 not in later  # its text, no EOS
 
 
+def test_under_ignore_eos_an_agent_passes_on_only_its_message(tmp_path: Path) -> None:
+    """The paper's fixed output lengths: the model runs on past its end of sequence, and the next
+    agent reads the message up to it, not the control token or what followed it."""
+    import pandas as pd
+
+    from kvbench.replay.stub import StubServer
+
+    trace = tmp_path / "fixed.jsonl"
+    assert CliRunner().invoke(main, ["gen-trace", "-o", str(trace), "--shared-tokens", "64", "--output-len", "8",
+                                     "--num-trajectories", "1", "--qps", "0"]).exit_code == 0
+    with StubServer(eos_after=3) as stub:
+        result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--base-url", stub.base_url, "--qps", "0",
+                                           "--num-warmups", "0", "--save-prompt-ids",
+                                           "--result-dir", str(tmp_path / "run")])
+        assert all(b["ignore_eos"] for b in stub.bodies.values())
+    assert result.exit_code == 0, result.output
+    requests = pd.read_parquet(tmp_path / "run" / "requests.parquet").set_index("turn_id")
+    first = list(requests.loc["A0.r0", "output_token_ids"])
+    assert len(first) == 8 and first[3] == 2  # generated whole: the end of sequence, then more
+    later = list(requests.loc["A1.r0", "prompt_token_ids"])
+    assert any(later[i:i + 3] == first[:3] for i in range(len(later)))
+    assert 2 not in later and not any(later[i:i + 2] == first[4:6] for i in range(len(later)))
+    assert requests.loc["A1.r0", "prompt_tokens"] == len(later)
+
+
 def test_a_benchmark_sweep_has_one_trace_per_task_and_one_cell_per_method_and_task(tmp_path: Path) -> None:
     from kvbench.experiment.sweep import MethodConfig, SweepSpec
 
