@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -67,10 +68,13 @@ class ServerCheck:
     tokenizer: Any
     fullshared: dict[TurnKey, dict[str, Any]] = field(default_factory=dict)
     _serial: int = 0
+    _nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
     def run_id(self, name: str) -> str:
+        """A run id no earlier check on this server used: it salts vLLM's prefix cache, so no pass
+        reads blocks another check's pass computed."""
         self._serial += 1
-        return f"check{self._serial}-{name}"
+        return f"check-{self._nonce}-{self._serial}-{name}"
 
     def sampled_layers(self) -> list[int]:
         last = self.facts.num_layers - 1
@@ -85,6 +89,9 @@ class ServerCheck:
         original = self.server.rpc.info()[0].params
         try:
             self.server.rpc.set_params(invariant.params(self.facts))
+            # An empty store: an entry a server already held keeps the codec and the method state
+            # it was kept with (a lossy codec's entry of the same query would be reused as is).
+            self.server.rpc.reset()
             return self._evaluate(invariant)
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             return _failed(Outcome(invariant.method, invariant.name, invariant.claim, "fail", ""),
