@@ -2,7 +2,8 @@
 equal a known computation (kvbench.experiment.invariants), each pass or fail with its evidence.
 
 One server per method (started here, or one the user runs: `--base-url`); each invariant sets the
-method's parameters on it (WorkerRpc.SET_PARAMS) and restores them after. The workload is small
+method's parameters on it (WorkerRpc.SET_PARAMS), empties its store (WorkerRpc.RESET) and
+restores the parameters after. The workload is small
 and greedy: two-agent trajectories whose second agent reuses the first's shared segments. Every
 pass is anchored on the dense reference's outputs (the same prompts whatever the method does),
 so a turn's difference comes from its own cache. On the same server, every compared turn is also
