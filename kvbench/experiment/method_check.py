@@ -2,14 +2,13 @@
 equal a known computation (kvbench.experiment.invariants), each pass or fail with its evidence.
 
 One server per method (started here, or one the user runs: `--base-url`); each invariant sets the
-method's parameters on it (WorkerRpc.SET_PARAMS), empties its store (WorkerRpc.RESET) and
-restores the parameters after. The workload is small
-and greedy: two-agent trajectories whose second agent reuses the first's shared segments. Every
-pass is anchored on the dense reference's outputs (the same prompts whatever the method does),
-so a turn's difference comes from its own cache. On the same server, every compared turn is also
-prefilled by vLLM itself (nothing claimed: NonShared's computation) and by kvbench's own forward
-of every row (claim "all"): the second measures how far kvbench's forward alone sits from vLLM's,
-the noise floor the comparisons allow.
+method's parameters on it (WorkerRpc.SET_PARAMS), empties its store (WorkerRpc.RESET) and restores
+the parameters after. The workload is small and greedy: two-agent trajectories whose second agent
+reuses the first's shared segments. Every pass is anchored on the dense reference's outputs (the
+same prompts whatever the method does), so a turn's difference comes from its own cache. On the
+same server, every compared turn is also prefilled by vLLM itself (nothing claimed: NonShared's
+computation) and by kvbench's own forward of every row (claim "all"): the second measures how far
+kvbench's forward alone sits from vLLM's, the noise floor the comparisons allow.
 """
 
 from __future__ import annotations

@@ -130,3 +130,43 @@ def test_a_server_that_does_not_start_fails_its_methods_invariants_and_the_rest_
     assert [(o.method, o.status) for o in outcomes] == [("cacheblend", "fail"), ("droidspeak", "fail")]
     assert all(o.evidence == f"its server did not start: {refusal}" for o in outcomes)
     assert startup_failure("port 8000 is in use\nmore") == "port 8000 is in use"
+
+
+def test_each_invariant_starts_from_an_empty_store_with_request_ids_no_earlier_check_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server earlier runs used may hold an entry of the same content kept with another codec
+    (PolyKV's lossy one), and vLLM's prefix cache is salted by the check's run ids: each invariant
+    empties the store after setting its parameters, and two checks never share a run id."""
+    from types import SimpleNamespace
+
+    from kvbench.experiment.check_requests import CheckSpec
+    from kvbench.experiment.invariants import Outcome
+    from kvbench.experiment.method_check import ServerCheck
+
+    calls: list[tuple] = []
+
+    class Rpc:
+        def info(self):
+            return [SimpleNamespace(params={"store_codec": "polykv"})]
+
+        def set_params(self, params):
+            calls.append(("set_params", params))
+
+        def reset(self, keep_method_state: bool = False):
+            calls.append(("reset", keep_method_state))
+
+    def evaluate(self, invariant):
+        calls.append(("evaluate", self.run_id("method")))
+        return Outcome(invariant.method, invariant.name, invariant.claim, "pass", "")
+
+    monkeypatch.setattr(ServerCheck, "_evaluate", evaluate)
+    server = SimpleNamespace(rpc=Rpc())
+    identity = next(i for i in INVARIANTS if i.name == "identity-codec")
+    checks = [ServerCheck(server, CheckSpec(model="m"), ModelFacts(2, "bfloat16"), None) for _ in range(2)]
+    for check in checks:
+        assert check.run(identity).status == "pass"
+    first, second = calls[:4], calls[4:]
+    assert [c[0] for c in first] == ["set_params", "reset", "evaluate", "set_params"]
+    assert first[0] == ("set_params", {"store_codec": "identity"}) and first[1] == ("reset", False)
+    assert first[3] == ("set_params", {"store_codec": "polykv"})  # the server's own parameters restored
+    assert first[2][1] != second[2][1]  # each check's first run id: another salt for vLLM's prefix cache
