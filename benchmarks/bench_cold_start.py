@@ -14,11 +14,16 @@ context and start:
 - KVCMAS's realized rho and the share of its segment decisions that went dense for want of
   anchors (`dense_few_anchors`);
 - the warm-ups' wall time per trajectory (anchor building included), KVCMAS / NonShared
-  (issue 64's target on a deep model: <= 2).
+  (issue 64's target on a deep model: <= 2);
+- the measured trajectories' mean end-to-end time (where work moved out of a TTFT still counts).
+
+`--kvcmas-prematch` adds KVCMAS with `prematch` on (a saved turn's segments matched against the
+anchor pools after its first token, in its decode steps, not inside the next edge's TTFT), in the
+same run, as `kvcmas-prematch`.
 
     .venv/bin/python benchmarks/bench_cold_start.py [--contexts 1024,2048,8192] [--trajectories 8]
         [--warmups 2] [--output-len 128] [--starts cold,primed] [--model M] [--task T]
-        [--result-dir DIR] [--json FILE]
+        [--kvcmas-prematch] [--result-dir DIR] [--json FILE]
 
 The runs are `kvbench sweep`s (kept in --result-dir for `kvbench report` / `kvbench profile`).
 """
@@ -40,7 +45,9 @@ from kvbench.analysis.intervals import p50_ratio_interval
 from kvbench.experiment.sweep import MethodConfig, SweepSpec
 from kvbench.experiment.sweep_runner import run_sweep
 
-METHODS = ("nonshared", "fullshared", "kvcmas")
+METHODS = (MethodConfig("nonshared"), MethodConfig("fullshared"), MethodConfig("kvcmas"))
+PREMATCH = MethodConfig("kvcmas", {"prematch": True}, label="kvcmas-prematch")
+KVCMAS_VARIANTS = ("kvcmas", "kvcmas-prematch")  # rows compared with NonShared and FullShared, where run
 
 
 def reuse_turns(requests: pd.DataFrame) -> pd.DataFrame:
@@ -67,23 +74,29 @@ def _decisions(requests: pd.DataFrame) -> tuple[int, int]:
 
 
 def cell_figures(runs: dict[str, pd.DataFrame], summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Figures of one (context, start) cell; `runs` and `summaries` by method row name."""
     reuse = {m: reuse_turns(r) for m, r in runs.items()}
     first = {m: first_agents(r) for m, r in runs.items()}
     out: dict[str, Any] = {
         "reuse_p50_ms": {m: float(np.median(r["ttft_ms"].dropna())) for m, r in reuse.items()},
         "first_p50_ms": {m: float(np.median(r["ttft_ms"].dropna())) for m, r in first.items()},
         "reuse_turns": len(reuse["nonshared"]), "first_turns": len(first["nonshared"]),
-        "kvcmas_over_fullshared": _ratio(reuse["kvcmas"], reuse["fullshared"]),
-        "kvcmas_over_nonshared": _ratio(reuse["kvcmas"], reuse["nonshared"]),
         "fullshared_over_nonshared": _ratio(reuse["fullshared"], reuse["nonshared"]),
-        "first_kvcmas_over_nonshared": _ratio(first["kvcmas"], first["nonshared"]),
         "first_fullshared_over_nonshared": _ratio(first["fullshared"], first["nonshared"]),
-        "kvcmas_realized_rho": summaries["kvcmas"].get("realized_rho"),
-        "warmup_per_trajectory_s": {m: summaries[m].get("warmup_per_trajectory_s") for m in METHODS},
+        "warmup_per_trajectory_s": {m: s.get("warmup_per_trajectory_s") for m, s in summaries.items()},
+        "trajectory_e2e_ms": {m: s.get("mean_trajectory_e2e_ms") for m, s in summaries.items()},
         "failed": {m: int((~r["success"]).sum()) for m, r in runs.items()},
     }
-    total, dense = _decisions(runs["kvcmas"])
-    out["kvcmas_dense_few_anchors_share"] = dense / total if total else None
+    for name in (v for v in KVCMAS_VARIANTS if v in runs):
+        prefix = name.replace("-", "_")
+        total, dense = _decisions(runs[name])
+        out.update({
+            f"{prefix}_over_fullshared": _ratio(reuse[name], reuse["fullshared"]),
+            f"{prefix}_over_nonshared": _ratio(reuse[name], reuse["nonshared"]),
+            f"first_{prefix}_over_nonshared": _ratio(first[name], first["nonshared"]),
+            f"{prefix}_realized_rho": summaries[name].get("realized_rho"),
+            f"{prefix}_dense_few_anchors_share": dense / total if total else None,
+        })
     return out
 
 
@@ -94,19 +107,27 @@ def _fmt(r: dict[str, float]) -> str:
 def print_cell(context: int, start: str, fig: dict[str, Any]) -> None:
     reuse, first = fig["reuse_p50_ms"], fig["first_p50_ms"]
     print(f"\n{context} shared tokens, {start} start ({fig['reuse_turns']} reuse turns, {fig['first_turns']} first agents)")
-    print("  reuse turns p50 TTFT ms: " + ", ".join(f"{m} {reuse[m]:.1f}" for m in METHODS))
-    print(f"    KVCMAS / FullShared {_fmt(fig['kvcmas_over_fullshared'])}; KVCMAS / NonShared "
-          f"{_fmt(fig['kvcmas_over_nonshared'])}; FullShared / NonShared {_fmt(fig['fullshared_over_nonshared'])}")
-    print("  first agents p50 TTFT ms: " + ", ".join(f"{m} {first[m]:.1f}" for m in METHODS))
-    print(f"    KVCMAS / NonShared {_fmt(fig['first_kvcmas_over_nonshared'])}; FullShared / NonShared "
-          f"{_fmt(fig['first_fullshared_over_nonshared'])}")
-    share = fig["kvcmas_dense_few_anchors_share"]
-    print(f"  KVCMAS realized rho {fig['kvcmas_realized_rho']}, decisions dense for want of anchors "
-          f"{'n/a' if share is None else f'{share:.0%}'}; failed requests {fig['failed']}")
+    print("  reuse turns p50 TTFT ms: " + ", ".join(f"{m} {v:.1f}" for m, v in reuse.items()))
+    print(f"    FullShared / NonShared {_fmt(fig['fullshared_over_nonshared'])}")
+    print("  first agents p50 TTFT ms: " + ", ".join(f"{m} {v:.1f}" for m, v in first.items()))
+    print(f"    FullShared / NonShared {_fmt(fig['first_fullshared_over_nonshared'])}")
+    for name in (v for v in KVCMAS_VARIANTS if v in reuse):
+        prefix = name.replace("-", "_")
+        share = fig[f"{prefix}_dense_few_anchors_share"]
+        print(f"  {name}: reuse turns / FullShared {_fmt(fig[f'{prefix}_over_fullshared'])}, / NonShared "
+              f"{_fmt(fig[f'{prefix}_over_nonshared'])}; first agents / NonShared "
+              f"{_fmt(fig[f'first_{prefix}_over_nonshared'])}")
+        print(f"    realized rho {fig[f'{prefix}_realized_rho']}, decisions dense for want of anchors "
+              f"{'n/a' if share is None else f'{share:.0%}'}")
+    print(f"  failed requests {fig['failed']}")
+    e2e = fig["trajectory_e2e_ms"]
+    print("  measured trajectories, mean end-to-end s: " + ", ".join(
+        f"{m} {v / 1000:.1f}" for m, v in e2e.items() if v is not None))
     warmup = fig["warmup_per_trajectory_s"]
-    if all(warmup.get(m) for m in ("kvcmas", "nonshared")):
-        print("  warm-up per trajectory s: " + ", ".join(f"{m} {warmup[m]:.1f}" for m in METHODS if warmup.get(m))
-              + f"; KVCMAS / NonShared {warmup['kvcmas'] / warmup['nonshared']:.2f}x")
+    if warmup.get("nonshared"):
+        print("  warm-up per trajectory s: " + ", ".join(f"{m} {v:.1f}" for m, v in warmup.items() if v) + "; "
+              + ", ".join(f"{m} / NonShared {warmup[m] / warmup['nonshared']:.2f}x"
+                          for m in KVCMAS_VARIANTS if warmup.get(m)))
 
 
 def main() -> None:
@@ -118,6 +139,8 @@ def main() -> None:
     parser.add_argument("--starts", default="cold,primed", help="cold, primed or both")
     parser.add_argument("--model", default=None, help="default: the embedded kvbench:recall-v1")
     parser.add_argument("--task", default="none", help="the traces' task (gen-trace --task), e.g. role-lookup")
+    parser.add_argument("--kvcmas-prematch", action="store_true",
+                        help="add KVCMAS with prematch on (kvcmas-prematch) to the same run")
     parser.add_argument("--result-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write every figure here too")
     args = parser.parse_args()
@@ -127,15 +150,16 @@ def main() -> None:
         for start in args.starts.split(","):
             if start not in ("cold", "primed"):
                 parser.error(f"--starts: cold or primed, got {start!r}")
-            spec = SweepSpec(methods=[MethodConfig(m) for m in METHODS], shared_tokens=contexts, qps=[0.0],
+            methods = [*METHODS, *([PREMATCH] if args.kvcmas_prematch else [])]
+            spec = SweepSpec(methods=methods, shared_tokens=contexts, qps=[0.0],
                              num_trajectories=args.trajectories, num_warmups=args.warmups,
                              prime_method_state=start == "primed", output_len=args.output_len, model=args.model,
                              task=args.task)
             cells = run_sweep(spec, Path(root) / start)
             for context in contexts:
                 mine = [c for c in cells if c.shared_tokens == context]
-                runs = {c.method.method: run_files.load_requests(c.path).frame for c in mine}
-                summaries = {c.method.method: json.loads((c.path / run_files.SUMMARY).read_text()) for c in mine}
+                runs = {c.method.name: run_files.load_requests(c.path).frame for c in mine}
+                summaries = {c.method.name: json.loads((c.path / run_files.SUMMARY).read_text()) for c in mine}
                 fig = cell_figures(runs, summaries)
                 figures[f"{context}/{start}"] = fig
                 print_cell(context, start, fig)
