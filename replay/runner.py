@@ -24,6 +24,7 @@ from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.replay.records import RequestRecord, ResultsWriter
 from kvbench.replay.result_lock import result_dir_lock
 from kvbench.replay.resume import RunStart, plan_start
+from kvbench.replay.rotation import ArmTurns, Phase, Step
 from kvbench.replay.routing import Router
 from kvbench.replay.run_config import ReplayConfig, ReplayError, ReplayOutcome
 from kvbench.replay.saturation import SaturationVerdict, SaturationWatch
@@ -53,10 +54,14 @@ async def _sleep_until(target_ns: int) -> None:
 
 
 class Replayer:
-    def __init__(self, config: ReplayConfig) -> None:
+    def __init__(self, config: ReplayConfig, turns: ArmTurns | None = None) -> None:
+        """`turns`: this run's arm of an interleaved comparison (replay/rotation.py): every step
+        that touches its server waits for its turn; None: a run of its own."""
         from kvbench.methods.registry import method_spec
 
         self.config = config
+        self.turns = turns
+        self.positions = {t.trajectory_id: i for i, t in enumerate(config.trace.trajectories)}  # place in the trace
         self.method_info = method_spec(config.method)  # its flags only: the client imports no method
         self.abort_reason: str | None = None
         self.interrupted: int | None = None  # the stop signal that ended the run
@@ -76,15 +81,28 @@ class Replayer:
         loaded = config.load.qps > 0 or config.load.use_trace_timestamps
         self.saturation = SaturationWatch(config.load.saturation if loaded else None)
         self._launch: asyncio.Task[None] | None = None  # the trajectories' scheduling: cancelled on saturation
+        self._body: asyncio.Task[None] | None = None  # the run's own work, cancelled by a stop signal
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the run -----------------------------------------------------------------------------
     async def run(self) -> ReplayOutcome:
         """The run, or the rest of an interrupted one. SIGINT/SIGTERM stop it cleanly: requests in
         flight are recorded as interrupted, the run's files are closed, then `Interrupted` is raised."""
+        try:
+            return await self._run()
+        finally:
+            if self.turns is not None:  # however it ends, the other arms go on without it
+                await self.turns.leave()
+
+    async def _run(self) -> ReplayOutcome:
         cfg = self.config
         start = plan_start(cfg, self.method_info.uses_connector)
         run_config = start.run_config
         offsets = self._schedule(start.todo)  # refused before anything is sent or written
+        if self.turns is not None:
+            if cfg.load.qps > 0 or cfg.load.use_trace_timestamps:
+                raise ReplayError("arms take turns one trajectory at a time: an interleaved comparison runs at --qps 0")
+            await self.turns.register(self._steps(start))
         segment = len(run_config["segments"])
         builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
                                 run_id=f"{run_config['run_id']}/s{segment}",
@@ -94,17 +112,13 @@ class Replayer:
         sampler = MetricsSampler(cfg.servers.sampled_urls, cfg.servers.pids)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.output.result_dir, cfg.servers.base_urls, self.servers.fetch_stats)
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False)) as session:
-            body = asyncio.create_task(self._run_body(session, start, offsets, builder, sampler))
-
-            def on_signal(signum: int) -> None:
-                if self.interrupted is not None:  # a second signal: stop waiting for a clean finish
-                    raise Interrupted(signum)
-                self.interrupted = signum
-                loop.call_soon_threadsafe(body.cancel)
-
-            with on_stop_signals(on_signal):
+            body = self._body = asyncio.create_task(self._run_body(session, start, offsets, builder, sampler))
+            if self.interrupted is not None:  # stopped while it prepared
+                body.cancel()
+            # Arms of an interleaved comparison share one process: its runner takes the signals.
+            with on_stop_signals(self.stop) if self.turns is None else contextlib.nullcontext():
                 try:
                     await body
                 except asyncio.CancelledError:
@@ -124,6 +138,15 @@ class Replayer:
             raise ReplayError(f"run aborted: {self.abort_reason}. {outcome.completed} requests completed and "
                               f"{outcome.failed} failed are saved in {cfg.output.result_dir}; finish it with --resume")
         return outcome
+
+    def stop(self, signum: int) -> None:
+        """A stop signal (SIGINT/SIGTERM): the run stops cleanly, what is in flight recorded as
+        interrupted; a second one stops waiting for that."""
+        if self.interrupted is not None:
+            raise Interrupted(signum)
+        self.interrupted = signum
+        if self._body is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._body.cancel)
 
     async def _run_body(self, session: aiohttp.ClientSession, start: RunStart, offsets: list[float],
                         builder: PromptBuilder, sampler: MetricsSampler) -> None:
@@ -146,12 +169,14 @@ class Replayer:
         self._write_config(run_config)
         prime = bool(warmups) and cfg.load.prime_method_state
         if prime:  # what the warm-ups teach the method, and nothing from earlier runs
-            await self.servers.reset(session)
+            async with self._turn("prepare"):
+                await self.servers.reset(session)
         if warmups:
             await self._warm_up(session, warmups, builder)
         # Every run starts cold (design: caches are reset between runs), after the warm-ups:
         # they warm kernels and leave no prefix-cache blocks; method state only when asked.
-        await self.servers.reset(session, keep_method_state=prime)
+        async with self._turn("reset"):
+            await self.servers.reset(session, keep_method_state=prime)
         if warmups:  # what the warm-ups cost (a method's anchor building in them included)
             self.segment.update(warmup_s=round(time.time() - self.segment["started"], 3), warmup_trajectories=len(warmups))
         await sampler.start(session)
@@ -179,7 +204,7 @@ class Replayer:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
-            self.segment["duration_s"] = (time.perf_counter_ns() - self.t0_ns) / 1e9
+            self.segment["duration_s"] = self._active_s()
             self._write_config(run_config)
             if self.stats is not None and not stop.is_set():
                 try:
@@ -199,7 +224,7 @@ class Replayer:
         assert writer is not None
         self.progress.stop()
         if self.t0_ns:
-            self.segment["duration_s"] = (time.perf_counter_ns() - self.t0_ns) / 1e9
+            self.segment["duration_s"] = self._active_s()
             await sampler.stop(session)
         try:
             if self.stats is not None:
@@ -240,6 +265,8 @@ class Replayer:
 
     def _write_config(self, run_config: dict[str, Any]) -> None:
         """config.json rewritten; when it cannot be (a full disk), the one on disk stays, and the run ends."""
+        if self.turns is not None:  # its place in each measured trajectory's order, so far
+            run_config["interleaved"] = self.turns.describe()
         try:
             write_text_atomic(self.config.output.result_dir / run_files.CONFIG, json.dumps(run_config, indent=2) + "\n")
         except OSError as exc:
@@ -248,7 +275,28 @@ class Replayer:
     async def _warm_up(self, session: aiohttp.ClientSession, warmups: list[Trajectory],
                        builder: PromptBuilder) -> None:
         for index, trajectory in enumerate(warmups):  # single stream, not recorded; routed as the run is
-            await self._run_trajectory(session, trajectory, index, 0, builder, writer=None)
+            async with self._turn("warmup", index):
+                await self._run_trajectory(session, trajectory, index, 0, builder, writer=None)
+
+    # -- interleaved runs (replay/rotation.py) ---------------------------------------------------
+    def _steps(self, start: RunStart) -> list[Step]:
+        """The steps this run will take its turn for: preparing (primed warm-ups only), each
+        warm-up, the reset after them, each trajectory left to measure (by its place in the trace)."""
+        steps = [Step.of("warmup", i) for i in range(len(start.warmups))] + [Step.of("reset")]
+        steps += [Step.of("measure", self.positions[t.trajectory_id]) for t in start.todo]
+        if start.warmups and self.config.load.prime_method_state:
+            steps.append(Step.of("prepare"))
+        return steps
+
+    def _turn(self, phase: Phase, position: int = 0) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext() if self.turns is None else self.turns.turn(phase, position)
+
+    def _active_s(self) -> float:
+        """The run's serving time: since its first measured request, or, taking turns with other
+        arms, only the time it held the turn measuring (the others' turns are not its time)."""
+        if self.turns is not None:
+            return self.turns.busy_s()
+        return (time.perf_counter_ns() - self.t0_ns) / 1e9
 
     def _schedule(self, trajectories: list[Trajectory]) -> list[float]:
         cfg = self.config
@@ -283,7 +331,8 @@ class Replayer:
                 if self._should_stop():
                     break
                 if single_stream:
-                    await self._run_trajectory(session, trajectory, index, time.perf_counter_ns(), builder, writer)
+                    async with self._turn("measure", self.positions[trajectory.trajectory_id]):
+                        await self._run_trajectory(session, trajectory, index, time.perf_counter_ns(), builder, writer)
                     continue
                 target_ns = self.t0_ns + int(offset * 1e9)
                 # Start the task early: it builds its first prompts, then waits for the exact time.
@@ -427,6 +476,7 @@ class Replayer:
             self.segment["saturation"] = verdict.to_dict()
             if self._launch is not None:
                 self._launch.cancel()  # no new work; what is in flight is recorded as stopped
+
 
 
 

@@ -27,7 +27,9 @@ def require_consent_for(trajectories: Sequence[Trajectory]) -> None:
         require_code_execution()
 
 
-def _score_and_summarize(config: ReplayConfig) -> dict[str, Any]:
+def score_and_summarize(config: ReplayConfig) -> dict[str, Any]:
+    """Score a recorded run of a task trace (and compare it with its reference, if any), then write
+    `summary.json` and return it."""
     if any(t.task is not None for t in config.trace.trajectories):
         write_scores(config.output.result_dir, config.trace.trajectories, config.tokenizer)
     if config.quality.reference is not None:  # a reference-anchored run is compared with its reference
@@ -46,13 +48,13 @@ def replay_and_summarize(config: ReplayConfig) -> dict[str, Any]:
     except BaseException:
         if (config.output.result_dir / run_files.REQUESTS_JOURNAL).exists():
             try:
-                _score_and_summarize(config)
+                score_and_summarize(config)
             except OSError as exc:  # a full disk: the replay's error says what is safe
                 logger.warning("the stopped run in %s is not summarized (%s)", config.output.result_dir, exc.strerror or exc)
             except Exception:  # the replay's own error is the one to report
                 logger.exception("summarizing the stopped run in %s failed", config.output.result_dir)
         raise
-    return _score_and_summarize(config)
+    return score_and_summarize(config)
 
 
 def trace_of_run(config: dict[str, Any], trace_path: Path | None = None) -> tuple[Trace, TraceTokenizer]:

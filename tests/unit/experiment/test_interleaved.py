@@ -1,0 +1,125 @@
+"""Interleaved comparisons (kvbench.experiment.interleaved) on stand-in servers: arms take turns a
+trajectory at a time, each run is recorded and summarized as its own, and a drift of the whole
+machine halfway through, which a comparison run one method after another reads as a difference
+between identical methods, falls on both arms alike."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from kvbench import run_files
+from kvbench.experiment.interleaved import Arm, replay_interleaved
+from kvbench.experiment.replay import load_trace, replay_config
+from kvbench.experiment.run import replay_and_summarize
+from kvbench.replay.run_config import ReplayConfig
+from kvbench.replay.stub import StubServer
+
+FAST_S, SLOW_S = 0.004, 0.04  # a stand-in prefill before and after the machine slows down
+TRAJECTORIES = 8
+
+
+class Machine:
+    """What every stand-in server on one machine shares: after `slow_after` requests in all,
+    every prefill takes ten times as long (a neighbour's job started)."""
+
+    def __init__(self, slow_after: int) -> None:
+        self.slow_after = slow_after
+        self.servers: list[StubServer] = []
+
+    def prefill_s(self) -> float:
+        return FAST_S if sum(len(s.bodies) for s in self.servers) <= self.slow_after else SLOW_S
+
+
+@dataclass
+class MachineStub(StubServer):
+    machine: Machine | None = None
+
+    @property  # type: ignore[override]
+    def prefill_s(self) -> float:
+        return self.machine.prefill_s() if self.machine is not None else 0.0
+
+    @prefill_s.setter
+    def prefill_s(self, value: float) -> None:  # the machine decides, not the dataclass default
+        pass
+
+
+def _configs(tokenizer_dir: Path, root: Path, urls: dict[str, str]) -> list[ReplayConfig]:
+    trace, tokenizer, model = load_trace(None, str(tokenizer_dir), TRAJECTORIES, 0, shared_tokens=64, output_len=3,
+                                         seed=5)
+    settings: dict[str, Any] = dict(reference_dir=None, trace_path=None, max_load_tokens_per_step=None, qps=0.0,
+                                    num_warmups=0, use_trace_timestamps=False, drop_shared=False, logprobs=None,
+                                    show_progress=False)
+    return [replay_config(trace, tokenizer, model, "nonshared", {}, base_urls=[url], result_dir=root / name,
+                          label=name, **settings) for name, url in urls.items()]
+
+
+def _paired_ratios(root: Path, numerator: str, denominator: str) -> pd.Series:
+    """Each trajectory's mean TTFT under one arm over the other's."""
+    def per_trajectory(name: str) -> pd.Series:
+        return pd.read_parquet(root / name / run_files.REQUESTS).groupby("trajectory_id")["ttft_ms"].mean()
+    return per_trajectory(numerator) / per_trajectory(denominator)
+
+
+@pytest.fixture
+def machine() -> Any:
+    machine = Machine(slow_after=TRAJECTORIES * 4)  # four agents a trajectory: once one arm's worth has run
+    with MachineStub(machine=machine) as a, MachineStub(machine=machine) as b:
+        machine.servers = [a, b]
+        yield machine
+
+
+def test_a_drift_between_blocks_reads_as_a_difference_when_run_one_after_another(
+        tiny_tokenizer_dir: Path, tmp_path: Path, machine: Machine) -> None:
+    a, b = machine.servers
+    for config in _configs(tiny_tokenizer_dir, tmp_path, {"first": a.base_url, "second": b.base_url}):
+        replay_and_summarize(config)
+    assert _paired_ratios(tmp_path, "second", "first").median() > 4  # identical methods, "4x" apart
+
+
+def test_interleaved_arms_take_turns_and_the_drift_falls_on_both(tiny_tokenizer_dir: Path, tmp_path: Path,
+                                                                   machine: Machine) -> None:
+    a, b = machine.servers
+    configs = _configs(tiny_tokenizer_dir, tmp_path, {"first": a.base_url, "second": b.base_url})
+    summaries = replay_interleaved([Arm(config) for config in configs])
+    ratios = _paired_ratios(tmp_path, "second", "first")
+    assert len(ratios) == TRAJECTORIES and 0.5 < ratios.median() < 2
+    assert ratios.max() < 4  # every trajectory's two runs saw the same machine, but the one it slowed during
+    # one trajectory at a time: each server saw its turns of a trajectory back to back
+    for name, stub in (("first", a), ("second", b)):
+        assert summaries[name]["completed"] == TRAJECTORIES * 4 and summaries[name]["failed"] == 0
+        config = json.loads((tmp_path / name / run_files.CONFIG).read_text())
+        assert config["interleaved"]["arms"] == ["first", "second"]
+        assert sorted(config["interleaved"]["measured_places"]) == [0] * 4 + [1] * 4  # first and second alike
+        assert stub.max_in_flight == 1
+    received = sorted((ns, name) for name, stub in (("first", a), ("second", b)) for ns, _ in stub.timings.values())
+    switches = sum(1 for (_, x), (_, y) in zip(received, received[1:]) if x != y)
+    # whole trajectories, in an order that rotates: a b | b a | a b ... (a fixed order, a b | a b, switches 15 times)
+    assert switches == TRAJECTORIES
+    # its duration is its own turns' time, not the other arm's
+    duration = sum(s["duration_s"] for s in json.loads((tmp_path / "first" / run_files.CONFIG).read_text())["segments"])
+    wall = (max(ns for ns, _ in received) - min(ns for ns, _ in received)) / 1e9
+    assert 0 < duration < 0.75 * wall
+
+
+def test_an_arm_whose_server_is_down_fails_alone_and_the_others_finish(tiny_tokenizer_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    from kvbench.replay.run_config import ReplayError
+    from kvbench.server.errors import ServerError
+
+    with StubServer() as up:
+        configs = _configs(tiny_tokenizer_dir, tmp_path, {"up": up.base_url, "down": "http://127.0.0.1:9"})
+        with pytest.raises((ServerError, ReplayError)):
+            replay_interleaved([Arm(config) for config in configs])
+    assert len(pd.read_parquet(tmp_path / "up" / run_files.REQUESTS)) == TRAJECTORIES * 4
+
+
+def test_arms_need_distinct_labels(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    configs = _configs(tiny_tokenizer_dir, tmp_path, {"same": "http://127.0.0.1:9"})
+    with pytest.raises(ValueError, match="distinct labels"):
+        replay_interleaved([Arm(configs[0]), Arm(configs[0])])
