@@ -112,7 +112,10 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
              *(["## What reuse saves: reuse turns against NonShared's (p50 TTFT ratio, 95% interval over "
                 "trajectories)", "",
                 "Reuse turns: turns some earlier agent's cache could serve; first turns reuse nothing (there a "
-                "method should cost nothing). A ratio whose interval holds 1 is no finding.", "",
+                "method should cost nothing). Each run is compared with the NonShared run of its own comparison "
+                "(`replay --method a,b,c`, the quickstart), never another invocation's. The noise floor is the A/A "
+                "arm's ratio (NonShared replayed again, taken in turn like the methods): a ratio whose interval "
+                "holds 1 or meets the noise floor's is no finding (`within noise`).", "",
                 _markdown(savings), ""] if len(savings) else []),
              *(["## What reuse costs: reuse turns against the reference (mean, 95% interval over trajectories)", "",
                 "Task accuracy where the answer is known; exact match, token F1 and first-token KL against the "

@@ -23,6 +23,9 @@ class Run:
     path: Path
     summary: dict[str, Any]
     requests: pd.DataFrame
+    # When another comparison in the same report holds the same cell: when its comparison started
+    # (find_runs), so that two quickstarts' rows are told apart and never taken for repeats.
+    tag: str = ""
 
     @property
     def name(self) -> str:
@@ -100,10 +103,34 @@ class Run:
         return " ".join(parts)
 
     @property
+    def comparison(self) -> str | None:
+        """The id of the comparison this run is an arm of (`replay --method a,b,c`, the
+        quickstart): a report pairs it only with runs of the same one. None: a run of its own."""
+        return (self.config.get("comparison") or {}).get("id")
+
+    @property
+    def interleaved(self) -> bool:
+        """Its comparison's arms took turns a trajectory at a time (kvbench.replay.rotation)."""
+        return bool((self.config.get("comparison") or {}).get("interleaved"))
+
+    @property
+    def is_noise_floor(self) -> bool:
+        """The A/A arm: NonShared replayed a second time in its comparison (what identical methods
+        differ by on the machine), never the NonShared baseline itself."""
+        return self.method == "nonshared" and self.summary.get("label") == run_files.AA_LABEL
+
+    @property
     def cell(self) -> str:
         """The grid cell this run measured: its method configuration (label, else method) and its
         workload. Repeats of a cell share it."""
-        return " ".join(filter(None, (self.name, self.workload)))
+        return " ".join(filter(None, (self.name, self.workload, f"@{self.tag}" if self.tag else "")))
+
+    @property
+    def started(self) -> float | None:
+        """When its first segment started (seconds since the epoch), if recorded."""
+        segments = self.config.get("segments") or [{}]
+        value = segments[0].get("started")
+        return float(value) if isinstance(value, int | float) else None
 
     def _generator(self) -> dict[str, Any]:
         return (self.config.get("trace_header") or {}).get("generator") or {}
@@ -201,4 +228,26 @@ def find_runs(paths: list[Path]) -> list[Run]:
         if not found:
             raise RunLoadError(f"no kvbench runs in {path}")
         runs += [load_run(p) for p in found]
+    tag_comparisons(runs)
     return runs
+
+
+def tag_comparisons(runs: list[Run]) -> None:
+    """Give the runs of a cell that several comparisons hold the time their comparison started
+    (repeats inside one comparison or sweep keep one cell: they are repeats)."""
+    from datetime import datetime
+
+    by_cell: dict[str, set[str]] = {}
+    for run in runs:
+        if run.comparison is not None:
+            by_cell.setdefault(run.cell, set()).add(run.comparison)
+    starts: dict[str, float] = {}
+    for run in runs:
+        if run.comparison is not None and run.started is not None:
+            starts[run.comparison] = min(starts.get(run.comparison, run.started), run.started)
+    repeated = {cell for cell, ids in by_cell.items() if len(ids) > 1}
+    for run in runs:
+        if run.cell in repeated and run.comparison is not None:
+            started = starts.get(run.comparison)
+            run.tag = (datetime.fromtimestamp(started).strftime("%m-%d %H:%M:%S") if started is not None
+                       else run.comparison)

@@ -1,7 +1,8 @@
 """What reuse saves, turn by turn: each method's reuse turns (turns some earlier cache could serve)
 and first turns (turns that reuse nothing) against NonShared's same turns of the same workload,
-as p50 TTFT ratios with a 95% bootstrap interval over trajectories. A ratio whose interval holds
-1 is no finding."""
+as p50 TTFT ratios with a 95% bootstrap interval over trajectories, beside the noise floor (the
+A/A arm's same ratio: NonShared against itself in the same comparison). A ratio whose interval
+holds 1, or meets the noise floor's, is no finding. Runs are paired only within one comparison."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import math
 
 import pandas as pd
 
-from kvbench.analysis.intervals import p50_ratio_interval
+from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
 from kvbench.analysis.runs import Run
 
-COLUMNS = ["run", "reuse_turns", "p50_reuse_ttft_ms", "reuse_vs_nonshared", "reuse_vs_fullshared",
-           "p50_first_ttft_ms", "first_vs_nonshared"]
+COLUMNS = ["run", "reuse_turns", "p50_reuse_ttft_ms", "reuse_vs_nonshared", "reuse_noise_floor", "reuse_finding",
+           "reuse_vs_fullshared", "p50_first_ttft_ms", "first_vs_nonshared", "first_noise_floor", "first_finding"]
 
 
 def _turns(run: Run, reuse: bool) -> pd.DataFrame:
@@ -22,15 +23,34 @@ def _turns(run: Run, reuse: bool) -> pd.DataFrame:
     return requests[reusable if reuse else ~reusable]
 
 
-def _ratio(numerator: pd.DataFrame, denominator: pd.DataFrame) -> str:
-    """`r [low, high]`, or the reason there is none."""
+def _interval(numerator: pd.DataFrame, denominator: pd.DataFrame) -> RatioInterval | str:
+    """The p50 ratio with its interval, or the reason there is none."""
     try:
         interval = p50_ratio_interval(numerator, denominator)
     except ValueError:  # fewer than two trajectories on a side
         return "n/a (fewer than 2 trajectories)"
-    if math.isnan(interval.ratio):
-        return "n/a"
+    return "n/a" if math.isnan(interval.ratio) else interval
+
+
+def _text(interval: RatioInterval | str | None) -> str:
+    if interval is None:
+        return ""
+    if isinstance(interval, str):
+        return interval
     return f"{interval.ratio:.2f} [{interval.low:.2f}, {interval.high:.2f}]"
+
+
+def finding(interval: RatioInterval | str, floor: RatioInterval | str | None) -> str:
+    """What a ratio to NonShared says: `faster` or `slower` where its interval excludes 1 and
+    does not overlap the A/A arm's (the noise floor: NonShared against itself, in the same
+    comparison); `within noise` otherwise. Without an A/A arm, the interval against 1 only."""
+    if isinstance(interval, str):
+        return ""
+    overlaps = (isinstance(floor, RatioInterval) and interval.low <= floor.high and floor.low <= interval.high)
+    if interval.low <= 1 <= interval.high or overlaps:
+        return "within noise"
+    return ("faster" if interval.high < 1 else "slower") + ("" if isinstance(floor, RatioInterval) else
+                                                            " (no A/A arm: noise floor unknown)")
 
 
 def _p50(turns: pd.DataFrame) -> float:
@@ -38,31 +58,54 @@ def _p50(turns: pd.DataFrame) -> float:
     return float(ttft.median()) if len(ttft) else math.nan
 
 
+def _key(run: Run) -> tuple[str, str | None]:
+    """Runs are compared within one workload and one comparison (never across invocations)."""
+    return run.workload, run.comparison
+
+
 def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
-    """One row per run that is not NonShared, where a NonShared run of its workload is given (same
-    model and trajectories: Run.mismatch); empty otherwise. Repeats: the first run of each."""
-    baselines: dict[str, Run] = {}
-    fullshared: dict[str, Run] = {}
+    """One row per run that is not the NonShared baseline, where a NonShared run of its workload and
+    comparison is given (same model and trajectories: Run.mismatch); empty otherwise. The A/A arm
+    (NonShared again) has its row, and its ratios are every row's noise floor. Repeats: the first
+    run of each."""
+    baselines: dict[tuple[str, str | None], Run] = {}
+    fullshared: dict[tuple[str, str | None], Run] = {}
+    floors: dict[tuple[str, str | None], Run] = {}
     for run in runs:
         if run.is_floor or run.is_quality_baseline:
             continue
-        if run.method == "nonshared":
-            baselines.setdefault(run.workload, run)
+        if run.is_noise_floor:
+            floors.setdefault(_key(run), run)
+        elif run.method == "nonshared":
+            baselines.setdefault(_key(run), run)
         elif run.method == "fullshared" and run.name == "fullshared":
-            fullshared.setdefault(run.workload, run)
+            fullshared.setdefault(_key(run), run)
+    noise: dict[tuple[str, str | None], tuple[RatioInterval | str, RatioInterval | str]] = {}
+    for key, aa in floors.items():
+        base = baselines.get(key)
+        if base is not None and aa.mismatch(base) is None:
+            noise[key] = (_interval(_turns(aa, True), _turns(base, True)),
+                          _interval(_turns(aa, False), _turns(base, False)))
     rows = []
     for run in runs:
-        base = baselines.get(run.workload)
-        if run.method == "nonshared" or run.is_floor or base is None or run.mismatch(base) is not None:
+        base = baselines.get(_key(run))
+        if run is base or run.is_floor or base is None or run.mismatch(base) is not None:
             continue
+        if run.method == "nonshared" and not run.is_noise_floor:
+            continue  # another NonShared run of the workload: a repeat of the baseline
         reuse, first = _turns(run, True), _turns(run, False)
-        naive = fullshared.get(run.workload)
+        naive = fullshared.get(_key(run))
+        floor_reuse, floor_first = noise.get(_key(run), (None, None))
+        reuse_ratio = _interval(reuse, _turns(base, True))
+        first_ratio = _interval(first, _turns(base, False))
         rows.append({
             "run": run.cell, "reuse_turns": int(reuse["success"].sum()), "p50_reuse_ttft_ms": _p50(reuse),
-            "reuse_vs_nonshared": _ratio(reuse, _turns(base, True)),
-            "reuse_vs_fullshared": (_ratio(reuse, _turns(naive, True)) if naive is not None and naive is not run
-                                    and run.mismatch(naive) is None else ""),
+            "reuse_vs_nonshared": _text(reuse_ratio), "reuse_noise_floor": _text(floor_reuse),
+            "reuse_finding": "noise floor" if run.is_noise_floor else finding(reuse_ratio, floor_reuse),
+            "reuse_vs_fullshared": (_text(_interval(reuse, _turns(naive, True))) if naive is not None
+                                    and naive is not run and run.mismatch(naive) is None else ""),
             "p50_first_ttft_ms": _p50(first),
-            "first_vs_nonshared": _ratio(first, _turns(base, False)),
+            "first_vs_nonshared": _text(first_ratio), "first_noise_floor": _text(floor_first),
+            "first_finding": "noise floor" if run.is_noise_floor else finding(first_ratio, floor_first),
         })
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -27,6 +27,9 @@ SUMMARY = "summary.json"  # written by analysis from the files above
 # failure; analysis leaves such records out (`answered_requests`)
 SATURATION_STOP = "saturated"
 FLOOR_LABEL = "no-context"  # the name of a `replay --drop-shared` run (PGR's floor) in reports
+# The noise floor's arm of a comparison: NonShared replayed a second time, taken in turn like the
+# methods (kvbench.experiment.interleaved); its ratio to NonShared is what identical methods differ by.
+AA_LABEL = "nonshared-aa"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -49,6 +49,7 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
     from kvbench.cli.trace import gen_trace_command
     from kvbench.model.resolve import resolve_model
     from kvbench.model.store import is_constructed
+    from kvbench.run_files import AA_LABEL, FLOOR_LABEL
 
     model = model or task_model(task) or "kvbench:recall-v1"
     constructed = " (a constructed test model, built on first use)" if is_constructed(model) else ""
@@ -64,20 +65,30 @@ def quickstart_command(ctx: click.Context, out: Path, qps: float, num_trajectori
                shared_tokens=shared_tokens, qps=qps, task=task, model=model)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}"
     vllm_args = ("--enforce-eager",) if enforce_eager else ()  # recorded in each run's server_command
-    runs = {name: out / f"{name}-{stamp}" for name in ("nonshared", "fullshared", "kvcmas", "no-context")}
-    # NonShared is the reference (its outputs: what the others are compared with; its logprobs:
-    # the first-token KL); the no-context run is PGR's floor (greedy everywhere).
-    for method, name, extra in (("nonshared", "nonshared", {"logprobs": 20}), ("fullshared", "fullshared", {"logprobs": 20}),
-                                ("kvcmas", "kvcmas", {"prime_method_state": True, "logprobs": 20}),
-                                ("nonshared", "no-context", {"drop_shared": True})):
-        click.echo(f"[3/5] replay ({name})", err=True)
-        ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=num_warmups,
-                   result_dir=runs[name], label=name, vllm_args=vllm_args, **extra)  # the trace names its model
+    root = out / f"compare-{stamp}"  # one comparison: its runs are paired with each other only
+    runs = {name: root / name for name in ("nonshared", "fullshared", "kvcmas", AA_LABEL, FLOOR_LABEL)}
+    # NonShared is the reference (its outputs: what the others are compared with; its logprobs: the
+    # first-token KL); NonShared again is the noise floor; the no-context run is PGR's floor.
+    if qps == 0:
+        click.echo("[3/5] replay: NonShared, FullShared, KVCMAS and NonShared again (the noise floor), each on its own "
+                   "server, taking turns a trajectory at a time", err=True)
+        ctx.invoke(replay_command, trace_path=trace, method="nonshared,fullshared,kvcmas", qps=0.0,
+                   num_warmups=num_warmups, result_dir=root, prime_method_state=True, logprobs=20, vllm_args=vllm_args)
+    else:  # a loaded comparison runs each method alone (arms take turns single stream only)
+        for method, name in (("nonshared", "nonshared"), ("fullshared", "fullshared"), ("kvcmas", "kvcmas"),
+                             ("nonshared", AA_LABEL)):
+            click.echo(f"[3/5] replay ({name})", err=True)
+            ctx.invoke(replay_command, trace_path=trace, method=method, qps=qps, num_warmups=num_warmups,
+                       result_dir=runs[name], label=name, vllm_args=vllm_args, prime_method_state=method == "kvcmas",
+                       logprobs=20)
+    click.echo(f"[3/5] replay ({FLOOR_LABEL}: without the shared context, PGR's floor)", err=True)
+    ctx.invoke(replay_command, trace_path=trace, method="nonshared", qps=qps, num_warmups=num_warmups,
+               result_dir=runs[FLOOR_LABEL], label=FLOOR_LABEL, vllm_args=vllm_args, drop_shared=True)
     click.echo("[4/5] quality against NonShared's outputs", err=True)
-    ctx.invoke(quality_command, result_dirs=(runs["fullshared"], runs["kvcmas"], runs["no-context"]),
-               reference_dir=runs["nonshared"], floor_dir=runs["no-context"], naive_dir=runs["fullshared"])
+    ctx.invoke(quality_command, result_dirs=tuple(runs[n] for n in ("fullshared", "kvcmas", AA_LABEL, FLOOR_LABEL)),
+               reference_dir=runs["nonshared"], floor_dir=runs[FLOOR_LABEL], naive_dir=runs["fullshared"])
     click.echo("[5/5] report", err=True)
-    ctx.invoke(report_command, result_dirs=tuple(runs[n] for n in ("nonshared", "fullshared", "kvcmas")),
-               out=out / f"report-{stamp}",
+    ctx.invoke(report_command, result_dirs=tuple(runs[n] for n in ("nonshared", "fullshared", "kvcmas", AA_LABEL)),
+               out=root / "report",
                title=f"kvbench quickstart on {model}{constructed}{', vLLM eager' if enforce_eager else ''}, "
                      f"{shared_tokens} shared tokens, QPS {qps:g}: what NonShared, FullShared and KVCMAS save and cost")

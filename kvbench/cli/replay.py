@@ -26,7 +26,17 @@ if TYPE_CHECKING:
 @click.command("replay")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="kvbench-trace file [default: a four-agent trace generated in memory].")
-@click.option("--method", default="nonshared", show_default=True, help="KV sharing method (see `kvbench methods`).")
+@click.option("--method", default="nonshared", show_default=True,
+              help="KV sharing method (see `kvbench methods`), or several, comma-separated, compared at --qps 0: each "
+                   "on a server of its own, all up side by side, taking turns a trajectory at a time in a rotating "
+                   "order (--no-interleave: one after another), each run in --result-dir/<method>.")
+@click.option("--interleave/--no-interleave", default=True, show_default=True,
+              help="With several methods: take turns a trajectory at a time, so that drift on the machine falls on "
+                   "every method alike; --no-interleave runs them one after another, one server at a time (less "
+                   "memory, and a drift between them reads as a difference between methods).")
+@click.option("--aa/--no-aa", default=True, show_default=True,
+              help="With several methods: add the noise floor, NonShared a second time (nonshared-aa), taken in "
+                   "turn like the rest: what identical methods differ by on this machine now.")
 @click.option("--qps", type=FiniteFloatRange(min=0), default=1.0, show_default=True,
               help="Trajectory (whole workflow) arrivals per second, as in the paper's serving traces; "
                    "turns inside a trajectory start when their inputs are ready. 0 = single stream.")
@@ -97,7 +107,7 @@ if TYPE_CHECKING:
 @server_options
 @instance_options
 @allow_code_execution_option
-def replay_command(trace_path: Path | None, method: str, qps: float, arrival: str, burstiness: float,
+def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: bool, qps: float, arrival: str, burstiness: float,
                    use_trace_timestamps: bool, max_concurrency: int | None, prime_method_state: bool,
                    metric_percentiles: str, goodput_specs: tuple[str, ...], result_dir: Path | None, label: str | None,
                    metadata: tuple[str, ...], base_urls: tuple[str, ...], port: int | None, resume: bool,
@@ -124,7 +134,10 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
         goodput = parse_goodput(goodput_specs)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--goodput") from None
-    params = check_method(method, server.method_params)
+    methods = [m.strip() for m in method.split(",") if m.strip()]
+    if len(methods) > 1:
+        _check_comparison(methods, server, qps, use_trace_timestamps, base_urls, label, instances, drop_shared)
+    params = {} if len(methods) > 1 else check_method(method, server.method_params)
     if instances.instances > 1 and (base_urls or port is not None):
         raise click.UsageError("--instances starts its servers on free ports: give --instances, or --base-url/--port")
     if resume and result_dir is None:
@@ -132,8 +145,9 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
     if top_k == 0:
         raise click.BadParameter("0 is not a number of tokens; -1 keeps every token", param_hint="--top-k")
     trace, tokenizer, model = load_trace(trace_path, server.model, workload)
-    try:
-        config = replay_config(
+
+    def make_config(method: str, label: str | None, result_dir: Path | None) -> Any:
+        return replay_config(
             trace, tokenizer, model, method, params, base_urls=list(base_urls), result_dir=result_dir, label=label,
             reference_dir=reference_dir, protocol=protocol, trace_path=trace_path,
             max_load_tokens_per_step=server.max_load_tokens_per_step,
@@ -145,6 +159,19 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
             concurrent_sources=concurrent_sources, routing=routing, logprobs=logprobs, request_timeout_s=request_timeout,
             save_prompt_ids=save_prompt_ids, resume=resume,
             saturation=SaturationRule() if stop_on_saturation else None)
+
+    if len(methods) > 1:
+        from datetime import datetime
+
+        from kvbench.cli.method_comparison import compare_methods
+
+        root = result_dir or Path("results") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+        compare_methods(methods, root, aa, interleave, make_config,
+                        lambda m, log: server.server_config(m, {}, model, log_path=log, lora_modules=trace.header.adapters),
+                        cpu_kv_cache_gib=server.cpu_kv_cache_gib, model=model)
+        return
+    try:
+        config = make_config(method, label, result_dir)
     except ReplayInputError as exc:
         if exc.option is None:
             raise click.UsageError(str(exc)) from None
@@ -176,6 +203,25 @@ def replay_command(trace_path: Path | None, method: str, qps: float, arrival: st
             click.echo(f"warning: against the reference {reference_dir}, {caveat}", err=True)
     click.echo(f"results: {result_dir}")
     _report_failures(result_dir, summary)
+
+
+def _check_comparison(methods: list[str], server: ServerOptions, qps: float, use_trace_timestamps: bool,
+                      base_urls: tuple[str, ...], label: str | None, instances: InstancePlan, drop_shared: bool) -> None:
+    """A comparison of several methods runs each on a server it starts, single stream."""
+    for name in methods:
+        check_method(name, ())
+    if len(set(methods)) != len(methods):
+        raise click.BadParameter(f"{','.join(methods)} names a method twice", param_hint="--method")
+    refused = [(server.method_params, "--method-param (each method runs with its defaults: compare parameters with "
+                                      "`kvbench sweep`)"),
+               (qps > 0 or use_trace_timestamps, "--qps above 0 or --use-trace-timestamps (methods take turns a "
+                                                 "trajectory at a time, single stream; loaded comparisons: kvbench sweep)"),
+               (base_urls, "--base-url (each method runs on a server of its own, started here)"),
+               (label, "--label (each run is labelled by its method)"), (instances.instances > 1, "--instances"),
+               (drop_shared, "--drop-shared")]
+    for given, what in refused:
+        if given:
+            raise click.UsageError(f"--method {','.join(methods)} compares several methods: it takes no {what}")
 
 
 def _report_failures(result_dir: Path, summary: dict[str, Any]) -> None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from kvbench import run_files
 from kvbench.experiment.run import require_consent_for, score_and_summarize
@@ -24,9 +27,10 @@ from kvbench.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
-# The noise floor's arm: NonShared replayed a second time, interleaved like the rest, on a server
-# of its own. Its ratio to NonShared is what identical methods differ by on this machine now.
-AA_ARM = "nonshared-aa"
+AA_ARM = run_files.AA_LABEL  # the noise floor's arm, on a server of its own like every arm
+
+
+COMPARISON_KEY = "comparison"  # config.json: {"id", "arms", "interleaved"} of the comparison a run is an arm of
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,20 @@ class Arm:
     @property
     def name(self) -> str:
         return self.config.output.label or self.config.output.result_dir.name
+
+
+def comparison_arms(arms: Sequence[Arm], interleaved: bool) -> list[Arm]:
+    """`arms` marked as one comparison (one id in each run's config.json): a report pairs a run
+    only with runs of its own comparison, never with another invocation's."""
+    import uuid
+
+    record = {"id": uuid.uuid4().hex[:12], "arms": [arm.name for arm in arms], "interleaved": interleaved}
+    marked = []
+    for arm in arms:
+        output = dataclasses.replace(arm.config.output,
+                                     extra_config={**arm.config.output.extra_config, COMPARISON_KEY: record})
+        marked.append(dataclasses.replace(arm, config=dataclasses.replace(arm.config, output=output)))
+    return marked
 
 
 def replay_interleaved(arms: Sequence[Arm], announce: Callable[[ServerConfig], Any] = lambda _: None,
@@ -57,6 +75,7 @@ def replay_interleaved(arms: Sequence[Arm], announce: Callable[[ServerConfig], A
         raise ValueError("the arms of an interleaved comparison need a run folder each")
     for arm in arms:
         require_consent_for(arm.config.trace.trajectories)
+    arms = comparison_arms(arms, interleaved=True)
     with contextlib.ExitStack() as stack:
         for arm in arms:  # every folder held, and checked, before a server starts
             stack.enter_context(result_dir_lock(arm.config.output.result_dir, on_note=on_note))
@@ -95,3 +114,29 @@ async def _replay_arms(configs: Sequence[ReplayConfig], names: Sequence[str]) ->
 
     with on_stop_signals(stop):
         return list(await asyncio.gather(*(r.run() for r in replayers), return_exceptions=True))
+
+
+# A CPU vLLM server's memory beside its KV pool and weights (torch, vLLM, a method's store of
+# caches), measured as peak RSS on the 8K quickstart with a 2 GiB pool: NonShared 4.3 GiB,
+# FullShared 4.9, KVCMAS 5.1 (reports/2026-12-04-*); a larger store takes more.
+SERVER_BASE_GIB = 2.5
+
+
+def side_by_side_shortfall(servers: int, cpu_kv_cache_gib: float, weights_bytes: int,
+                           available_bytes: int | None = None) -> str | None:
+    """Why `servers` servers cannot run side by side here (memory), or None when they fit."""
+    need = servers * (cpu_kv_cache_gib + weights_bytes / 2**30 + SERVER_BASE_GIB)
+    available = (available_bytes if available_bytes is not None else psutil.virtual_memory().available) / 2**30
+    if need <= 0.9 * available:
+        return None
+    return (f"{servers} servers side by side need about {need:.1f} GiB ({cpu_kv_cache_gib:g} GiB KV pool, "
+            f"{weights_bytes / 2**30:.2f} GiB weights and about {SERVER_BASE_GIB:g} GiB of their own each); "
+            f"{available:.1f} GiB are available")
+
+
+def weights_bytes(model_path: str) -> int:
+    """The size of a local model's weight files (0 for a hub name: unknown until downloaded)."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))

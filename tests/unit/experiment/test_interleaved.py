@@ -123,3 +123,129 @@ def test_arms_need_distinct_labels(tiny_tokenizer_dir: Path, tmp_path: Path) -> 
     configs = _configs(tiny_tokenizer_dir, tmp_path, {"same": "http://127.0.0.1:9"})
     with pytest.raises(ValueError, match="distinct labels"):
         replay_interleaved([Arm(configs[0]), Arm(configs[0])])
+
+
+class StandInServer:
+    """VLLMServer's interface over a stand-in server (replay/stub.py) running the config's method."""
+
+    started: list[StandInServer] = []
+
+    def __init__(self, config: Any) -> None:
+        extra = (config.kv_transfer_config or {}).get("kv_connector_extra_config", {})
+        method = extra.get("method")
+        self.config = config
+        self.stub = StubServer(connector=method is not None, connector_method=method or "fullshared")
+        StandInServer.started.append(self)
+
+    def __enter__(self) -> StandInServer:
+        self.stub.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stub.stop()
+
+    base_urls = property(lambda self: [self.stub.base_url])
+    pids = property(lambda self: {})
+    tier_url = None
+
+    def failure(self) -> None:
+        return None
+
+    def command(self) -> list[str]:
+        return ["vllm", "stand-in"]
+
+    def describe(self) -> dict[str, object]:
+        return {}
+
+
+def test_replay_compares_several_methods_interleaved_with_the_noise_floor(
+        tiny_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvbench replay --method nonshared,fullshared`: a server each and one for the A/A arm, all up
+    together, each run in its own folder, turns taken in a rotating order, nothing left running."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.server import lifecycle
+
+    from kvbench.experiment import interleaved
+
+    StandInServer.started = []
+    monkeypatch.setattr(lifecycle, "VLLMServer", StandInServer)
+    monkeypatch.setattr(interleaved, "side_by_side_shortfall", lambda *args: None)  # whatever this machine has free
+    root = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["replay", "--model", str(tiny_tokenizer_dir), "--method", "nonshared,fullshared",
+                                       "--qps", "0", "--num-trajectories", "3", "--shared-tokens", "64",
+                                       "--output-len", "3", "--result-dir", str(root)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in root.iterdir()) == ["fullshared", "nonshared", "nonshared-aa"]
+    methods = [(s.config.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("method")
+               for s in StandInServer.started]
+    assert methods == [None, "fullshared", None]  # NonShared, FullShared, the A/A arm's NonShared
+    for name in ("nonshared", "fullshared", "nonshared-aa"):
+        summary = json.loads((root / name / run_files.SUMMARY).read_text())
+        assert summary["completed"] == 12 and summary["label"] == name
+        assert json.loads((root / name / run_files.CONFIG).read_text())["interleaved"]["arms"] == [
+            "nonshared", "fullshared", "nonshared-aa"]
+    assert "nonshared-aa" in result.output and f"kvbench report {root}" in result.output
+    # single stream only, and with each method's defaults
+    for extra in (["--qps", "1"], ["--method-param", "tau=0.2"], ["--label", "x"]):
+        refused = CliRunner().invoke(main, ["replay", "--model", str(tiny_tokenizer_dir), "--method", "nonshared,kvcmas",
+                                            "--qps", "0", *extra, "--result-dir", str(tmp_path / "no")])
+        assert refused.exit_code == 2 and "compares several methods: it takes no" in refused.output
+    assert not (tmp_path / "no").exists()
+
+
+def test_the_quickstart_compares_its_methods_interleaved_and_reports_them_with_the_noise_floor(
+        tiny_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its five steps on stand-in servers: one comparison folder holding NonShared, FullShared, KVCMAS,
+    the A/A arm and the no-context floor; the report pairs them and prints the noise floor."""
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.server import lifecycle
+
+    from kvbench.experiment import interleaved
+
+    StandInServer.started = []
+    monkeypatch.setattr(lifecycle, "VLLMServer", StandInServer)
+    monkeypatch.setattr(interleaved, "side_by_side_shortfall", lambda *args: None)
+    out = tmp_path / "qs"
+    result = CliRunner().invoke(main, ["quickstart", "--out", str(out), "--model", str(tiny_tokenizer_dir), "--task",
+                                       "none", "--shared-tokens", "64", "--num-trajectories", "3", "--num-warmups", "1"])
+    assert result.exit_code == 0, result.output
+    (root,) = [p for p in out.iterdir() if p.is_dir() and p.name.startswith("compare-")]
+    assert sorted(p.name for p in root.iterdir()) == ["fullshared", "kvcmas", "no-context", "nonshared",
+                                                      "nonshared-aa", "report"]
+    ids = {json.loads((root / n / run_files.CONFIG).read_text())["comparison"]["id"]
+           for n in ("nonshared", "fullshared", "kvcmas", "nonshared-aa")}
+    assert len(ids) == 1
+    savings = pd.read_csv(root / "report" / "reuse_turn_savings.csv")
+    assert set(savings["run"].str.split().str[0]) == {"fullshared", "kvcmas", "nonshared-aa"}
+    aa = savings[savings["run"].str.startswith("nonshared-aa")].iloc[0]
+    assert aa["reuse_finding"] == "noise floor"
+    assert (savings.loc[~savings["run"].str.startswith("nonshared-aa"), "reuse_noise_floor"] == aa["reuse_vs_nonshared"]).all()
+
+
+def test_servers_that_do_not_fit_side_by_side_run_one_after_another_and_say_what_is_lost(
+        tiny_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from kvbench.cli import main
+    from kvbench.experiment import interleaved
+    from kvbench.server import lifecycle
+
+    StandInServer.started = []
+    monkeypatch.setattr(lifecycle, "VLLMServer", StandInServer)
+    monkeypatch.setattr(interleaved.psutil, "virtual_memory", lambda: type("M", (), {"available": 4 * 2**30})())
+    root = tmp_path / "cmp"
+    result = CliRunner().invoke(main, ["replay", "--model", str(tiny_tokenizer_dir), "--method", "nonshared,fullshared",
+                                       "--qps", "0", "--num-trajectories", "2", "--shared-tokens", "64",
+                                       "--output-len", "3", "--result-dir", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "3 servers side by side need about" in result.output and "4.0 GiB are available" in result.output
+    assert "a drift on the machine between them reads as a difference between methods" in result.output
+    for name in ("nonshared", "fullshared", "nonshared-aa"):
+        config = json.loads((root / name / run_files.CONFIG).read_text())
+        assert "interleaved" not in config and config["comparison"]["interleaved"] is False
+    assert len({json.loads((root / n / run_files.CONFIG).read_text())["comparison"]["id"]
+                for n in ("nonshared", "fullshared")}) == 1
