@@ -222,6 +222,13 @@ def saturation_gate(baseline: list[Run], candidate: list[Run], pairs: dict[str, 
             "status": f"FAIL ({', '.join(newly)})" if newly else "pass"}
 
 
+def loaded_runs(runs: list[Run]) -> list[str]:
+    """The runs whose machine other processes loaded while they ran (summary `machine_loaded`),
+    each with the share of the cores those used: their timings measured the neighbours too."""
+    return [f"{run.cell} ({run.path}): other processes used {run.summary.get('others_cpu_share', 0):.0%} of the cores"
+            for run in runs if run.summary.get("machine_loaded")]
+
+
 def failed(gates: pd.DataFrame) -> int:
     return int(gates["status"].str.startswith("FAIL").sum()) if len(gates) else 0
 

@@ -83,6 +83,8 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     cold = [run.cell for run in runs if summary_number(run.summary.get("cold_start_dense_share")) >= 0.25]
     saturated = [run.cell for run in runs if run.saturated]
+    loaded = [f"{run.cell} ({summary_number(run.summary.get('others_cpu_share')):.0%})" for run in runs
+              if run.summary.get("machine_loaded")]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", *[c for c in table if c.endswith("_workflow_ms")],
                         "workflow_throughput", "trajectory_token_throughput", "prefix_cache_hit_share", "reuse_share",
@@ -106,6 +108,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
              *([f"**Cold start**: in {', '.join(cold)}, over a quarter of the method's segment decisions went dense "
                 "because its anchor pools were still empty; their reuse and TTFT are cold-start figures "
                 "(`--num-warmups N --prime-method-state` measures the steady state).", ""] if cold else []),
+             *([f"**Loaded machine**: while {', '.join(loaded)} ran, other processes used that share of the "
+                "machine's cores (over a tenth): those runs' timings measured them too (`others_cpu_share`; "
+                "compare methods within one interleaved run, or rerun on a quiet machine).", ""] if loaded else []),
              *([f"**Saturated** (marked `[saturated]`): {', '.join(saturated)} stopped early, their backlog and TTFT "
                 "growing without bound: their figures describe a growing queue at that QPS, not a steady state "
                 "(this machine cannot serve it).", ""] if saturated else []),

@@ -21,6 +21,7 @@ from kvbench.analysis.metrics import summarize
 from kvbench.analysis.quality import read_quality_figures
 from kvbench.analysis.shared_tier import shared_tier_figures
 from kvbench.analysis.task_score import read_task_figures
+from kvbench.replay.machine_load import load_figures
 
 MAX_LISTED_MISSING = 50
 
@@ -139,13 +140,16 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         # the pause between an interruption and its resume left out (named below).
         **summarize(requests, sum(s.get("duration_s", 0.0) for s in segments),
                     config.get("metric_percentiles") or [50.0, 90.0, 99.0], config.get("goodput") or {}),
-        "duration_basis": "active" if len(segments) == 1 else f"active: {len(segments)} segments added, pauses left out",
+        "duration_basis": ("active: its own turns of an interleaved comparison" if config.get("interleaved") else
+                           "active" if len(segments) == 1 else f"active: {len(segments)} segments added, pauses left out"),
         "segment_durations_s": [s.get("duration_s") for s in segments],
         # the warm-ups' wall time (the first segment's: a resumed run warms up again), and per warm-up
         "warmup_s": segments[0].get("warmup_s"),
         "warmup_per_trajectory_s": (segments[0]["warmup_s"] / segments[0]["warmup_trajectories"]
                                     if segments[0].get("warmup_trajectories") else None),
         **_over_segments([server_figures(result_dir, i, metrics) for i in range(len(segments))]),
+        # what else the machine did meanwhile (replay/machine_load.py): timings taken under load are flagged
+        **load_figures(run_files.read_jsonl(result_dir / run_files.MACHINE_LOAD)),
         # store and method state over every segment (each resets the store: peaks are the
         # largest of any segment, counts their sum)
         **_over_segments([store_figures(result_dir, i, method_stats) for i in range(len(segments))]),

@@ -19,6 +19,7 @@ REQUESTS_JOURNAL = "requests.jsonl"  # one record per finished request, appended
 REQUESTS = "requests.parquet"  # the same records, snapshotted atomically
 METHOD_STATS = "method_stats.jsonl"  # the connector's answers: per-request stats and store state
 SERVER_METRICS = "server_metrics.jsonl"  # /metrics and process memory samples
+MACHINE_LOAD = "machine_load.jsonl"  # what else the machine did meanwhile (replay/machine_load.py)
 TASK_SCORES = "task_scores.parquet"  # a task trace's turns against their gold answers (analysis)
 QUALITY = "quality.parquet"  # each turn's output against a reference run's (analysis)
 QUALITY_PGR = "quality_pgr.json"  # PGR against a no-shared-context floor run (analysis)

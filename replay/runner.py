@@ -18,6 +18,7 @@ import aiohttp
 from kvbench import run_files
 from kvbench.replay.backend import CompletionsBackend
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
+from kvbench.replay.machine_load import write_samples
 from kvbench.replay.method_stats import STATS_FIELDS, MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
@@ -242,6 +243,7 @@ class Replayer:
             writer.close()
             with open(self.config.output.result_dir / run_files.SERVER_METRICS, "a") as handle:
                 handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
+            write_samples(self.config.output.result_dir / run_files.MACHINE_LOAD, sampler.machine.samples, segment)
         except OSError as exc:
             self._abort_on_write_failure(exc)
             with contextlib.suppress(OSError):

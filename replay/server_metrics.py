@@ -14,6 +14,8 @@ import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvbench.replay.machine_load import MachineLoadSampler
+
 logger = logging.getLogger(__name__)
 
 # The vLLM series kvbench keeps (samples are named with their _total suffix for counters).
@@ -71,8 +73,13 @@ class MetricsSampler:
     pids: dict[str, int]  # server URL -> process id, for servers kvbench started
     interval_s: float = 1 / 3
     samples: list[dict[str, Any]] = field(default_factory=list)
+    # What else the machine did meanwhile (replay/machine_load.py), sampled from start to stop too.
+    machine: MachineLoadSampler = field(default_factory=MachineLoadSampler)
     _task: asyncio.Task | None = None
     _started: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.machine.pids = list(self.pids.values())  # servers kvbench started are its children; these too
 
     async def sample(self, session: aiohttp.ClientSession, phase: str) -> None:
         now = time.monotonic() - self._started
@@ -114,6 +121,7 @@ class MetricsSampler:
                 await self.sample(session, "during")
 
         self._task = asyncio.create_task(loop())
+        self.machine.start()
 
     async def stop(self, session: aiohttp.ClientSession) -> None:
         if self._task is not None:
@@ -122,6 +130,7 @@ class MetricsSampler:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        await self.machine.stop()
         await self.sample(session, "after")
         await self.device_memory(reset=False)
 

@@ -72,11 +72,17 @@ def print_comparison(summaries: dict[str, dict[str, Any]], interleaved: bool) ->
     from rich.table import Table
 
     table = Table(title="kvbench replay: " + ("interleaved" if interleaved else "one after another") + " at QPS 0")
-    for column in ("run", "completed / failed", "p50 TTFT ms", "p90 TTFT ms", "reuse share", "task accuracy"):
+    for column in ("run", "completed / failed", "p50 TTFT ms", "p90 TTFT ms", "reuse share", "task accuracy",
+                   "others' CPU"):
         table.add_column(column)
     for name, summary in summaries.items():
-        reuse, accuracy = summary.get("reuse_share"), summary.get("task_accuracy")
+        reuse, accuracy, others = (summary.get(k) for k in ("reuse_share", "task_accuracy", "others_cpu_share"))
         table.add_row(name, f"{summary['completed']} / {summary['failed']}", f"{summary['p50_ttft_ms']:.1f}",
                       f"{summary['p90_ttft_ms']:.1f}", "-" if reuse is None else f"{reuse:.1%}",
-                      "-" if accuracy is None else f"{accuracy:.1%}")
+                      "-" if accuracy is None else f"{accuracy:.1%}", "-" if others is None else f"{others:.0%}")
     Console().print(table)
+    from kvbench.cli.replay import load_warning
+
+    for name, summary in summaries.items():
+        if (warning := load_warning(summary)) is not None:
+            Console(stderr=True).print(f"[yellow]loaded machine ({name}):[/] {warning}")

@@ -293,13 +293,26 @@ def print_summary(summary: dict[str, Any]) -> None:
         rows.append(("Peak server RSS (MiB)", f"{summary['peak_server_rss_bytes'] / 2**20:.0f}"))
     if summary.get("peak_kv_cache_usage_perc") is not None:
         rows.append(("Peak KV cache usage", f"{summary['peak_kv_cache_usage_perc']:.1%}"))
+    if summary.get("others_cpu_share") is not None:  # what else the machine did meanwhile
+        rows.append(("Other processes' CPU (share of the cores)", f"{summary['others_cpu_share']:.1%}"))
     for label, value in rows:
         table.add_row(label, value)
     Console().print(table)
     if summary.get("saturated"):
         Console(stderr=True).print(f"[red]saturated:[/] {saturation_note(summary)}")
+    if (warning := load_warning(summary)) is not None:
+        Console(stderr=True).print(f"[yellow]loaded machine:[/] {warning}")
     if (warning := cold_start_warning(summary)) is not None:
         Console(stderr=True).print(f"[yellow]note:[/] {warning}")
+
+
+def load_warning(summary: dict[str, Any]) -> str | None:
+    """What to say when other processes used the machine while the run ran (replay/machine_load.py)."""
+    if not summary.get("machine_loaded"):
+        return None
+    return (f"other processes used {summary['others_cpu_share']:.0%} of the machine's cores while this ran "
+            f"(at the worst tenth of it {summary.get('p90_others_cpu_share', 0):.0%}): its timings measured them too. "
+            "Compare methods within one run (replay --method a,b,c) or rerun on a quiet machine.")
 
 
 def cold_start_warning(summary: dict[str, Any]) -> str | None:

@@ -165,9 +165,8 @@ def test_replay_compares_several_methods_interleaved_with_the_noise_floor(
     from click.testing import CliRunner
 
     from kvbench.cli import main
-    from kvbench.server import lifecycle
-
     from kvbench.experiment import interleaved
+    from kvbench.server import lifecycle
 
     StandInServer.started = []
     monkeypatch.setattr(lifecycle, "VLLMServer", StandInServer)
@@ -184,6 +183,8 @@ def test_replay_compares_several_methods_interleaved_with_the_noise_floor(
     for name in ("nonshared", "fullshared", "nonshared-aa"):
         summary = json.loads((root / name / run_files.SUMMARY).read_text())
         assert summary["completed"] == 12 and summary["label"] == name
+        assert summary["machine_load_samples"] >= 1 and 0 <= summary["others_cpu_share"] <= 1  # load recorded
+        assert summary["duration_basis"] == "active: its own turns of an interleaved comparison"
         assert json.loads((root / name / run_files.CONFIG).read_text())["interleaved"]["arms"] == [
             "nonshared", "fullshared", "nonshared-aa"]
     assert "nonshared-aa" in result.output and f"kvbench report {root}" in result.output
@@ -202,9 +203,8 @@ def test_the_quickstart_compares_its_methods_interleaved_and_reports_them_with_t
     from click.testing import CliRunner
 
     from kvbench.cli import main
-    from kvbench.server import lifecycle
-
     from kvbench.experiment import interleaved
+    from kvbench.server import lifecycle
 
     StandInServer.started = []
     monkeypatch.setattr(lifecycle, "VLLMServer", StandInServer)
