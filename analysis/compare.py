@@ -222,6 +222,14 @@ def saturation_gate(baseline: list[Run], candidate: list[Run], pairs: dict[str, 
             "status": f"FAIL ({', '.join(newly)})" if newly else "pass"}
 
 
+# Gates a loaded machine invalidates: timings and rates (not failures, quality, reuse or memory).
+TIMING_METRICS = re.compile(r"_ms$|throughput|goodput|duration")
+
+
+def timing_gates(gates: list[Gate]) -> list[Gate]:
+    return [gate for gate in gates if TIMING_METRICS.search(gate.metric)]
+
+
 def loaded_runs(runs: list[Run]) -> list[str]:
     """The runs whose machine other processes loaded while they ran (summary `machine_loaded`),
     each with the share of the cores those used: their timings measured the neighbours too."""

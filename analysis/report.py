@@ -14,6 +14,7 @@ from kvbench.analysis.runs import Run, summary_number
 from kvbench.analysis.savings import reuse_turn_savings
 from kvbench.analysis.shared_tier import shared_tier_table
 from kvbench.analysis.tables import method_table, ttft_by_agent
+from kvbench.analysis.verdict import load_line, provenance_line, verdict_lines
 from kvbench.model.packaged import packaged_note
 from kvbench.model.store import is_constructed
 
@@ -100,9 +101,15 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     savings.to_csv(out_dir / "reuse_turn_savings.csv", index=False)
     costs = reuse_turn_costs(runs)
     costs.to_csv(out_dir / "reuse_turn_costs.csv", index=False)
-    lines = [f"# {title}", "", "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
+    verdict = verdict_lines(runs, savings, costs)
+    lines = [f"# {title}", "",
              "Model: " + ", ".join(f"`{m}`" + (" (a constructed test model, docs/models.md)" if is_constructed(m) else
                                                f" ({note})" if (note := packaged_note(m)) else "") for m in models), "",
+             provenance_line(runs), "",
+             *(["## Verdict", "", "Each method against NonShared on the same trajectories (95% intervals over "
+                "trajectories; the tables below hold the detail):", "", *verdict, "", load_line(runs), ""]
+               if verdict else []),
+             "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
              "## Latency (failures beside every figure)", "", _markdown(latency), "",
              *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle['run'])}.", ""] if len(idle) else []),
              *([f"**Cold start**: in {', '.join(cold)}, over a quarter of the method's segment decisions went dense "

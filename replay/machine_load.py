@@ -119,6 +119,19 @@ class MachineLoadSampler:
         self.sample()  # the last stretch
 
 
+def describe_machine() -> dict[str, Any]:
+    """The client machine in a few words (config.json's `machine`; its servers run on it unless
+    the run was pointed at others)."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model or None, "cores": psutil.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)}
+
+
 def write_samples(path: Path, samples: list[dict[str, Any]], segment: int) -> None:
     with open(path, "a") as handle:
         handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in samples))

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.model.store import model_identity
+from kvbench.replay.machine_load import describe_machine
 from kvbench.replay.reference import ReferenceRun, trajectory_digests
 from kvbench.replay.sampling import SamplingParams
 from kvbench.replay.saturation import SaturationRule
@@ -210,6 +211,7 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
         "git_sha": git_sha(),
         "python": platform.python_version(),
         "host": platform.node(),
+        "machine": describe_machine(),
         "segments": [],
         **cfg.output.extra_config,
         # the model as `kvbench quality` compares it, readable after the path has gone (given, where

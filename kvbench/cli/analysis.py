@@ -241,16 +241,16 @@ def leaderboard_command(result_dirs: tuple[Path, ...], out_dir: Path) -> None:
 @click.option("--noise", type=click.Choice(["fail", "pass"]), default="fail", show_default=True,
               help="Whether a gate failure within the runs' noise (the p50 ratio's interval holds 1) fails.")
 @click.option("--allow-loaded", is_flag=True,
-              help="Gate on runs whose machine other processes loaded while they ran (summary machine_loaded) "
-                   "as on any other, instead of exiting 3.")
+              help="Gate timings of runs whose machine other processes loaded while they ran (summary "
+                   "machine_loaded) as any other's, instead of exiting 3.")
 def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], metrics: tuple[str, ...],
                     markdown_path: Path | None, pairs: tuple[str, ...], noise: str, allow_loaded: bool) -> None:
     """Compare two runs (or sweeps) cell by cell; exit 1 when a gated metric regressed, 2 when a
     gate cannot be evaluated (no cell on both sides replayed the same trace with the same model,
-    or a key no run has), 3 when a gated run ran on a machine other processes loaded (more than a
-    tenth of its cores: its timings measured them too; named on stderr; --allow-loaded gates on
-    it). Gates may be on quality too (e.g. --gate pgr=-0.05, --gate exact_match_rate=-0.02), and
-    are evaluated on the cells both sides share."""
+    or a key no run has), 3 when a timing gate (latency, throughput, goodput) covers a run made on
+    a machine other processes loaded (more than a tenth of its cores: its timings measured them
+    too; named on stderr; --allow-loaded gates on it). Gates may be on quality too (e.g. --gate
+    pgr=-0.05, --gate exact_match_rate=-0.02), and are evaluated on the cells both sides share."""
     from kvbench.analysis.compare import (
         Gate,
         comparable_runs,
@@ -261,6 +261,7 @@ def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], met
         markdown_report,
         mismatches,
         saturation_gate,
+        timing_gates,
         unknown_gate_metrics,
     )
     from kvbench.analysis.runs import RunLoadError, find_runs
@@ -299,7 +300,7 @@ def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], met
     click.echo(text)
     if markdown_path is not None:
         markdown_path.write_text(text)
-    loaded = loaded_runs(gated_base + gated_cand) if parsed else []
+    loaded = loaded_runs(gated_base + gated_cand) if timing_gates(parsed) else []
     for run in loaded:
         click.echo(f"warning: loaded machine: {run}", err=True)
     if loaded and not allow_loaded:

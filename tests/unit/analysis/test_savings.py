@@ -88,3 +88,23 @@ def test_a_ratio_is_a_finding_only_outside_one_and_the_noise_floor() -> None:
     assert finding(RatioInterval(0.85, 0.8, 0.95, 0.95), floor) == "within noise"  # excludes 1, meets the floor
     assert finding(RatioInterval(0.9, 0.7, 1.05, 0.95), None) == "within noise"
     assert finding("n/a", floor) == ""
+
+
+def test_the_verdict_opens_with_each_methods_saving_beside_the_noise_floor_and_the_load() -> None:
+    from kvbench.analysis.reuse_cost import reuse_turn_costs
+    from kvbench.analysis.verdict import load_line, verdict_lines
+
+    runs = [_run("nonshared", 500, 520, comparison="q"), _run("nonshared", 505, 525, comparison="q", label="nonshared-aa",
+                                                              noise=0.05),
+            _run("kvcmas", 500, 200, comparison="q"), _run("fullshared", 510, 515, comparison="q")]
+    for run, share in zip(runs, (0.01, 0.02, 0.03, 0.35)):
+        run.summary.update(others_cpu_share=share, machine_loaded=share > 0.1)
+    lines = verdict_lines(runs, reuse_turn_savings(runs), reuse_turn_costs(runs))
+    assert len(lines) == 2  # the methods; NonShared and its A/A arm are what they are read against
+    kvcmas = next(line for line in lines if "**kvcmas" in line)
+    assert "0.38 [" in kvcmas and "**faster**" in kvcmas and "noise floor: NonShared's own 1.01 [" in kvcmas
+    assert "**within noise**" in next(line for line in lines if "**fullshared" in line)
+    assert "outputs not compared with a reference" in kvcmas  # no quality here: said, not left out
+    text = load_line(runs)
+    assert "1%-35%" in text and "**loaded**" in text and "fullshared" in text
+    assert "quiet" in load_line(runs[:3])

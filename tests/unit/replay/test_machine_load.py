@@ -78,6 +78,8 @@ def test_a_loaded_run_is_flagged_in_the_report_and_compare_does_not_gate_on_it(t
                                         "--allow-loaded"])
     assert allowed.exit_code == 0, allowed.output
     assert CliRunner().invoke(main, ["compare", str(baseline), str(candidate)]).exit_code == 0  # no gate: a table
+    failures = CliRunner().invoke(main, ["compare", str(baseline), str(candidate), "--gate", "failed=+0"])
+    assert failures.exit_code == 0, failures.output  # a gate on failures is no timing: the load does not void it
     report = CliRunner().invoke(main, ["report", str(candidate), "-o", str(tmp_path / "report")])
     assert report.exit_code == 0, report.output
     text = (tmp_path / "report" / "report.md").read_text()
