@@ -19,16 +19,17 @@ DEFAULT_COMPARE_METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_trajectory_ttft_ms
 
 @click.command("report")
 @click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports/latest"),
-              show_default=True, help="Directory for report.md, CSV tables and PNG plots.")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory for report.md, CSV tables and PNG plots [default: report/ inside the first RESULT_DIR].")
 @click.option("--title", default="kvbench report", show_default=True)
 @click.option("--html", "as_html", is_flag=True,
               help="Also write report.html: one self-contained file (tables, plots embedded, each run's provenance).")
-def report_command(result_dirs: tuple[Path, ...], out: Path, title: str, as_html: bool) -> None:
+def report_command(result_dirs: tuple[Path, ...], out: Path | None, title: str, as_html: bool) -> None:
     """Tables and plots for runs (each RESULT_DIR is a run, or a sweep holding runs)."""
     from kvbench.analysis.report import write_report
     from kvbench.analysis.runs import RunLoadError, find_runs
 
+    out = out or result_dirs[0] / "report"  # beside the results, never into the working tree's own folders
     try:
         runs = find_runs(list(result_dirs))
     except RunLoadError as exc:
@@ -207,11 +208,12 @@ def quality_command(result_dirs: tuple[Path, ...], reference_dir: Path, floor_di
 
 @click.command("leaderboard")
 @click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("leaderboard"),
-              show_default=True)
-def leaderboard_command(result_dirs: tuple[Path, ...], out_dir: Path) -> None:
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory for the leaderboard's files [default: leaderboard/ inside the first RESULT_DIR].")
+def leaderboard_command(result_dirs: tuple[Path, ...], out_dir: Path | None) -> None:
     """One row per method configuration and workload: PGR (interval, gain over naive reuse),
     recompute share, TTFT saved against NonShared, memory; markdown, CSV and JSON."""
+    out_dir = out_dir or result_dirs[0] / "leaderboard"
     from kvbench.analysis.leaderboard import SORT_RULE, write_leaderboard
     from kvbench.analysis.runs import RunLoadError, find_runs
 

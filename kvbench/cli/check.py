@@ -21,7 +21,7 @@ from kvbench.cli.workload_options import WorkloadOptions, workload_options
               help="A running kvbench server to check (repeatable; each runs one method, read from it). Methods "
                    "without one get a server started here.")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=Path("kvbench-check.json"), show_default=True,
+              default=Path("results/kvbench-check.json"), show_default=True,
               help="Where the verdicts go (JSON); the logs of the servers started go to a folder beside it "
                    "(kvbench-check-logs/).")
 @workload_options({"shared_tokens": 512, "output_len": 16, "num_trajectories": 4, "seed": 0},

@@ -145,6 +145,8 @@ def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: b
     if top_k == 0:
         raise click.BadParameter("0 is not a number of tokens; -1 keeps every token", param_hint="--top-k")
     trace, tokenizer, model = load_trace(trace_path, server.model, workload)
+    if (note := measured_note(len(trace.trajectories), workload.num_warmups)) is not None:
+        click.echo(note, err=True)
 
     def make_config(method: str, label: str | None, result_dir: Path | None) -> Any:
         return replay_config(
@@ -304,6 +306,22 @@ def print_summary(summary: dict[str, Any]) -> None:
         Console(stderr=True).print(f"[yellow]loaded machine:[/] {warning}")
     if (warning := cold_start_warning(summary)) is not None:
         Console(stderr=True).print(f"[yellow]note:[/] {warning}")
+
+
+# Trajectories a run measures below which its intervals (bootstrap over trajectories) say little.
+FEW_FOR_AN_INTERVAL = 5
+
+
+def measured_note(trajectories: int, warmups: int) -> str | None:
+    """What the warm-ups leave to measure, when they take trajectories from the trace."""
+    if warmups <= 0:
+        return None
+    measured = trajectories - warmups
+    note = f"note: the first {warmups} of the trace's {trajectories} trajectories warm up; {measured} are measured"
+    if measured < FEW_FOR_AN_INTERVAL:
+        note += (f". warning: {measured} measured trajectories are too few for a useful interval (intervals resample "
+                 f"trajectories; give at least {FEW_FOR_AN_INTERVAL}: a longer trace or --num-trajectories)")
+    return note
 
 
 def load_warning(summary: dict[str, Any]) -> str | None:

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="vLLM's log [default: kvbench-serve-<method>-<port>.log in the current folder; with --instances, "
-                   "the folder of their logs, kvbench-serve-<method>/].")
+              help="vLLM's log [default: results/serve/<method>-<port>.log under the current folder; with "
+                   "--instances, the folder of their logs, results/serve/<method>/].")
 @click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PATH",
               help="A LoRA adapter to serve (PEFT folder; repeatable), as vLLM's --lora-modules: requests name it as "
                    "their model, and the connector applies it to the rows it computes (V-only adapters).")
@@ -47,7 +47,8 @@ def serve_command(method: str, host: str, port: int, log_path: Path | None, lora
     if instances.grouped:
         _serve_group(method, params, host, port, log_path, server, instances)
         return
-    log_path = log_path or Path(f"kvbench-serve-{method}-{port}.log")
+    log_path = log_path or Path("results") / "serve" / f"{method}-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     adapters = {name: str(Path(path).resolve()) for name, path in role_paths(lora_modules, "--lora-modules", "NAME").items()}
     config = server.server_config(method, params, resolve_model(server.model), host=host, port=port,
                                   log_path=log_path.resolve(), lora_modules=adapters)
@@ -76,7 +77,7 @@ def _serve_group(method: str, params: dict, host: str, port: int, log_path: Path
     from kvbench.server.errors import ServerError
     from kvbench.server.instances import ServerGroup
 
-    log_dir = (log_path or Path(f"kvbench-serve-{method}")).resolve()
+    log_dir = (log_path or Path("results") / "serve" / method).resolve()
     config = server.server_config(method, params, resolve_model(server.model), host=host, port=port)
     click.echo(f"starting {instances.instances} vLLM instances ({method}) for {config.model} ... logs: {log_dir}", err=True)
     try:

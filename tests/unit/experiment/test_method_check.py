@@ -81,13 +81,17 @@ def test_every_invariant_sets_parameters_its_method_accepts() -> None:
 
 def test_invariants_of_names_the_methods_it_checks() -> None:
     assert [i.name for i in invariants_of(["kvcmas"])] == ["gate-dense", "zero-deltas"]
-    with pytest.raises(ValueError, match="no invariant for nonshared, graphflow; methods it checks: cacheblend"):
+    with pytest.raises(ValueError, match="no invariant for nonshared; methods it checks: cacheblend"):
         invariants_of(["nonshared", "graphflow"])
+    from kvbench.methods.registry import all_methods
+
+    # every method but the exact one has a setting where it must equal a known computation
+    assert {i.method for i in INVARIANTS} == set(all_methods()) - {"nonshared"}
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["check", "--methods", "graphflow", "--base-url", "http://127.0.0.1:1"], "cannot read which method http://127.0.0.1:1 runs"),
-    (["check", "--methods", "graphflow"], "kvbench check has no invariant for graphflow"),
+    (["check", "--methods", "nonshared"], "kvbench check has no invariant for nonshared"),
     (["check", "--method-param", "tau=0.5"], "kvbench check sets each method's parameters itself"),
     (["check", "--num-trajectories", "2"], "2 is not in the range x>=3"),
 ])

@@ -84,3 +84,16 @@ def test_a_loaded_run_is_flagged_in_the_report_and_compare_does_not_gate_on_it(t
     assert report.exit_code == 0, report.output
     text = (tmp_path / "report" / "report.md").read_text()
     assert "**Loaded machine**" in text and "fullshared" in text.split("**Loaded machine**")[1].split("\n")[0]
+
+
+def test_report_and_leaderboard_write_beside_their_runs_by_default(tmp_path: Path, monkeypatch) -> None:
+    """Nothing lands in the working directory unless asked (it used to get reports/latest/ and leaderboard/)."""
+    runs = tmp_path / "runs"
+    shutil.copytree(DATA / "golden-runs", runs)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert CliRunner().invoke(main, ["report", str(runs)]).exit_code == 0
+    assert CliRunner().invoke(main, ["leaderboard", str(runs)]).exit_code == 0
+    assert (runs / "report" / "report.md").is_file() and (runs / "leaderboard").is_dir()
+    assert list(elsewhere.iterdir()) == []
