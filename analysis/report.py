@@ -53,9 +53,22 @@ COLUMN_NOTES = {
 SHARE_COLUMNS = re.compile(r"rho|_rate|_share|pgr|accuracy|token_f1|top1_agreement|first_token_kl")
 
 
+NOT_MEASURED = "-"  # a figure this run has not (no reference, no task, no connector): said in the legend
+
+
 def _markdown(frame: pd.DataFrame, floatfmt: str = ".1f") -> str:
-    formats = [".3f" if SHARE_COLUMNS.search(column) else floatfmt for column in frame.columns]
-    return frame.to_markdown(index=False, floatfmt=formats)
+    """The table with each number in its column's format and every missing figure a dash, not `nan`."""
+    shown = pd.DataFrame(index=frame.index)
+    for column in frame.columns:
+        fmt = ".3f" if SHARE_COLUMNS.search(column) else floatfmt
+        shown[column] = [NOT_MEASURED if _missing(v) else format(v, fmt) if isinstance(v, float) else str(v)
+                         for v in frame[column]]
+    align = ["right" if pd.api.types.is_numeric_dtype(frame[c]) else "left" for c in frame.columns]
+    return shown.to_markdown(index=False, disable_numparse=True, colalign=align)
+
+
+def _missing(value: object) -> bool:
+    return value is None or (isinstance(value, float) and value != value)  # NaN
 
 
 def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") -> Path:
@@ -147,7 +160,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                 "A remote hit is a source read from another instance's save; a miss was computed densely (a rejected "
                 "entry, corrupt or another model's, counts as one).", "", _markdown(tier, ".2f"), ""] if len(tier) else []),
              "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",
-             "## Columns", "", *[f"- `{name}`: {note}" for name, note in COLUMN_NOTES.items()], "",
+             "## Columns", "", f"`{NOT_MEASURED}`: not measured for that run (no reference to compare with, no task "
+             "to score, no connector to report reuse, no server memory read).", "",
+             *[f"- `{name}`: {note}" for name, note in COLUMN_NOTES.items()], "",
              "## Figures", ""]
     lines += [f"![{caption}]({path.name})" for caption, path in figures.items()]
     report = out_dir / "report.md"
