@@ -16,13 +16,31 @@ from matplotlib.patches import Patch
 from kvbench import run_files
 from kvbench.analysis.runs import Run
 
+# One colour per method in every plot (the registry's built-in methods first, in a fixed order; any
+# other by its name), so that NonShared is the same colour in every figure of every report.
+KNOWN_METHODS = ("nonshared", "fullshared", "kvcmas", "cacheblend", "droidspeak", "relaycaching", "graphflow", "kvcomm",
+                 "polykv", "kvcmas-nonchained", "kvcomm-ref", "precache-prelr", "precache-rebase")
+
+
+def method_color(method: str) -> tuple[float, float, float]:
+    palette = sns.color_palette("tab20", 20)
+    if method in KNOWN_METHODS:
+        return palette[(2 * KNOWN_METHODS.index(method)) % 20]  # the darker shade of each pair first
+    return palette[sum(map(ord, method)) % 20]
+
+
+def _method_of(run_name: str, table: pd.DataFrame) -> str:
+    rows = table.loc[table["run"] == run_name, "method"]
+    return str(rows.iloc[0]) if len(rows) else run_name.split()[0]
+
 
 def ttft_cdf(runs: list[Run], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         ok = run.requests[run.requests["success"]]["ttft_ms"].sort_values()
-        if len(ok):
-            ax.plot(ok.to_numpy(), [(i + 1) / len(ok) for i in range(len(ok))], label=run.name)
+        if len(ok):  # a method's second run (the A/A arm) dashed, in its method's colour
+            ax.plot(ok.to_numpy(), [(i + 1) / len(ok) for i in range(len(ok))], label=run.name,
+                    color=method_color(run.method), linestyle="--" if run.is_noise_floor else "-")
     ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT distribution per run")
     ax.set_xscale("log")
     ax.grid(alpha=0.3)
@@ -34,28 +52,30 @@ def ttft_cdf(runs: list[Run], path: Path) -> Path:
 
 
 def ttft_percentiles(table: pd.DataFrame, path: Path) -> Path:
-    data = table.melt(id_vars=["run"], value_vars=["p50_ttft_ms", "p90_ttft_ms"], var_name="percentile",
-                      value_name="TTFT (ms)")
-    data["percentile"] = data["percentile"].str.split("_").str[0]
-    runs = data["run"].nunique()
+    """p50 TTFT as a bar in its method's colour, p90 as a black tick above it."""
+    runs = len(table)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * runs + 2), 5))
-    sns.barplot(data=data, x="run", y="TTFT (ms)", hue="percentile", ax=ax)
-    ax.set(title="p50 / p90 TTFT per run (successful requests)", xlabel="")
+    x = range(runs)
+    bars = ax.bar(x, table["p50_ttft_ms"], color=[method_color(m) for m in table["method"]], label="p50")
+    ax.scatter(x, table["p90_ttft_ms"], marker="_", s=400, color="black", label="p90", zorder=3)
+    ax.set_xticks(list(x), list(table["run"]))
+    ax.set(title="p50 (bar) and p90 (tick) TTFT per run (successful requests)", xlabel="", ylabel="TTFT (ms)")
+    ax.legend()
     # Run names are whole grid cells (method, context, QPS): slanted so they never overprint.
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     for label in ax.get_xticklabels():
         label.set_horizontalalignment("right")
-    for container in ax.containers:
-        ax.bar_label(container, fmt="%.0f", fontsize=7, rotation=90 if runs > 6 else 0)
+    ax.bar_label(bars, fmt="%.0f", fontsize=7, rotation=90 if runs > 6 else 0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def ttft_by_agent_plot(by_agent: pd.DataFrame, path: Path) -> Path:
+def ttft_by_agent_plot(by_agent: pd.DataFrame, path: Path, table: pd.DataFrame | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    by_agent.plot(kind="bar", ax=ax, rot=0)
+    colors = [method_color(_method_of(str(c), table)) for c in by_agent.columns] if table is not None else None
+    by_agent.plot(kind="bar", ax=ax, rot=0, color=colors)
     ax.set(title="p50 TTFT by agent position", xlabel="agent (workflow order)", ylabel="TTFT (ms)")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -68,7 +88,8 @@ def memory_plot(table: pd.DataFrame, path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(11, 4))
     for ax, column, title in zip(axes, ["method_state_mib", "peak_server_rss_mib", "peak_kv_cache_usage_perc"],
                                  ["method state (MiB)", "server peak RSS (MiB)", "peak vLLM KV usage (%)"]):
-        sns.barplot(data=table, x="run", y=column, ax=ax)
+        ax.bar(range(len(table)), table[column].fillna(0), color=[method_color(m) for m in table["method"]])
+        ax.set_xticks(range(len(table)), list(table["run"]), ha="right")
         ax.set(title=title, xlabel="", ylabel="")
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
@@ -89,7 +110,7 @@ def speed_quality_plot(table: pd.DataFrame, path: Path) -> Path | None:
     measured = table[table[metric].notna() & ~table["run"].astype(str).str.startswith(run_files.FLOOR_LABEL)]
     contexts = sorted(measured["shared_tokens"].dropna().unique()) or [None]
     methods = sorted(measured["method"].unique())
-    colors = dict(zip(methods, sns.color_palette("tab10" if len(methods) <= 10 else "tab20", len(methods))))
+    colors = {m: method_color(m) for m in methods}
     rates = sorted(measured["qps"].dropna().unique())
     markers = dict(zip(rates, "os^Dvp*hX"))
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts) + 2.5, 4.5), squeeze=False, sharey=True)

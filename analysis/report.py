@@ -80,7 +80,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     figures = {
         "TTFT percentiles": plots.ttft_percentiles(table, out_dir / "ttft_percentiles.png"),
         "TTFT distribution": plots.ttft_cdf(runs, out_dir / "ttft_cdf.png"),
-        "TTFT by agent position": plots.ttft_by_agent_plot(by_agent, out_dir / "ttft_by_agent.png"),
+        "TTFT by agent position": plots.ttft_by_agent_plot(by_agent, out_dir / "ttft_by_agent.png", table),
         "Memory": plots.memory_plot(table, out_dir / "memory.png"),
     }
     tradeoff = plots.speed_quality_plot(table, out_dir / "speed_quality.png")
