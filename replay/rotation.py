@@ -61,6 +61,7 @@ class Rotation:
         self._left: set[str] = set()
         self._schedule: list[tuple[Step, str]] | None = None
         self._next = 0  # index into the schedule of the turn to grant
+        self.holder: str | None = None  # the arm holding the turn now
         self._changed = asyncio.Condition()
 
     # -- the schedule --------------------------------------------------------------------------
@@ -118,9 +119,11 @@ class Rotation:
         async with self._changed:
             await self._changed.wait_for(lambda: self._granted(arm, step))
         started = time.perf_counter()
+        self.holder = arm
         try:
             yield
         finally:
+            self.holder = None
             record = self.records[arm]
             record.held_s[step.phase] = record.held_s.get(step.phase, 0.0) + time.perf_counter() - started
             async with self._changed:
@@ -170,6 +173,13 @@ class ArmTurns:
 
     def busy_s(self) -> float:
         return self.rotation.busy_s(self.arm)
+
+    def idle(self) -> bool:
+        """Another arm holds the turn: this arm's server must be left alone. A poll of a vLLM
+        server's workers (the method stats) sets them spinning for a second after it (vLLM's shm
+        queue busy-loops after each read): polled every 2 s, two idle connector servers kept one
+        of two cores busy and doubled every arm's TTFT (measured, the 8K quickstart)."""
+        return self.rotation.holder not in (None, self.arm)
 
     def describe(self) -> dict[str, object]:
         """What a run records of its arm (run_config.json's `interleaved`)."""

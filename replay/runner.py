@@ -110,7 +110,8 @@ class Replayer:
                                 reference_outputs=cfg.quality.reference.outputs if cfg.quality.reference is not None else None,
                                 drop_shared=cfg.quality.drop_shared,
                                 keep_unread_caches=cfg.quality.save_prompt_ids, concurrent_sources=cfg.load.concurrent_sources)
-        sampler = MetricsSampler(cfg.servers.sampled_urls, cfg.servers.pids)
+        sampler = MetricsSampler(cfg.servers.sampled_urls, cfg.servers.pids,
+                                 paused=self.turns.idle if self.turns is not None else lambda: False)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.output.result_dir, cfg.servers.base_urls, self.servers.fetch_stats)
         self._loop = asyncio.get_running_loop()
@@ -207,7 +208,7 @@ class Replayer:
                 await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
             self.segment["duration_s"] = self._active_s()
             self._write_config(run_config)
-            if self.stats is not None and not stop.is_set():
+            if self.stats is not None and not stop.is_set() and not (self.turns is not None and self.turns.idle()):
                 try:
                     await self.stats.poll(segment, self.segment["duration_s"])
                 except ServerError as exc:

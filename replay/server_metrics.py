@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ class MetricsSampler:
     samples: list[dict[str, Any]] = field(default_factory=list)
     # What else the machine did meanwhile (replay/machine_load.py), sampled from start to stop too.
     machine: MachineLoadSampler = field(default_factory=MachineLoadSampler)
+    # While it returns True the servers are not polled (an interleaved arm whose turn it is not).
+    paused: Callable[[], bool] = lambda: False
     _task: asyncio.Task | None = None
     _started: float = 0.0
 
@@ -118,7 +121,8 @@ class MetricsSampler:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(self.interval_s)
-                await self.sample(session, "during")
+                if not self.paused():
+                    await self.sample(session, "during")
 
         self._task = asyncio.create_task(loop())
         self.machine.start()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvbench's tests, fastest first: lint and types, the unit tier (no vLLM engine, no model
-# build; about a minute), then the engine tier (real vLLM servers on the embedded model).
+# build; about 10 minutes on 2 cores), then the engine tier (real vLLM servers on the embedded model).
 # Extra arguments go to both pytest runs (e.g. -x, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -236,7 +236,8 @@ def test_servers_that_do_not_fit_side_by_side_run_one_after_another_and_say_what
 
     StandInServer.started = []
     monkeypatch.setattr(lifecycle, "VLLMServer", StandInServer)
-    monkeypatch.setattr(interleaved.psutil, "virtual_memory", lambda: type("M", (), {"available": 4 * 2**30})())
+    memory = type("Memory", (), {"available": 4 * 2**30, "total": 8 * 2**30})()
+    monkeypatch.setattr(interleaved.psutil, "virtual_memory", lambda: memory)
     root = tmp_path / "cmp"
     result = CliRunner().invoke(main, ["replay", "--model", str(tiny_tokenizer_dir), "--method", "nonshared,fullshared",
                                        "--qps", "0", "--num-trajectories", "2", "--shared-tokens", "64",

@@ -120,3 +120,24 @@ def test_a_step_an_arm_did_not_register_is_refused() -> None:
         asyncio.run(main())
     with pytest.raises(ValueError, match="distinct"):
         Rotation(["a", "a"])
+
+
+def test_an_arm_is_idle_while_another_holds_the_turn() -> None:
+    """An idle arm's server is not polled (a poll sets vLLM's workers spinning for a second)."""
+    from kvbench.replay.rotation import ArmTurns
+
+    rotation = Rotation(["a", "b"])
+    a, b = ArmTurns(rotation, "a"), ArmTurns(rotation, "b")
+    seen: list[tuple[bool, bool]] = []
+
+    async def main() -> None:
+        await a.register([Step.of("reset")])
+        await b.register([Step.of("reset")])
+        seen.append((a.idle(), b.idle()))
+        async with a.turn("reset"):
+            seen.append((a.idle(), b.idle()))
+        async with b.turn("reset"):
+            seen.append((a.idle(), b.idle()))
+
+    asyncio.run(main())
+    assert seen == [(False, False), (False, True), (True, False)]
