@@ -198,3 +198,9 @@ class ResultsWriter:
             self._fd = -1
         if self.failure is not None:
             raise self.failure
+
+
+def write_failure(folder: Path, exc: OSError, recorded: list[dict[str, Any]]) -> str:
+    """What a failed write means for a run, in one line: the folder, the error, what is safe."""
+    return (f"cannot write to {folder} ({exc.strerror or exc}); the {len(recorded)} requests recorded before it "
+            f"are safe in {run_files.REQUESTS_JOURNAL} (free space, then `kvbench summarize {folder}`)")

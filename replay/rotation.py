@@ -40,6 +40,14 @@ class Step:
         return PHASES[self.phase_rank]
 
 
+def run_steps(warmups: int, positions: Sequence[int], primed: bool) -> list[Step]:
+    """The steps a run takes its turn for: preparing (primed warm-ups only), each warm-up, the
+    reset after them, each trajectory left to measure (`positions`: their places in the trace)."""
+    steps = [Step.of("warmup", i) for i in range(warmups)] + [Step.of("reset")]
+    steps += [Step.of("measure", p) for p in positions]
+    return steps + ([Step.of("prepare")] if warmups and primed else [])
+
+
 @dataclass
 class ArmRecord:
     """What one arm did: its steps as registered, and the seconds it held the turn by phase."""

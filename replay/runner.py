@@ -8,7 +8,6 @@ import contextlib
 import gc
 import json
 import logging
-import math
 import signal
 import time
 from typing import Any
@@ -22,42 +21,27 @@ from kvbench.replay.machine_load import write_samples
 from kvbench.replay.method_stats import STATS_FIELDS, MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
-from kvbench.replay.records import RequestRecord, ResultsWriter
+from kvbench.replay.records import RequestRecord, ResultsWriter, write_failure
 from kvbench.replay.result_lock import result_dir_lock
 from kvbench.replay.resume import RunStart, plan_start
-from kvbench.replay.rotation import ArmTurns, Phase, Step
+from kvbench.replay.rotation import ArmTurns, Phase, run_steps
 from kvbench.replay.routing import Router
 from kvbench.replay.run_config import ReplayConfig, ReplayError, ReplayOutcome
 from kvbench.replay.saturation import SaturationVerdict, SaturationWatch
+from kvbench.replay.schedule import EARLY_START_S, arrival_offsets, sleep_until
 from kvbench.replay.server_metrics import MetricsSampler
-from kvbench.replay.servers import ReplayServers
+from kvbench.replay.servers import ReplayServers, unreachable_reason
 from kvbench.run_files import write_text_atomic
 from kvbench.server.errors import ServerError
-from kvbench.tracegen.arrivals import arrival_times
-from kvbench.tracegen.schema import MAX_ARRIVAL_S, Trajectory, Turn
+from kvbench.tracegen.schema import Trajectory, Turn
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # how often the serving time and the method's stats reach the disk
 FINAL_POLL_TIMEOUT_S = 60.0
-UNREACHABLE_GRACE_S = 2.0  # for a managed server's process to be gone once it refuses connections
-# Trajectory tasks start this early and then wait precisely: asyncio timers are only ms-accurate.
-EARLY_START_S = 0.005
-
-
-async def _sleep_until(target_ns: int) -> None:
-    """Sleep to within a few microseconds of `target_ns` (perf_counter), yielding to other tasks."""
-    remaining = (target_ns - time.perf_counter_ns()) / 1e9
-    if remaining > 0.002:
-        await asyncio.sleep(remaining - 0.002)
-    while time.perf_counter_ns() < target_ns:
-        await asyncio.sleep(0)
-
-
 class Replayer:
     def __init__(self, config: ReplayConfig, turns: ArmTurns | None = None) -> None:
-        """`turns`: this run's arm of an interleaved comparison (replay/rotation.py): every step
-        that touches its server waits for its turn; None: a run of its own."""
+        """`turns`: its arm of an interleaved comparison (replay/rotation.py); None: a run of its own."""
         from kvbench.methods.registry import method_spec
 
         self.config = config
@@ -99,11 +83,12 @@ class Replayer:
         cfg = self.config
         start = plan_start(cfg, self.method_info.uses_connector)
         run_config = start.run_config
-        offsets = self._schedule(start.todo)  # refused before anything is sent or written
+        offsets = arrival_offsets(cfg.load, start.todo)  # refused before anything is sent or written
         if self.turns is not None:
             if cfg.load.qps > 0 or cfg.load.use_trace_timestamps:
                 raise ReplayError("arms take turns one trajectory at a time: an interleaved comparison runs at --qps 0")
-            await self.turns.register(self._steps(start))
+            await self.turns.register(run_steps(len(start.warmups), [self.positions[t.trajectory_id] for t in start.todo],
+                                                primed=cfg.load.prime_method_state))
         segment = len(run_config["segments"])
         builder = PromptBuilder(cfg.tokenizer, cfg.trace.header.prompt_prefix_ids,
                                 run_id=f"{run_config['run_id']}/s{segment}",
@@ -162,7 +147,7 @@ class Replayer:
         try:
             self.writer = ResultsWriter(cfg.output.result_dir, kept, start.dropped)
         except OSError as exc:
-            raise ReplayError(self._write_failure(exc, kept)) from None
+            raise ReplayError(write_failure(self.config.output.result_dir, exc, kept)) from None
         if self.stats is not None:
             self.stats.load({r["request_id"] for r in kept})
         self.segment = {"started": time.time(), "duration_s": 0.0, "trajectories": len(todo), "status": "warm-up",
@@ -255,16 +240,10 @@ class Replayer:
                                   "saturated" if self.saturated is not None else "finished")
         self._write_config(run_config)
 
-    def _write_failure(self, exc: OSError, recorded: list[dict[str, Any]]) -> str:
-        """What a failed write means for the run, in one line: the folder, the error, what is safe."""
-        folder = self.config.output.result_dir
-        return (f"cannot write to {folder} ({exc.strerror or exc}); the {len(recorded)} requests recorded before it "
-                f"are safe in {run_files.REQUESTS_JOURNAL} (free space, then `kvbench summarize {folder}`)")
-
     def _abort_on_write_failure(self, exc: OSError) -> None:
         """The first failed write ends the run (a later one says nothing new)."""
         if self.abort_reason is None:
-            self.abort_reason = self._write_failure(exc, self.writer.records if self.writer else [])
+            self.abort_reason = write_failure(self.config.output.result_dir, exc, self.writer.records if self.writer else [])
 
     def _write_config(self, run_config: dict[str, Any]) -> None:
         """config.json rewritten; when it cannot be (a full disk), the one on disk stays, and the run ends."""
@@ -282,15 +261,6 @@ class Replayer:
                 await self._run_trajectory(session, trajectory, index, 0, builder, writer=None)
 
     # -- interleaved runs (replay/rotation.py) ---------------------------------------------------
-    def _steps(self, start: RunStart) -> list[Step]:
-        """The steps this run will take its turn for: preparing (primed warm-ups only), each
-        warm-up, the reset after them, each trajectory left to measure (by its place in the trace)."""
-        steps = [Step.of("warmup", i) for i in range(len(start.warmups))] + [Step.of("reset")]
-        steps += [Step.of("measure", self.positions[t.trajectory_id]) for t in start.todo]
-        if start.warmups and self.config.load.prime_method_state:
-            steps.append(Step.of("prepare"))
-        return steps
-
     def _turn(self, phase: Phase, position: int = 0) -> contextlib.AbstractAsyncContextManager[None]:
         return contextlib.nullcontext() if self.turns is None else self.turns.turn(phase, position)
 
@@ -300,17 +270,6 @@ class Replayer:
         if self.turns is not None:
             return self.turns.busy_s()
         return (time.perf_counter_ns() - self.t0_ns) / 1e9
-
-    def _schedule(self, trajectories: list[Trajectory]) -> list[float]:
-        cfg = self.config
-        if cfg.load.use_trace_timestamps:
-            first = min((t.arrival_s for t in trajectories), default=0.0)
-            return [t.arrival_s - first for t in trajectories]
-        offsets = arrival_times(len(trajectories), cfg.load.qps, cfg.load.arrival, cfg.load.burstiness, seed=cfg.load.seed)  # type: ignore[arg-type]
-        if offsets and not (math.isfinite(offsets[-1]) and offsets[-1] <= MAX_ARRIVAL_S):
-            raise ReplayError(f"--qps {cfg.load.qps:g} schedules the last trajectory {offsets[-1]:g} s after the first, past the "
-                              f"{MAX_ARRIVAL_S:g} s a trace allows: use a larger --qps (0 runs one after another)")
-        return offsets
 
     async def _run_all(self, session: aiohttp.ClientSession, trajectories: list[Trajectory], offsets: list[float],
                        builder: PromptBuilder, writer: ResultsWriter) -> None:
@@ -400,7 +359,7 @@ class Replayer:
                 record.prompt_tokens = len(prompt.token_ids)  # real outputs may differ from max_tokens
                 record.reusable_tokens = prompt.reusable_tokens
                 if not turn.after:
-                    await _sleep_until(arrival_ns)
+                    await sleep_until(arrival_ns)
                 with self.router.sending(url):
                     ok = await self._send(session, url, turn, prompt, record, writer, outputs)
                 prompts[turn.turn_id] = prompt
@@ -450,20 +409,9 @@ class Replayer:
         elif result.error_type == "connection_refused":
             self._consecutive_unreachable += 1
             if self._consecutive_unreachable >= 3 and self.abort_reason is None:
-                self.abort_reason = await self._unreachable_reason(url, result.error_message)
+                self.abort_reason = await unreachable_reason(self.config.servers.failure, url, result.error_message)
         self._record(record, writer)
         return result.success
-
-    async def _unreachable_reason(self, url: str, message: str | None) -> str:
-        """Why the run stops on a server that refuses connections. A server kvbench started that was
-        killed refuses them before its process is gone: wait a moment for it, so the reason says what
-        happened to it (killed by a signal, out of memory) rather than only that it is unreachable."""
-        deadline = time.monotonic() + UNREACHABLE_GRACE_S
-        while time.monotonic() < deadline:
-            if (failure := self.config.servers.failure()) is not None:
-                return failure
-            await asyncio.sleep(0.05)
-        return f"server {url} is unreachable ({message})"
 
     # -- output --------------------------------------------------------------------------------
     def _record(self, record: RequestRecord, writer: ResultsWriter | None) -> None:

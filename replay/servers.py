@@ -4,6 +4,8 @@ model, running the run's method, long enough for the trace), and reset to cold c
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,3 +95,19 @@ class ReplayServers:
     async def fetch_stats(url: str) -> list[WorkerStats]:
         """The connector's stats since the last poll, cleared (one answer per worker)."""
         return await asyncio.to_thread(WorkerClient(url).stats, True)
+
+
+UNREACHABLE_GRACE_S = 2.0  # for a managed server's process to be gone once it refuses connections
+
+
+async def unreachable_reason(failure: Callable[[], str | None], url: str, message: str | None) -> str:
+    """Why a run stops on a server that refuses connections. A server kvbench started that was
+    killed refuses them before its process is gone: wait a moment for it (`failure()` says why it
+    ended), so the reason says what happened to it (killed by a signal, out of memory) rather than
+    only that it is unreachable."""
+    deadline = time.monotonic() + UNREACHABLE_GRACE_S
+    while time.monotonic() < deadline:
+        if (reason := failure()) is not None:
+            return reason
+        await asyncio.sleep(0.05)
+    return f"server {url} is unreachable ({message})"

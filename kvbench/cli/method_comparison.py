@@ -81,7 +81,7 @@ def print_comparison(summaries: dict[str, dict[str, Any]], interleaved: bool) ->
                       f"{summary['p90_ttft_ms']:.1f}", "-" if reuse is None else f"{reuse:.1%}",
                       "-" if accuracy is None else f"{accuracy:.1%}", "-" if others is None else f"{others:.0%}")
     Console().print(table)
-    from kvbench.cli.replay import load_warning
+    from kvbench.cli.run_notes import load_warning
 
     for name, summary in summaries.items():
         if (warning := load_warning(summary)) is not None:

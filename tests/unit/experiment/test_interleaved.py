@@ -253,7 +253,7 @@ def test_servers_that_do_not_fit_side_by_side_run_one_after_another_and_say_what
 
 
 def test_a_replay_says_how_many_trajectories_its_warm_ups_leave_and_warns_when_too_few() -> None:
-    from kvbench.cli.replay import measured_note
+    from kvbench.cli.run_notes import measured_note
 
     assert measured_note(10, 0) is None
     assert measured_note(10, 3) == "note: the first 3 of the trace's 10 trajectories warm up; 7 are measured"

@@ -424,19 +424,15 @@ def test_a_managed_server_that_dies_is_named_not_only_unreachable(monkeypatch: p
     """A killed server refuses connections a moment before its process is gone: the abort reason
     waits for the process, so it says what happened to it; a server nobody manages is unreachable."""
     import asyncio
-    from types import SimpleNamespace
 
-    from kvbench.replay import runner
+    from kvbench.replay import servers
 
     answers = iter([None, None, None, "the vLLM server was killed by SIGKILL (log: server.log)"])
-    replayer = runner.Replayer.__new__(runner.Replayer)
-    replayer.config = SimpleNamespace(servers=SimpleNamespace(failure=lambda: next(answers)))
-    reason = asyncio.run(replayer._unreachable_reason("http://h:1", "connection refused"))
+    reason = asyncio.run(servers.unreachable_reason(lambda: next(answers), "http://h:1", "connection refused"))
     assert reason == "the vLLM server was killed by SIGKILL (log: server.log)"
 
-    monkeypatch.setattr(runner, "UNREACHABLE_GRACE_S", 0.2)
-    replayer.config = SimpleNamespace(servers=SimpleNamespace(failure=lambda: None))
-    reason = asyncio.run(replayer._unreachable_reason("http://h:1", "connection refused"))
+    monkeypatch.setattr(servers, "UNREACHABLE_GRACE_S", 0.2)
+    reason = asyncio.run(servers.unreachable_reason(lambda: None, "http://h:1", "connection refused"))
     assert reason == "server http://h:1 is unreachable (connection refused)"
 
 
