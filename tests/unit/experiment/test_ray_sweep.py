@@ -30,7 +30,8 @@ GRID = ["--methods", "nonshared,fullshared", "--shared-tokens", "64", "--qps", "
         "--output-len", "4"]
 # What differs between two runs of the same cell anywhere: clocks, ids, ports, process ids.
 VOLATILE_KEY = re.compile(r"(_ms|_ns|_s|_throughput|rss_bytes)$|^(date|run_id|request_id|base_urls|served_models|"
-                          r"server_pids|server_info|server_command|server_url|segments|duration)$")
+                          r"server_pids|server_info|server_command|server_url|segments|duration)$"
+                          r"|cpu_share$|^(min_available_memory_bytes|max_memory_pressure|machine_load\w*)$")
 
 
 def _sweep(out: Path, model: Path, *extra: str, token_delay: float = 0.0, wait: bool = True,
@@ -72,6 +73,8 @@ def _left_behind(before: set[int], timeout_s: float = 20.0) -> set[int]:
 def _content(path: Path, root: Path) -> Any:
     """A result file's content with what differs between any two runs taken out, and the sweep
     folder's own path written as <sweep>."""
+    if path.name == "machine_load.jsonl":
+        return None  # what else the machine did: present, that is all
     text = path.read_text().replace(str(root), "<sweep>") if path.suffix in (".json", ".jsonl") else ""
     text = re.sub(r"http://127\.0\.0\.1:\d+", "<server>", text)  # each run's server has its own port
     if path.suffix == ".json":

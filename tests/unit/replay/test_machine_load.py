@@ -31,7 +31,8 @@ def _sample_while(seconds: float, sampler: MachineLoadSampler) -> dict:
 def test_a_busy_process_outside_kvbench_counts_as_others_and_its_own_child_as_ours() -> None:
     """Shares at least a third of a core (the test may share the machine with other work)."""
     # not our child: started through a shell that exits at once, so it is re-parented away
-    outside = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{BUSY.format(s=3)}' & echo $!"],
+    # (its output away from our pipe, or reading the pid would wait for it to end)
+    outside = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{BUSY.format(s=3)}' >/dev/null 2>&1 & echo $!"],
                                stdout=subprocess.PIPE, text=True)
     outsider = int(outside.communicate()[0].strip())
     try:
