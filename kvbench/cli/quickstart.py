@@ -31,7 +31,7 @@ from kvbench.tracegen.tasks.registry import task_names
 @click.option("--num-warmups", type=click.IntRange(min=0), default=3, show_default=True,
               help="Trajectories each replay runs first (and leaves out); KVCMAS keeps what it learned from them.")
 @click.option("--enforce-eager/--no-enforce-eager", default=True, show_default=True,
-              help="Run vLLM eager (its --enforce-eager): no torch.compile warm-up, so each of the four servers "
+              help="Run vLLM eager (its --enforce-eager): no torch.compile warm-up, so each of the five servers "
                    "starts in about a quarter of the time, and decoding is slower. Every method runs alike, so the "
                    "comparison holds; for absolute figures use `kvbench replay`/`sweep`, compiled by default.")
 @click.pass_context
