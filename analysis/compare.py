@@ -233,8 +233,8 @@ def timing_gates(gates: list[Gate]) -> list[Gate]:
 def loaded_runs(runs: list[Run]) -> list[str]:
     """The runs whose machine other processes loaded while they ran (summary `machine_loaded`),
     each with the share of the cores those used: their timings measured the neighbours too."""
-    return [f"{run.cell} ({run.path}): other processes used {run.summary.get('others_cpu_share', 0):.0%} of the cores"
-            for run in runs if run.summary.get("machine_loaded")]
+    return [f"{run.cell} ({run.path}): other processes used {run.others_cpu_share or 0:.0%} of the cores"
+            for run in runs if run.machine_loaded]
 
 
 def failed(gates: pd.DataFrame) -> int:

@@ -97,8 +97,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     cold = [run.cell for run in runs if summary_number(run.summary.get("cold_start_dense_share")) >= 0.25]
     saturated = [run.cell for run in runs if run.saturated]
-    loaded = [f"{run.cell} ({summary_number(run.summary.get('others_cpu_share')):.0%})" for run in runs
-              if run.summary.get("machine_loaded")]
+    loaded = [f"{run.cell} ({run.others_cpu_share or 0:.0%})" for run in runs if run.machine_loaded]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = table[["run", "completed", "failed", *[c for c in table if c.endswith("_workflow_ms")],
                         "workflow_throughput", "trajectory_token_throughput", "prefix_cache_hit_share", "reuse_share",

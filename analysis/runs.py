@@ -106,12 +106,23 @@ class Run:
     def comparison(self) -> str | None:
         """The id of the comparison this run is an arm of (`replay --method a,b,c`, the
         quickstart): a report pairs it only with runs of the same one. None: a run of its own."""
-        return (self.config.get("comparison") or {}).get("id")
+        return (self.config.get(run_files.COMPARISON) or {}).get("id")
 
     @property
     def interleaved(self) -> bool:
         """Its comparison's arms took turns a trajectory at a time (kvbench.replay.rotation)."""
-        return bool((self.config.get("comparison") or {}).get("interleaved"))
+        return bool((self.config.get(run_files.COMPARISON) or {}).get("interleaved"))
+
+    @property
+    def machine_loaded(self) -> bool:
+        """Other processes used over a tenth of the machine's cores while it ran (replay/machine_load.py)."""
+        return self.summary.get("machine_loaded") is True
+
+    @property
+    def others_cpu_share(self) -> float | None:
+        """The share of the machine's cores other processes used while it ran (None: not recorded)."""
+        value = self.summary.get("others_cpu_share")
+        return float(value) if isinstance(value, int | float) else None
 
     @property
     def is_noise_floor(self) -> bool:

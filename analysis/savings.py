@@ -58,9 +58,21 @@ def _p50(turns: pd.DataFrame) -> float:
     return float(ttft.median()) if len(ttft) else math.nan
 
 
-def _key(run: Run) -> tuple[str, str | None]:
+def comparison_key(run: Run) -> tuple[str, str | None]:
     """Runs are compared within one workload and one comparison (never across invocations)."""
     return run.workload, run.comparison
+
+
+def baseline_runs(runs: list[Run]) -> tuple[dict[tuple[str, str | None], Run], dict[tuple[str, str | None], Run]]:
+    """By comparison key: the NonShared run each method is read against, and the A/A arm (the
+    first of each; PGR's floor and a sweep's quality baselines are neither)."""
+    baselines: dict[tuple[str, str | None], Run] = {}
+    floors: dict[tuple[str, str | None], Run] = {}
+    for run in runs:
+        if run.is_floor or run.is_quality_baseline or run.method != "nonshared":
+            continue
+        (floors if run.is_noise_floor else baselines).setdefault(comparison_key(run), run)
+    return baselines, floors
 
 
 def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
@@ -68,18 +80,11 @@ def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
     comparison is given (same model and trajectories: Run.mismatch); empty otherwise. The A/A arm
     (NonShared again) has its row, and its ratios are every row's noise floor. Repeats: the first
     run of each."""
-    baselines: dict[tuple[str, str | None], Run] = {}
+    baselines, floors = baseline_runs(runs)
     fullshared: dict[tuple[str, str | None], Run] = {}
-    floors: dict[tuple[str, str | None], Run] = {}
     for run in runs:
-        if run.is_floor or run.is_quality_baseline:
-            continue
-        if run.is_noise_floor:
-            floors.setdefault(_key(run), run)
-        elif run.method == "nonshared":
-            baselines.setdefault(_key(run), run)
-        elif run.method == "fullshared" and run.name == "fullshared":
-            fullshared.setdefault(_key(run), run)
+        if run.method == "fullshared" and run.name == "fullshared" and not run.is_quality_baseline:
+            fullshared.setdefault(comparison_key(run), run)
     noise: dict[tuple[str, str | None], tuple[RatioInterval | str, RatioInterval | str]] = {}
     for key, aa in floors.items():
         base = baselines.get(key)
@@ -88,16 +93,18 @@ def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
                           _interval(_turns(aa, False), _turns(base, False)))
     rows = []
     for run in runs:
-        base = baselines.get(_key(run))
+        base = baselines.get(comparison_key(run))
         if run is base or run.is_floor or base is None or run.mismatch(base) is not None:
             continue
         if run.method == "nonshared" and not run.is_noise_floor:
             continue  # another NonShared run of the workload: a repeat of the baseline
         reuse, first = _turns(run, True), _turns(run, False)
-        naive = fullshared.get(_key(run))
-        floor_reuse, floor_first = noise.get(_key(run), (None, None))
-        reuse_ratio = _interval(reuse, _turns(base, True))
-        first_ratio = _interval(first, _turns(base, False))
+        naive = fullshared.get(comparison_key(run))
+        floor_reuse, floor_first = noise.get(comparison_key(run), (None, None))
+        if run.is_noise_floor and floor_reuse is not None and floor_first is not None:
+            reuse_ratio, first_ratio = floor_reuse, floor_first  # its own ratios, taken above
+        else:
+            reuse_ratio, first_ratio = _interval(reuse, _turns(base, True)), _interval(first, _turns(base, False))
         rows.append({
             "run": run.cell, "reuse_turns": int(reuse["success"].sum()), "p50_reuse_ttft_ms": _p50(reuse),
             "reuse_vs_nonshared": _text(reuse_ratio), "reuse_noise_floor": _text(floor_reuse),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvbench.analysis.runs import Run
+from kvbench.analysis.savings import baseline_runs, comparison_key
 
 
 def _cell(table: pd.DataFrame, run: str, column: str) -> str:
@@ -46,17 +47,12 @@ def _costs(costs: pd.DataFrame, cell: str, reference_cell: str | None, aa_cell: 
 def verdict_lines(runs: list[Run], savings: pd.DataFrame, costs: pd.DataFrame) -> list[str]:
     """One markdown bullet per method run (NonShared, its A/A arm and PGR's floor are what the
     others are read against, not verdicts)."""
-    by_key: dict[tuple[str, str | None], dict[str, Run]] = {}
-    for run in runs:
-        by_key.setdefault((run.workload, run.comparison), {})[run.name] = run
+    references, floors = baseline_runs(runs)
     lines = []
     for run in runs:
         if run.method == "nonshared" or run.is_floor or run.is_quality_baseline:
             continue
-        peers = by_key[(run.workload, run.comparison)]
-        reference = next((r for r in peers.values() if r.method == "nonshared" and not r.is_noise_floor
-                          and not r.is_floor), None)
-        aa = next((r for r in peers.values() if r.is_noise_floor), None)
+        reference, aa = references.get(comparison_key(run)), floors.get(comparison_key(run))
         memory = run.memory()["method_state_mib"]
         lines.append(f"- **{run.cell}**: {_saves(savings, run.cell)}; "
                      f"{_costs(costs, run.cell, reference.cell if reference else None, aa.cell if aa else None)}; "
@@ -87,12 +83,11 @@ def provenance_line(runs: list[Run]) -> str:
 
 def load_line(runs: list[Run]) -> str:
     """What else the machine did while the runs ran (replay/machine_load.py), in one sentence."""
-    shares = {run.cell: run.summary["others_cpu_share"] for run in runs
-              if isinstance(run.summary.get("others_cpu_share"), int | float)}
+    shares = [share for run in runs if (share := run.others_cpu_share) is not None]
     if not shares:
         return "Load: not recorded (runs made before kvbench sampled the machine)."
-    loaded = [cell for cell in shares if any(r.cell == cell and r.summary.get("machine_loaded") for r in runs)]
-    low, high = min(shares.values()), max(shares.values())
+    loaded = [run.cell for run in runs if run.machine_loaded]
+    low, high = min(shares), max(shares)
     span = f"{low:.0%}" if round(low, 2) == round(high, 2) else f"{low:.0%}-{high:.0%}"
     if not loaded:
         return f"Load: other processes used {span} of the machine's cores while these ran (quiet: under a tenth)."

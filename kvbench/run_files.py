@@ -31,6 +31,7 @@ FLOOR_LABEL = "no-context"  # the name of a `replay --drop-shared` run (PGR's fl
 # The noise floor's arm of a comparison: NonShared replayed a second time, taken in turn like the
 # methods (kvbench.experiment.interleaved); its ratio to NonShared is what identical methods differ by.
 AA_LABEL = "nonshared-aa"
+COMPARISON = "comparison"  # config.json: {"id", "arms", "interleaved"} of the comparison a run is an arm of
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -48,6 +49,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if isinstance(entry, dict):
             entries.append(entry)
     return entries
+
+
+def append_segment(path: Path, samples: list[dict[str, Any]], segment: int) -> None:
+    """Append a segment's samples to a JSONL file, each tagged with the segment (a resumed run adds one)."""
+    with open(path, "a") as handle:
+        handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in samples))
 
 
 def _fsync_path(path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -130,11 +129,6 @@ def describe_machine() -> dict[str, Any]:
                 break
     return {"cpu": model or None, "cores": psutil.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)}
-
-
-def write_samples(path: Path, samples: list[dict[str, Any]], segment: int) -> None:
-    with open(path, "a") as handle:
-        handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in samples))
 
 
 def load_figures(samples: list[dict[str, Any]]) -> dict[str, Any]:

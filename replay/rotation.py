@@ -126,6 +126,8 @@ class Rotation:
         """Hold the turn for `arm`'s `step` while the block runs (waiting for the arms before it)."""
         async with self._changed:
             await self._changed.wait_for(lambda: self._granted(arm, step))
+        if step.phase == "measure":
+            self.records[arm].order.append(self._place_in_step(step, arm))
         started = time.perf_counter()
         self.holder = arm
         try:
@@ -146,12 +148,7 @@ class Rotation:
             return False
         if (step, arm) not in self._schedule:
             raise RuntimeError(f"arm {arm!r} asked for {step}, which it did not register")
-        current_step, current_arm = self._schedule[self._next]
-        if (current_step, current_arm) != (step, arm):
-            return False
-        if step.phase == "measure":
-            self.records[arm].order.append(self._place_in_step(step, arm))
-        return True
+        return self._schedule[self._next] == (step, arm)
 
     def _place_in_step(self, step: Step, arm: str) -> int:
         assert self._schedule is not None

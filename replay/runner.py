@@ -17,7 +17,6 @@ import aiohttp
 from kvbench import run_files
 from kvbench.replay.backend import CompletionsBackend
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
-from kvbench.replay.machine_load import write_samples
 from kvbench.replay.method_stats import STATS_FIELDS, MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
@@ -31,7 +30,7 @@ from kvbench.replay.saturation import SaturationVerdict, SaturationWatch
 from kvbench.replay.schedule import EARLY_START_S, arrival_offsets, sleep_until
 from kvbench.replay.server_metrics import MetricsSampler
 from kvbench.replay.servers import ReplayServers, unreachable_reason
-from kvbench.run_files import write_text_atomic
+from kvbench.run_files import append_segment, write_text_atomic
 from kvbench.server.errors import ServerError
 from kvbench.tracegen.schema import Trajectory, Turn
 
@@ -39,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # how often the serving time and the method's stats reach the disk
 FINAL_POLL_TIMEOUT_S = 60.0
+
+
 class Replayer:
     def __init__(self, config: ReplayConfig, turns: ArmTurns | None = None) -> None:
         """`turns`: its arm of an interleaved comparison (replay/rotation.py); None: a run of its own."""
@@ -95,8 +96,7 @@ class Replayer:
                                 reference_outputs=cfg.quality.reference.outputs if cfg.quality.reference is not None else None,
                                 drop_shared=cfg.quality.drop_shared,
                                 keep_unread_caches=cfg.quality.save_prompt_ids, concurrent_sources=cfg.load.concurrent_sources)
-        sampler = MetricsSampler(cfg.servers.sampled_urls, cfg.servers.pids,
-                                 paused=self.turns.idle if self.turns is not None else lambda: False)
+        sampler = MetricsSampler(cfg.servers.sampled_urls, cfg.servers.pids, paused=self._idle)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.output.result_dir, cfg.servers.base_urls, self.servers.fetch_stats)
         self._loop = asyncio.get_running_loop()
@@ -127,8 +127,7 @@ class Replayer:
         return outcome
 
     def stop(self, signum: int) -> None:
-        """A stop signal (SIGINT/SIGTERM): the run stops cleanly, what is in flight recorded as
-        interrupted; a second one stops waiting for that."""
+        """SIGINT/SIGTERM: stop cleanly (in-flight requests recorded interrupted); a second: at once."""
         if self.interrupted is not None:
             raise Interrupted(signum)
         self.interrupted = signum
@@ -193,7 +192,7 @@ class Replayer:
                 await asyncio.wait_for(stop.wait(), HEARTBEAT_S)
             self.segment["duration_s"] = self._active_s()
             self._write_config(run_config)
-            if self.stats is not None and not stop.is_set() and not (self.turns is not None and self.turns.idle()):
+            if self.stats is not None and not stop.is_set() and not self._idle():
                 try:
                     await self.stats.poll(segment, self.segment["duration_s"])
                 except ServerError as exc:
@@ -227,9 +226,8 @@ class Replayer:
                     writer.update([r for r, before in zip(writer.records, stats_before) if r.get("method_stats") != before],
                                   STATS_FIELDS)
             writer.close()
-            with open(self.config.output.result_dir / run_files.SERVER_METRICS, "a") as handle:
-                handle.write("".join(json.dumps({"segment": segment, **s}) + "\n" for s in sampler.samples))
-            write_samples(self.config.output.result_dir / run_files.MACHINE_LOAD, sampler.machine.samples, segment)
+            append_segment(self.config.output.result_dir / run_files.SERVER_METRICS, sampler.samples, segment)
+            append_segment(self.config.output.result_dir / run_files.MACHINE_LOAD, sampler.machine.samples, segment)
         except OSError as exc:
             self._abort_on_write_failure(exc)
             with contextlib.suppress(OSError):
@@ -263,6 +261,10 @@ class Replayer:
     # -- interleaved runs (replay/rotation.py) ---------------------------------------------------
     def _turn(self, phase: Phase, position: int = 0) -> contextlib.AbstractAsyncContextManager[None]:
         return contextlib.nullcontext() if self.turns is None else self.turns.turn(phase, position)
+
+    def _idle(self) -> bool:
+        """Another arm holds the turn: this run leaves its servers alone (ArmTurns.idle)."""
+        return self.turns is not None and self.turns.idle()
 
     def _active_s(self) -> float:
         """The run's serving time: since its first measured request, or, taking turns with other
@@ -427,8 +429,6 @@ class Replayer:
             self.segment["saturation"] = verdict.to_dict()
             if self._launch is not None:
                 self._launch.cancel()  # no new work; what is in flight is recorded as stopped
-
-
 
 
 def run_replay(config: ReplayConfig) -> ReplayOutcome:

@@ -75,14 +75,14 @@ class MetricsSampler:
     interval_s: float = 1 / 3
     samples: list[dict[str, Any]] = field(default_factory=list)
     # What else the machine did meanwhile (replay/machine_load.py), sampled from start to stop too.
-    machine: MachineLoadSampler = field(default_factory=MachineLoadSampler)
+    machine: MachineLoadSampler = field(init=False)
     # While it returns True the servers are not polled (an interleaved arm whose turn it is not).
     paused: Callable[[], bool] = lambda: False
     _task: asyncio.Task | None = None
     _started: float = 0.0
 
     def __post_init__(self) -> None:
-        self.machine.pids = list(self.pids.values())  # servers kvbench started are its children; these too
+        self.machine = MachineLoadSampler(list(self.pids.values()))  # kvbench's own children count as ours too
 
     async def sample(self, session: aiohttp.ClientSession, phase: str) -> None:
         now = time.monotonic() - self._started

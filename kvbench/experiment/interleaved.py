@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 AA_ARM = run_files.AA_LABEL  # the noise floor's arm, on a server of its own like every arm
 
 
-COMPARISON_KEY = "comparison"  # config.json: {"id", "arms", "interleaved"} of the comparison a run is an arm of
-
-
 @dataclass(frozen=True)
 class Arm:
     """One arm: its replay (its label names it; its folder holds its run) and the server it starts
@@ -55,7 +52,7 @@ def comparison_arms(arms: Sequence[Arm], interleaved: bool) -> list[Arm]:
     marked = []
     for arm in arms:
         output = dataclasses.replace(arm.config.output,
-                                     extra_config={**arm.config.output.extra_config, COMPARISON_KEY: record})
+                                     extra_config={**arm.config.output.extra_config, run_files.COMPARISON: record})
         marked.append(dataclasses.replace(arm, config=dataclasses.replace(arm.config, output=output)))
     return marked
 
@@ -95,9 +92,8 @@ def replay_interleaved(arms: Sequence[Arm], announce: Callable[[ServerConfig], A
                 except Exception:
                     logger.exception("summarizing the stopped run in %s failed", config.output.result_dir)
     errors = [o for o in outcomes if isinstance(o, BaseException)]
-    interrupted = [e for e in errors if isinstance(e, Interrupted)]
-    if interrupted or errors:
-        raise (interrupted or errors)[0]
+    if errors:  # a stop signal before any arm's own failure
+        raise next((e for e in errors if isinstance(e, Interrupted)), errors[0])
     return summaries
 
 
