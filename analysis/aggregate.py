@@ -10,19 +10,16 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from kvbench.analysis import metric_catalog
 from kvbench.analysis.runs import Run, summary_number
 
 DIMENSIONS = ["method_config", "method", "method_params", "model", "task", "shared_tokens", "agents", "rounds",
               "output_len", "protocol", "qps"]
-# What a method saves, and what it costs (the quality keys: NaN for runs never compared with a
-# reference or scored on a task).
-QUALITY_METRICS = ["exact_match_rate", "mean_token_f1", "output_pgr", "pgr", "task_accuracy"]
-METRICS = ["p50_ttft_s", "p90_ttft_s", "mean_ttft_s", "mean_trajectory_ttft_s", "reuse_ttft_s", "latency_s",
-           "throughput_tok_s", "mean_trajectory_tokens", "max_trajectory_tokens",
-           "method_state_mib", "peak_gpu_memory_gib", "peak_cpu_tensor_memory_gib", "peak_rss_mib", "peak_kv_usage_pct",
-           "realized_rho", "failed", *QUALITY_METRICS,
-           "task_items", "task_unparseable", "saturated"]
-
+# Each run's row: the catalog's sweep metrics (what a method saves and what it costs; the
+# quality keys NaN for runs never compared with a reference or scored on a task).
+METRICS = metric_catalog.keys("sweep")
+# Those read from the summary as they are (the rest computed below, or memory's from the report table)
+SUMMARY_METRICS = metric_catalog.keys("sweep", record="summary")
 
 
 def run_row(run: Run) -> dict:
@@ -49,8 +46,9 @@ def run_row(run: Run) -> dict:
         "protocol": run.config.get("protocol", "free"),
         "qps": run.summary.get("request_rate"),
         "repeat": int(run.summary.get("repeat", 0)),
-        "p50_ttft_s": run.summary.get("p50_ttft_ms", math.nan) / 1e3,
-        "p90_ttft_s": run.summary.get("p90_ttft_ms", math.nan) / 1e3,
+        **{key: summary_number(run.summary.get(key)) for key in SUMMARY_METRICS},
+        "p50_ttft_s": summary_number(run.summary.get("p50_ttft_ms")) / 1e3,
+        "p90_ttft_s": summary_number(run.summary.get("p90_ttft_ms")) / 1e3,
         "mean_ttft_s": float(ok["ttft_ms"].mean()) / 1e3 if len(ok) else math.nan,
         # the mean of each trajectory's mean TTFT (the paper's Table 1 TTFT)
         "mean_trajectory_ttft_s": summary_number(run.summary.get("mean_trajectory_ttft_ms")) / 1e3,
@@ -58,18 +56,11 @@ def run_row(run: Run) -> dict:
         "max_trajectory_tokens": float(lengths.max()) if lengths is not None else math.nan,
         "reuse_ttft_s": float(reuse["ttft_ms"].mean()) / 1e3 if len(reuse) else math.nan,
         "latency_s": summary_number(run.summary.get("mean_trajectory_e2e_ms")) / 1e3,
-        "throughput_tok_s": run.summary.get("mean_trajectory_token_throughput", math.nan),
+        "throughput_tok_s": summary_number(run.summary.get("mean_trajectory_token_throughput")),
         "method_state_mib": memory["method_state_mib"],
-        "peak_rss_mib": memory["peak_server_rss_mib"],
-        # memory as the paper counts it (analysis/device_memory.py): a GPU's peak, or its CPU twin
-        "peak_gpu_memory_gib": summary_number(run.summary.get("peak_gpu_memory_gib")),
-        "peak_cpu_tensor_memory_gib": summary_number(run.summary.get("peak_cpu_tensor_memory_gib")),
-        "peak_kv_usage_pct": memory["peak_kv_cache_usage_perc"],
-        "realized_rho": run.summary.get("realized_rho") if run.summary.get("realized_rho") is not None else math.nan,
-        "failed": run.summary.get("failed", 0),
-        **{key: summary_number(run.summary.get(key)) for key in QUALITY_METRICS},
+        "peak_server_rss_mib": memory["peak_server_rss_mib"],
+        "peak_kv_usage_pct": 100 * memory["peak_kv_cache_usage_perc"],
         "task_items": summary_number(run.summary.get("task_scored_trajectories")),
-        "task_unparseable": summary_number(run.summary.get("task_unparseable")),
         "saturated": float(run.saturated),  # averaged over repeats: the share that stopped over-saturated
     }
 

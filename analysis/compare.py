@@ -9,13 +9,10 @@ from typing import Literal
 
 import pandas as pd
 
+from kvbench.analysis import metric_catalog
 from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval, ratio_change_interval
 from kvbench.analysis.runs import Run, mean_summary
 
-# Metrics where larger is better; every other gated metric is a cost (latency, bytes, failures,
-# first-token KL).
-HIGHER_IS_BETTER = re.compile(r"throughput|completed|realized_rho|eligible_rho|goodput|pgr|exact_match|token_f1"
-                              r"|top1_agreement|task_accuracy|first_divergence")
 # Metrics whose candidate/baseline ratio gets a bootstrap interval (over which TTFTs it is a p50).
 INTERVAL_METRICS = {"p50_ttft_ms": "request", "p50_trajectory_ttft_ms": "trajectory"}
 NoisePolicy = Literal["fail", "pass"]
@@ -44,6 +41,20 @@ class Gate:
         if num:
             raise ValueError(f"bad gate {text!r}: a ratio of two methods takes a % tolerance")
         return cls(metric, float(amount), None, absolute=True)
+
+    def __post_init__(self) -> None:
+        if self.ratio is None:  # which way is worse comes from the catalog (a ratio of two methods: falling)
+            try:
+                better = metric_catalog.lookup(self.metric).better
+            except metric_catalog.UnknownMetric as exc:
+                raise ValueError(f"bad gate: {exc}") from None
+            if better is None:
+                raise ValueError(f"bad gate: {self.metric} is neither better higher nor lower (the metric catalog)")
+
+    @property
+    def higher_better(self) -> bool:
+        # A method ratio (e.g. nonshared/fullshared TTFT = speed-up) regresses when it falls.
+        return self.ratio is not None or metric_catalog.lookup(self.metric).better == "higher"
 
     @property
     def label(self) -> str:
@@ -139,11 +150,13 @@ def compare_table(baseline: list[Run], candidate: list[Run], metrics: list[str],
         for metric in metrics:
             b, c = _value(base[key], metric), _value(cand[key], metric)  # the mean over a cell's repeats
             interval = ratio_interval(base[key], cand[key], metric)
-            rows.append({"cell": key, "method": base[key][0].method, "metric": metric, "baseline": b, "candidate": c,
+            better = (metric_catalog.find(metric) or metric_catalog.Metric(metric, "count", "", "client")).better
+            rows.append({"cell": key, "method": base[key][0].method, "metric": metric, "better": better or "-",
+                         "baseline": b, "candidate": c,
                          "ratio": c / b if b and not math.isnan(b) else math.nan,
                          "ratio_low": interval.low if interval else math.nan,
                          "ratio_high": interval.high if interval else math.nan})
-    return pd.DataFrame(rows, columns=["cell", "method", "metric", "baseline", "candidate", "ratio", "ratio_low",
+    return pd.DataFrame(rows, columns=["cell", "method", "metric", "better", "baseline", "candidate", "ratio", "ratio_low",
                                        "ratio_high"])
 
 
@@ -179,11 +192,9 @@ def evaluate_gates(baseline: list[Run], candidate: list[Run], gates: list[Gate],
             num, den = gate.ratio
             base = _value(baseline, gate.metric, num) / _value(baseline, gate.metric, den)
             cand = _value(candidate, gate.metric, num) / _value(candidate, gate.metric, den)
-            # A method ratio (e.g. nonshared/fullshared TTFT = speed-up) regresses when it falls.
-            higher_better = True
         else:
             base, cand = _value(baseline, gate.metric), _value(candidate, gate.metric)
-            higher_better = bool(HIGHER_IS_BETTER.search(gate.metric))
+        higher_better = gate.higher_better
         within_noise = False
         if math.isnan(base) or math.isnan(cand):
             passed, change = False, math.nan  # a gated metric that is missing fails loudly
@@ -222,12 +233,9 @@ def saturation_gate(baseline: list[Run], candidate: list[Run], pairs: dict[str, 
             "status": f"FAIL ({', '.join(newly)})" if newly else "pass"}
 
 
-# Gates a loaded machine invalidates: timings and rates (not failures, quality, reuse or memory).
-TIMING_METRICS = re.compile(r"_ms$|throughput|goodput|duration")
-
-
 def timing_gates(gates: list[Gate]) -> list[Gate]:
-    return [gate for gate in gates if TIMING_METRICS.search(gate.metric)]
+    """Gates a loaded machine invalidates: on timings and rates (not failures, quality, reuse or memory)."""
+    return [gate for gate in gates if metric_catalog.lookup(gate.metric).speed_dependent]
 
 
 def loaded_runs(runs: list[Run]) -> list[str]:

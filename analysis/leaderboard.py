@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvbench.analysis import metric_catalog
 from kvbench.analysis.runs import Run, mean_summary, referenced_runs
 from kvbench.model.store import is_constructed
 
@@ -35,6 +36,16 @@ PGR_COLUMNS = ["pgr", "pgr_low", "pgr_high", "pgr_gain_over_naive", "pgr_gain_p_
 COLUMNS = ["model", "rank", "cell", "method", "shared_tokens", "qps", *PGR_COLUMNS, "exact_match_rate", "task_accuracy",
            "task_accuracy_reuse", "recompute_share", "ttft_saved", "p50_ttft_ms", "p50_workflow_ms",
            "workflow_goodput_share", "method_state_mib", "realized_rho", "failed", "saturated", "runs"]
+# The leaderboard's own columns (the rest are the metric catalog's, its legend from there)
+OWN_COLUMNS = {
+    "rank": "within the row's model, by the sort above",
+    "ttft_saved": "1 - p50 TTFT / NonShared's p50 TTFT of the same workload (share)",
+    "pgr_gain_over_naive": "PGR over naive reuse's (`kvbench quality --naive`), with its Wilcoxon `pgr_gain_p_value`",
+    "p50_ttft_ms": "request-level p50 TTFT (ms), mean over the cell's runs",
+    "p50_workflow_ms": "a workflow's p50 makespan: first arrival to its last agent's last token (ms)",
+    "saturated": "the share of the cell's runs that stopped over-saturated",
+    "runs": "the cell's runs (repeats averaged)",
+}
 ORACLE = {key: 1.0 for key in ("pgr", "pgr_low", "pgr_high", "output_pgr", "output_pgr_low", "output_pgr_high")}
 
 
@@ -124,10 +135,8 @@ def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:
                  "such a row shows is that the method works inside vLLM as its deviation assumes, on a model built so "
                  "that the assumption holds or fails: each family favours some methods by design, so ranks hold within "
                  "a model, never across.\n")
+    legend = [f"- `{key}`: {text}" for key, text in (*OWN_COLUMNS.items(), *metric_catalog.notes(("leaderboard",)))]
     paths["markdown"].write_text(
-        f"# kvbench leaderboard\n\nSorted by {SORT_RULE}. `recompute_share`: shared (token, layer) entries computed "
-        "over all the method could have reused; `ttft_saved`: 1 - p50 TTFT / NonShared's p50 TTFT of the same "
-        "workload; `p50_workflow_ms`: a trajectory's first arrival to its last token; `workflow_goodput_share`: "
-        f"workflows meeting every `--goodput` bound (empty: none set).\n{note}\n"
-        f"{table.to_markdown(index=False, floatfmt='.3f')}\n")
+        f"# kvbench leaderboard\n\nSorted by {SORT_RULE}.\n{note}\n"
+        f"{table.to_markdown(index=False, floatfmt='.3f')}\n\n## Columns\n\n" + "\n".join(legend) + "\n")
     return paths

@@ -43,7 +43,7 @@ from kvbench.analysis.paper_values_efficiency import (
 MEMORY_METRICS = [("peak_gpu_memory_gib", "peak GPU memory (GiB; the paper's measure, in GB)", 2),
                   ("peak_cpu_tensor_memory_gib", "CPU twin of peak memory: weights + KV pool + store + method state "
                    "(GiB, from their tensors; no temporary buffers)", 3),
-                  ("method_state_mib", "method state (MiB)", 1), ("peak_rss_mib", "server peak RSS (MiB)", 0),
+                  ("method_state_mib", "method state (MiB)", 1), ("peak_server_rss_mib", "server peak RSS (MiB)", 0),
                   ("peak_kv_usage_pct", "peak vLLM KV usage (%)", 2)]
 
 

@@ -87,7 +87,7 @@ def ttft_by_agent_plot(by_agent: pd.DataFrame, path: Path, table: pd.DataFrame |
 def memory_plot(table: pd.DataFrame, path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(11, 4))
     for ax, column, title in zip(axes, ["method_state_mib", "peak_server_rss_mib", "peak_kv_cache_usage_perc"],
-                                 ["method state (MiB)", "server peak RSS (MiB)", "peak vLLM KV usage (%)"]):
+                                 ["method state (MiB)", "server peak RSS (MiB)", "peak vLLM KV usage (share of its pool)"]):
         ax.bar(range(len(table)), table[column].fillna(0), color=[method_color(m) for m in table["method"]])
         ax.set_xticks(range(len(table)), list(table["run"]), ha="right")
         ax.set(title=title, xlabel="", ylabel="")

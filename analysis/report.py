@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pandas as pd
 
-from kvbench.analysis import plots
+from kvbench.analysis import metric_catalog, plots
+from kvbench.analysis.metric_catalog import View
 from kvbench.analysis.reuse_cost import reuse_turn_costs
 from kvbench.analysis.runs import Run, summary_number
 from kvbench.analysis.savings import reuse_turn_savings
@@ -18,39 +18,8 @@ from kvbench.analysis.verdict import load_line, provenance_line, verdict_lines
 from kvbench.model.packaged import packaged_note
 from kvbench.model.store import is_constructed
 
-COLUMN_NOTES = {
-    "pNN_ttft_ms": "request-level TTFT percentiles over successful requests (vLLM's definition)",
-    "pNN_trajectory_ttft_ms": "percentiles of the per-trajectory mean TTFT (the paper's definition)",
-    "trajectory_token_throughput": "trajectory tokens (prompt + output) / trajectory E2E, mean over trajectories",
-    "pNN_workflow_ms": "a workflow's makespan: its trajectory's first arrival to its last agent's last token",
-    "workflow_throughput": "workflows (trajectories) finished per second of the run",
-    "request_goodput / workflow_goodput": "requests / workflows per second meeting every `--goodput` bound (a "
-                                          "workflow: all its turns, and its makespan the `workflow` bound)",
-    "prefix_cache_hit_share": "vLLM's prefix-cache hits / queries over the run (tokens; its /metrics, every server)",
-    "reuse_share": "rows the method served from another request's cache / shared (PH) tokens of successful requests",
-    "realized_rho": "shared PH tokens served by reuse / PH tokens the method could have served had the "
-                    "segment store kept every source",
-    "eligible_rho": "shared PH tokens served by reuse / PH tokens whose source the store still held",
-    "reuse_lost_to_eviction_share": "reusable PH tokens whose source the store's byte cap had evicted",
-    "reuse_lost_to_refusal_share": "reusable PH tokens whose source was larger than the store's whole cap "
-                                   "(never stored: raise --max-store-bytes)",
-    "method_state_mib": "method state: segment-store peak + method state (anchor pools, references)",
-    "store_peak_mib": "segment-store peak of this run (since its reset)",
-    "store_evictions": "segment-store evictions during this run (its byte cap, --max-store-bytes)",
-    "store_refused": "caches larger than the store's whole cap, never stored (not evictions)",
-    "peak_server_rss_mib": "peak RSS of the server process tree (CPU); vLLM pre-allocates its KV pool",
-    "peak_kv_cache_usage_perc": "peak of vllm:kv_cache_usage_perc during the run",
-    "task_accuracy": "a task trace's final answers right (`kvbench score`)",
-    "task_unparseable": "a benchmark workload's final answers that could not be read (no MMLU answer line, no "
-                        "GSM8K number)",
-    "task_accuracy_reuse": "a task trace's answers right on reuse turns (turns a method can serve from another "
-                           "agent's cache)",
-}
-
-
-# Shares and scores (0..1) keep three decimals in every table, so one figure reads the same in
-# each (realized rho was 0.8 in the latency table and 0.839 in the quality table).
-SHARE_COLUMNS = re.compile(r"rho|_rate|_share|pgr|accuracy|token_f1|top1_agreement|first_token_kl")
+# The views whose metrics the report's tables show: their legend comes from the catalog.
+REPORT_VIEWS: tuple[View, ...] = ("latency", "quality", "throughput", "goodput", "memory")
 
 
 NOT_MEASURED = "-"  # a figure this run has not (no reference, no task, no connector): said in the legend
@@ -60,7 +29,8 @@ def _markdown(frame: pd.DataFrame, floatfmt: str = ".1f") -> str:
     """The table with each number in its column's format and every missing figure a dash, not `nan`."""
     shown = pd.DataFrame(index=frame.index)
     for column in frame.columns:
-        fmt = ".3f" if SHARE_COLUMNS.search(column) else floatfmt
+        # shares and scores (0..1) keep three decimals in every table, so a figure reads the same in each
+        fmt = ".3f" if metric_catalog.is_share(column) else floatfmt
         shown[column] = [NOT_MEASURED if _missing(v) else format(v, fmt) if isinstance(v, float) else str(v)
                          for v in frame[column]]
     align = ["right" if pd.api.types.is_numeric_dtype(frame[c]) else "left" for c in frame.columns]
@@ -69,6 +39,11 @@ def _markdown(frame: pd.DataFrame, floatfmt: str = ".1f") -> str:
 
 def _missing(value: object) -> bool:
     return value is None or (isinstance(value, float) and value != value)  # NaN
+
+
+def _view(table: pd.DataFrame, view: View, leading: list[str]) -> pd.DataFrame:
+    """The report table of one view: the leading columns, then the catalog's metrics of that view."""
+    return table[leading + metric_catalog.columns(view, [c for c in table.columns if c not in leading])]
 
 
 def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") -> Path:
@@ -87,26 +62,18 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     if tradeoff is not None:
         figures["Speed against quality"] = tradeoff
     # Every latency row beside what it cost: its reuse and its quality against a reference.
-    latency = table[["run", "method", "qps", "shared_tokens", "completed", "failed", "failed_trajectories",
-                     *[c for c in table if c.endswith("_ttft_ms")], "mean_e2el_ms", "realized_rho", "exact_match_rate",
-                     "output_pgr", "pgr", "task_accuracy", "task_accuracy_reuse"]]
-    quality = table[["run", "realized_rho", "exact_match_rate", "exact_match_rate_reuse", "mean_token_f1",
-                     "mean_first_token_kl", "top1_agreement", "output_pgr", "output_pgr_low", "output_pgr_high",
-                     "pgr", "pgr_low", "pgr_high", "task_accuracy",
-                     "task_accuracy_reuse", "task_unparseable"]]
+    # Every latency row beside what it cost: its reuse and its quality against a reference.
+    latency = _view(table, "latency", ["run", "method", "qps", "shared_tokens"])
+    quality = _view(table, "quality", ["run"])
     idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
     cold = [run.cell for run in runs if summary_number(run.summary.get("cold_start_dense_share")) >= 0.25]
     saturated = [run.cell for run in runs if run.saturated]
     loaded = [f"{run.cell} ({run.others_cpu_share or 0:.0%})" for run in runs if run.machine_loaded]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
-    throughput = table[["run", "completed", "failed", *[c for c in table if c.endswith("_workflow_ms")],
-                        "workflow_throughput", "trajectory_token_throughput", "prefix_cache_hit_share", "reuse_share",
-                        "realized_rho", "eligible_rho",
-                        "reuse_lost_to_eviction_share", "reuse_lost_to_refusal_share"]]
+    throughput = _view(table, "throughput", ["run"])
     slos = sorted({json.dumps(run.summary.get("goodput_slo")) for run in runs if run.summary.get("goodput_slo")})
-    goodput = table[["run", "request_goodput", "request_goodput_share", "workflow_goodput", "workflow_goodput_share"]]
-    memory = table[["run", "method_state_mib", "store_peak_mib", "store_evictions", "store_refused", "peak_server_rss_mib",
-                    "peak_kv_cache_usage_perc"]]
+    goodput = _view(table, "goodput", ["run"])
+    memory = _view(table, "memory", ["run"])
     tier = shared_tier_table(runs)
     models = sorted({run.model_name for run in runs})
     savings = reuse_turn_savings(runs)
@@ -161,7 +128,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
              "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",
              "## Columns", "", f"`{NOT_MEASURED}`: not measured for that run (no reference to compare with, no task "
              "to score, no connector to report reuse, no server memory read).", "",
-             *[f"- `{name}`: {note}" for name, note in COLUMN_NOTES.items()], "",
+             *[f"- `{name}`: {note}" for name, note in metric_catalog.notes(REPORT_VIEWS)], "",
              "## Figures", ""]
     lines += [f"![{caption}]({path.name})" for caption, path in figures.items()]
     report = out_dir / "report.md"

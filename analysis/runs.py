@@ -60,7 +60,7 @@ class Run:
         return str(identity).split("@", 1)[0]
 
     def memory(self) -> dict[str, float]:
-        """The three memory figures of a run, kept apart (vLLM pre-allocates its KV pool)."""
+        """A run's memory figures (metric_catalog), kept apart (vLLM pre-allocates its KV pool)."""
         state = self.summary.get("method_state_bytes") or {}
         # Methods report current bytes and their peaks ("peak_<name>"): count peaks when given.
         peaks = {k[len("peak_"):]: v for k, v in state.items() if k.startswith("peak_")}
@@ -74,7 +74,7 @@ class Run:
             "store_evictions": evictions if evictions is not None else math.nan,
             "store_refused": refused if refused is not None else math.nan,
             "peak_server_rss_mib": rss / 2**20 if rss else math.nan,
-            "peak_kv_cache_usage_perc": 100 * usage if usage is not None else math.nan,
+            "peak_kv_cache_usage_perc": usage if usage is not None else math.nan,  # 0..1, as vLLM's gauge
         }
 
     @property

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from kvbench.analysis import metric_catalog
 from kvbench.analysis.metrics import percentile_key, reuse_figures, trajectory_table
 from kvbench.analysis.runs import Run, referenced_runs, summary_number
 
 PERCENTILES = (50, 90, 99)
 SATURATED_MARK = " [saturated]"  # after a run's name: it stopped over-saturated (kvbench.replay.saturation)
-QUALITY_KEYS = ("exact_match_rate", "exact_match_rate_reuse", "mean_token_f1", "mean_first_token_kl", "top1_agreement",
-                "output_pgr", "output_pgr_low", "output_pgr_high", "pgr", "pgr_low", "pgr_high", "task_accuracy",
-                "task_accuracy_reuse", "task_unparseable")
+# What the speed cost: the quality view's figures a summary holds once compared or scored.
+QUALITY_KEYS = [m.key for m in metric_catalog.in_view("quality") if m.source in ("reference", "task")]
 
 
 def _pct(values: pd.Series, p: float) -> float:
@@ -47,7 +47,7 @@ def method_table(runs: list[Run], percentiles: tuple[float, ...] = PERCENTILES) 
         row["workflow_throughput"] = len(trajectories) / duration if duration > 0 else float("nan")
         for key in ("request_goodput", "request_goodput_share", "workflow_goodput", "workflow_goodput_share"):
             row[key] = summary_number(run.summary.get(key))
-        row["trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
+        row["mean_trajectory_token_throughput"] = (float(trajectories["token_throughput"].mean())
                                               if len(trajectories) else float("nan"))
         for key in ("prefix_cache_hit_share", "reuse_share"):  # recorded in summaries since issue 51
             row[key] = summary_number(run.summary.get(key))

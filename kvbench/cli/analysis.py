@@ -10,12 +10,6 @@ import click
 
 from kvbench.cli.param_types import allow_code_execution_option
 
-# Both axes: what a method saves and what it costs (quality keys are NaN for runs never compared
-# with a reference).
-DEFAULT_COMPARE_METRICS = ("p50_ttft_ms", "p90_ttft_ms", "p50_trajectory_ttft_ms", "mean_e2el_ms",
-                           "mean_trajectory_token_throughput", "failed", "realized_rho", "exact_match_rate",
-                           "mean_token_f1", "output_pgr", "pgr", "task_accuracy")
-
 
 @click.command("report")
 @click.argument("result_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -231,10 +225,12 @@ def leaderboard_command(result_dirs: tuple[Path, ...], out_dir: Path | None) -> 
 @click.argument("candidate", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--gate", "gates", multiple=True, metavar="METRIC=+N%|METRIC:A/B=-N%",
               help="Fail (exit 1) when the candidate is worse than the baseline by more than N%: "
-                   "p50_ttft_ms=+10% (a cost may grow 10%), or a ratio of two methods within each side, "
+                   "p50_ttft_ms=+10% (a cost may grow 10%; which way is worse: the metric catalog), "
+                   "or a ratio of two methods within each side, "
                    "p50_ttft_ms:nonshared/fullshared=-10% (the speed-up may shrink 10%). Repeatable.")
-@click.option("--metric", "metrics", multiple=True, help="summary.json keys to show [default: TTFT, E2E, "
-              "throughput, failures].")
+@click.option("--metric", "metrics", multiple=True, help="summary.json keys to show [default: the metric "
+              "catalog's compare metrics: TTFT, E2E, throughput, failures, reuse and quality; "
+              "docs/results.md#metrics].")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the comparison as markdown (e.g. for a CI comment).")
 @click.option("--pair", "pairs", multiple=True, metavar="BASE=CAND",
@@ -253,6 +249,7 @@ def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], met
     a machine other processes loaded (more than a tenth of its cores: its timings measured them
     too; named on stderr; --allow-loaded gates on it). Gates may be on quality too (e.g. --gate
     pgr=-0.05, --gate exact_match_rate=-0.02), and are evaluated on the cells both sides share."""
+    from kvbench.analysis import metric_catalog
     from kvbench.analysis.compare import (
         Gate,
         comparable_runs,
@@ -292,7 +289,7 @@ def compare_command(baseline: Path, candidate: Path, gates: tuple[str, ...], met
         gated_base, gated_cand, reason = comparable_runs(base_runs, cand_runs, pairing)
         if reason:
             raise click.UsageError(f"--gate compares nothing: {reason}")
-    table = compare_table(base_runs, cand_runs, list(metrics or DEFAULT_COMPARE_METRICS), pairing)
+    table = compare_table(base_runs, cand_runs, list(metrics or metric_catalog.compared_keys()), pairing)
     results = evaluate_gates(gated_base, gated_cand, parsed, noise)  # type: ignore[arg-type]
     if parsed and (saturation := saturation_gate(gated_base, gated_cand, pairing)) is not None:
         import pandas as pd

@@ -259,45 +259,18 @@ def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvbench replay: {summary['method']} @ {summary['request_rate']:g} QPS", show_header=False)
-    rows = [("Completed / failed requests", f"{summary['completed']} / {summary['failed']}"),
-            ("Completed / failed trajectories",
-             f"{summary['completed_trajectories']} / {summary['failed_trajectories']}"),
-            ("Duration (s)", f"{summary['duration']:.2f}"),
-            ("Request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s)", f"{summary['output_throughput']:.1f}")]
+    from kvbench.analysis.metric_catalog import console_rows
     from kvbench.analysis.metrics import percentile_key
 
-    stats = ["mean", "median", *(percentile_key(p) for p in summary["config"]["metric_percentiles"])]
-    for metric in ("ttft", "trajectory_ttft", "tpot", "itl", "e2el", "workflow"):
-        rows += [(f"{stat}_{metric}_ms", f"{summary[f'{stat}_{metric}_ms']:.2f}") for stat in stats
-                 if f"{stat}_{metric}_ms" in summary]
+    table = Table(title=f"kvbench replay: {summary['method']} @ {summary['request_rate']:g} QPS", show_header=False)
+    # the catalog's console metrics in its order (a family: the run's mean, median and percentiles)
+    rows = console_rows(summary, ["mean", "median", *(percentile_key(p) for p in summary["config"]["metric_percentiles"])])
     if summary.get("goodput_slo"):
-        slo = " ".join(f"{key}:{bound:g}" for key, bound in summary["goodput_slo"].items())
-        rows.append((f"Request goodput (req/s, {slo})", f"{summary['request_goodput']:.2f} "
-                     f"({summary['request_goodput_share']:.1%} of requests)"))
-        rows.append(("Workflow goodput (workflows/s)", f"{summary['workflow_goodput']:.3f} "
-                     f"({summary['workflow_goodput_share']:.1%} of workflows)"))
-    if summary.get("prefix_cache_hit_share") is not None:
-        rows.append(("vLLM prefix-cache hits (tokens)", f"{summary['prefix_cache_hit_share']:.1%}"))
-    if summary.get("reuse_share") is not None:
-        rows.append(("Reuse share (reused / shared tokens)", f"{summary['reuse_share']:.1%}"))
-    if summary.get("realized_rho") is not None:  # what a method's speed was bought with: reuse...
-        rows.append(("Realized rho (reused / eligible shared tokens)", f"{summary['realized_rho']:.3f}"))
-    if summary.get("task_accuracy") is not None:  # ...and what it cost
-        rows.append(("Task accuracy", f"{summary['task_accuracy']:.1%}"))
-        if summary.get("task_accuracy_reuse") is not None:
-            rows.append(("Task accuracy, reuse turns", f"{summary['task_accuracy_reuse']:.1%}"))
+        rows.append(("Goodput bounds (ms)", " ".join(f"{key}:{bound:g}" for key, bound in summary["goodput_slo"].items())))
     sampling = summary["config"].get("sampling")
     if sampling:
         rows.append(("Sampling", "greedy" if sampling.get("greedy") else
                      f"temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}, top_k {sampling['top_k']}"))
-    if summary.get("peak_server_rss_bytes"):
-        rows.append(("Peak server RSS (MiB)", f"{summary['peak_server_rss_bytes'] / 2**20:.0f}"))
-    if summary.get("peak_kv_cache_usage_perc") is not None:
-        rows.append(("Peak KV cache usage", f"{summary['peak_kv_cache_usage_perc']:.1%}"))
-    if summary.get("others_cpu_share") is not None:  # what else the machine did meanwhile
-        rows.append(("Other processes' CPU (share of the cores)", f"{summary['others_cpu_share']:.1%}"))
     for label, value in rows:
         table.add_row(label, value)
     Console().print(table)

@@ -67,7 +67,7 @@ def test_tables_agree_with_requests_recomputed(sweep_dir: Path) -> None:
         assert table.loc[method, "p50_trajectory_ttft_ms"] == pytest.approx(np.percentile(per_trajectory, 50))
         e2e = (ok.groupby("trajectory_id")["end_ns"].max() - ok.groupby("trajectory_id")["scheduled_ns"].min()) / 1e9
         tokens = ok.groupby("trajectory_id")["prompt_tokens"].sum() + ok.groupby("trajectory_id")["output_tokens"].sum()
-        assert table.loc[method, "trajectory_token_throughput"] == pytest.approx((tokens / e2e).mean())
+        assert table.loc[method, "mean_trajectory_token_throughput"] == pytest.approx((tokens / e2e).mean())
     assert table.loc["fullshared", "realized_rho"] == 1.0  # FullShared serves every reusable row
     assert np.isnan(table.loc["nonshared", "realized_rho"])
     assert table.loc["fullshared", "method_state_mib"] > 0 == table.loc["nonshared", "method_state_mib"]
@@ -315,7 +315,9 @@ def test_a_gate_that_compares_nothing_is_a_usage_error(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN / "fullshared", baseline)
     shutil.copytree(GOLDEN / "fullshared", candidate)
     typo = _invoke("compare", str(baseline), str(candidate), "--gate", "p50_ttft=+10%")
-    assert typo.exit_code == 2 and "'p50_ttft' is no summary.json key" in typo.output and "p50_ttft_ms" in typo.output
+    assert typo.exit_code == 2 and "unknown metric 'p50_ttft'" in typo.output and "p50_ttft_ms" in typo.output
+    unscored = _invoke("compare", str(baseline), str(candidate), "--gate", "pgr=-0.05")  # a metric these runs lack
+    assert unscored.exit_code == 2 and "'pgr' is no summary.json key" in unscored.output
     summary = json.loads((candidate / "summary.json").read_text())
     summary["label"] = "kvcomm"  # another method, not paired: no cell in common
     (candidate / "summary.json").write_text(json.dumps(summary))
