@@ -15,9 +15,12 @@ from pathlib import Path
 from kvbench.analysis.runs import Run
 from kvbench.model.store import embedded_name
 
-STYLE = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:13px;display:block;overflow-x:auto}
-th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}
+# The page never scrolls sideways (a 1280-pixel window, tested): wide tables scroll inside
+# themselves, their cells kept on one line; long paths, labels and titles elsewhere wrap.
+STYLE = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222;
+overflow-wrap:anywhere}
+table{border-collapse:collapse;margin:1em 0;font-size:13px;display:block;overflow-x:auto;max-width:100%}
+th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;white-space:nowrap;overflow-wrap:normal}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;margin:1em 0}
 pre{background:#f7f7f7;padding:1em;overflow-x:auto;font-size:12px}code{background:#f3f3f3}"""
 # Marks on <body> how many images the browser decoded, once the page has loaded: what a headless

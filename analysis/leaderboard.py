@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.analysis import metric_catalog
+from kvbench.analysis.markdown_table import NOT_MEASURED, markdown_table
 from kvbench.analysis.runs import Run, mean_summary, referenced_runs
 from kvbench.model.store import is_constructed
 
@@ -138,5 +139,6 @@ def write_leaderboard(runs: list[Run], out_dir: Path) -> dict[str, Path]:
     legend = [f"- `{key}`: {text}" for key, text in (*OWN_COLUMNS.items(), *metric_catalog.notes(("leaderboard",)))]
     paths["markdown"].write_text(
         f"# kvbench leaderboard\n\nSorted by {SORT_RULE}.\n{note}\n"
-        f"{table.to_markdown(index=False, floatfmt='.3f')}\n\n## Columns\n\n" + "\n".join(legend) + "\n")
+        f"{markdown_table(table, '.3f')}\n\n## Columns\n\n`{NOT_MEASURED}`: not measured for that row (no reference, floor "
+        "or task score; no NonShared run of its workload).\n\n" + "\n".join(legend) + "\n")
     return paths

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.analysis import metric_catalog, plots
+from kvbench.analysis.markdown_table import NOT_MEASURED, markdown_table
 from kvbench.analysis.metric_catalog import View
 from kvbench.analysis.reuse_cost import reuse_turn_costs
 from kvbench.analysis.runs import Run, summary_number
@@ -20,25 +21,6 @@ from kvbench.model.store import is_constructed
 
 # The views whose metrics the report's tables show: their legend comes from the catalog.
 REPORT_VIEWS: tuple[View, ...] = ("latency", "quality", "throughput", "goodput", "memory")
-
-
-NOT_MEASURED = "-"  # a figure this run has not (no reference, no task, no connector): said in the legend
-
-
-def _markdown(frame: pd.DataFrame, floatfmt: str = ".1f") -> str:
-    """The table with each number in its column's format and every missing figure a dash, not `nan`."""
-    shown = pd.DataFrame(index=frame.index)
-    for column in frame.columns:
-        # shares and scores (0..1) keep three decimals in every table, so a figure reads the same in each
-        fmt = ".3f" if metric_catalog.is_share(column) else floatfmt
-        shown[column] = [NOT_MEASURED if _missing(v) else format(v, fmt) if isinstance(v, float) else str(v)
-                         for v in frame[column]]
-    align = ["right" if pd.api.types.is_numeric_dtype(frame[c]) else "left" for c in frame.columns]
-    return shown.to_markdown(index=False, disable_numparse=True, colalign=align)
-
-
-def _missing(value: object) -> bool:
-    return value is None or (isinstance(value, float) and value != value)  # NaN
 
 
 def _view(table: pd.DataFrame, view: View, leading: list[str]) -> pd.DataFrame:
@@ -89,7 +71,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                 "trajectories; the tables below hold the detail):", "", *verdict, "", load_line(runs), ""]
                if verdict else []),
              "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
-             "## Latency (failures beside every figure)", "", _markdown(latency), "",
+             "## Latency (failures beside every figure)", "", markdown_table(latency), "",
              *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle['run'])}.", ""] if len(idle) else []),
              *([f"**Cold start**: in {', '.join(cold)}, over a quarter of the method's segment decisions went dense "
                 "because its anchor pools were still empty; their reuse and TTFT are cold-start figures "
@@ -107,24 +89,24 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                 "(`replay --method a,b,c`, the quickstart), never another invocation's. The noise floor is the A/A "
                 "arm's ratio (NonShared replayed again, taken in turn like the methods): a ratio whose interval "
                 "holds 1 or meets the noise floor's is no finding (`within noise`).", "",
-                _markdown(savings), ""] if len(savings) else []),
+                markdown_table(savings), ""] if len(savings) else []),
              *(["## What reuse costs: reuse turns against the reference (mean, 95% interval over trajectories)", "",
                 "Task accuracy where the answer is known; exact match, token F1 and first-token KL against the "
                 "reference's output of the same turn; where the differing outputs first diverge (token index). "
                 "NonShared's own row is the noise floor: a gap inside its interval is no finding.", "",
-                _markdown(costs, ".1f"), ""] if len(costs) else []),
+                markdown_table(costs, ".1f"), ""] if len(costs) else []),
              "## Quality (against a NonShared reference: `replay --reference`, `kvbench quality`)", "",
-             _markdown(quality, ".3f") if compared else
+             markdown_table(quality, ".3f") if compared else
              "No run here was compared with a reference or scored on a task: the tables above say what the "
              "methods save, not what they cost in outputs.", "",
-             "## Workflows, throughput and reuse", "", _markdown(throughput, ".3f"), "",
+             "## Workflows, throughput and reuse", "", markdown_table(throughput, ".3f"), "",
              *(["## Goodput (per second; shares of all requests and workflows)", "",
                 "Bounds (ms): " + "; ".join(slos) + (" (runs differ: compare with care)" if len(slos) > 1 else ""),
-                "", _markdown(goodput, ".3f"), ""] if slos else []),
-             "## Memory", "", _markdown(memory), "",
+                "", markdown_table(goodput, ".3f"), ""] if slos else []),
+             "## Memory", "", markdown_table(memory), "",
              *(["## Shared tier (Mooncake Store between instances; lookups by source key)", "",
                 "A remote hit is a source read from another instance's save; a miss was computed densely (a rejected "
-                "entry, corrupt or another model's, counts as one).", "", _markdown(tier, ".2f"), ""] if len(tier) else []),
+                "entry, corrupt or another model's, counts as one).", "", markdown_table(tier, ".2f"), ""] if len(tier) else []),
              "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",
              "## Columns", "", f"`{NOT_MEASURED}`: not measured for that run (no reference to compare with, no task "
              "to score, no connector to report reuse, no server memory read).", "",

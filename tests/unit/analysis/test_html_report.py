@@ -58,6 +58,43 @@ def test_the_html_report_is_one_file_a_browser_renders_whole(tmp_path: Path) -> 
     assert image.shape[:2] == (2400, 1280) and image.std() > 0.05  # a page, not a blank
 
 
+# Records, once the page has laid out, how wide its content is against the window: a page wider
+# than the window scrolls sideways (a table or a long path that does not wrap).
+MEASURE_WIDTH = ("<script>window.addEventListener('load',function(){var d=document.documentElement;"
+                 "document.body.dataset.scrollWidth=d.scrollWidth;document.body.dataset.clientWidth=d.clientWidth;});"
+                 "</script>")
+
+
+def _page_width(browser: str, page: Path, width: int) -> tuple[int, int]:
+    """(content width, window width) of the page rendered in a `width`-pixel window."""
+    measured = page.with_name("measured.html")
+    measured.write_text(page.read_text().replace("</body>", MEASURE_WIDTH + "</body>"))
+    dom = _render(browser, measured, "--dump-dom", f"--window-size={width},900")
+    found = re.search(r'data-scroll-width="(\d+)" data-client-width="(\d+)"', dom.stdout)
+    assert found, dom.stdout[-500:]
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_the_html_report_fits_a_1280_pixel_window(tmp_path: Path) -> None:
+    """Wide tables scroll inside themselves, long paths and labels wrap: the page never scrolls
+    sideways (issue 65), here with a long run path and a long label in every table."""
+    browser = _browser()
+    runs = tmp_path / ("runs-" + "x" * 150)
+    shutil.copytree(GOLDEN, runs)
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["report", str(runs), "-o", str(out), "--html", "--title", "t" * 300])
+    assert result.exit_code == 0, result.output
+    content, window = _page_width(browser, out / "report.html", 1280)
+    assert 1240 <= window <= 1280 and content <= window, (content, window)  # (the window less a scrollbar)
+
+
+def test_the_width_check_sees_a_page_wider_than_its_window(tmp_path: Path) -> None:
+    page = tmp_path / "wide.html"
+    page.write_text('<html><body><div style="width:3000px">wide</div></body></html>')
+    content, window = _page_width(_browser(), page, 1280)
+    assert content > window
+
+
 def test_a_page_that_fails_to_load_an_image_is_seen(tmp_path: Path) -> None:
     """The check can fail: an image that does not decode and a script error show in the browser."""
     browser = _browser()
