@@ -88,7 +88,9 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
                 "method should cost nothing). Each run is compared with the NonShared run of its own comparison "
                 "(`replay --method a,b,c`, the quickstart), never another invocation's. The noise floor is the A/A "
                 "arm's ratio (NonShared replayed again, taken in turn like the methods): a ratio whose interval "
-                "holds 1 or meets the noise floor's is no finding (`within noise`).", "",
+                "holds 1 or meets the noise floor's is no finding (`within noise`). `reuse_repeats`: where a cell ran "
+                "several times (`sweep --repeats`), the lowest and highest of its repeats' ratios: the spread between "
+                "runs, beside each run's interval within itself.", "",
                 markdown_table(savings), ""] if len(savings) else []),
              *(["## What reuse costs: reuse turns against the reference (mean, 95% interval over trajectories)", "",
                 "Task accuracy where the answer is known; exact match, token F1 and first-token KL against the "

@@ -14,7 +14,8 @@ from kvbench.analysis.intervals import RatioInterval, p50_ratio_interval
 from kvbench.analysis.runs import Run
 
 COLUMNS = ["run", "reuse_turns", "p50_reuse_ttft_ms", "reuse_vs_nonshared", "reuse_noise_floor", "reuse_finding",
-           "reuse_vs_fullshared", "p50_first_ttft_ms", "first_vs_nonshared", "first_noise_floor", "first_finding"]
+           "reuse_repeats", "reuse_vs_fullshared", "p50_first_ttft_ms", "first_vs_nonshared", "first_noise_floor",
+           "first_finding"]
 
 
 def _turns(run: Run, reuse: bool) -> pd.DataFrame:
@@ -78,8 +79,9 @@ def baseline_runs(runs: list[Run]) -> tuple[dict[tuple[str, str | None], Run], d
 def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
     """One row per run that is not the NonShared baseline, where a NonShared run of its workload and
     comparison is given (same model and trajectories: Run.mismatch); empty otherwise. The A/A arm
-    (NonShared again) has its row, and its ratios are every row's noise floor. Repeats: the first
-    run of each."""
+    (NonShared again) has its row, and its ratios are every row's noise floor. Repeats: each against
+    its own comparison's NonShared run where they are comparisons (an interleaved sweep), with the
+    spread of the reuse ratio between them (`reuse_repeats`); otherwise the first run of each."""
     baselines, floors = baseline_runs(runs)
     fullshared: dict[tuple[str, str | None], Run] = {}
     for run in runs:
@@ -92,6 +94,7 @@ def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
             noise[key] = (_interval(_turns(aa, True), _turns(base, True)),
                           _interval(_turns(aa, False), _turns(base, False)))
     rows = []
+    repeats: dict[tuple[str, str], list[float]] = {}  # a method's reuse ratio in each repeat's own comparison
     for run in runs:
         base = baselines.get(comparison_key(run))
         if run is base or run.is_floor or base is None or run.mismatch(base) is not None:
@@ -105,8 +108,11 @@ def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
             reuse_ratio, first_ratio = floor_reuse, floor_first  # its own ratios, taken above
         else:
             reuse_ratio, first_ratio = _interval(reuse, _turns(base, True)), _interval(first, _turns(base, False))
+        if isinstance(reuse_ratio, RatioInterval):
+            repeats.setdefault((run.name, run.workload), []).append(reuse_ratio.ratio)
         rows.append({
-            "run": run.cell, "reuse_turns": int(reuse["success"].sum()), "p50_reuse_ttft_ms": _p50(reuse),
+            "key": (run.name, run.workload), "run": run.cell, "reuse_turns": int(reuse["success"].sum()),
+            "p50_reuse_ttft_ms": _p50(reuse),
             "reuse_vs_nonshared": _text(reuse_ratio), "reuse_noise_floor": _text(floor_reuse),
             "reuse_finding": "noise floor" if run.is_noise_floor else finding(reuse_ratio, floor_reuse),
             "reuse_vs_fullshared": (_text(_interval(reuse, _turns(naive, True))) if naive is not None
@@ -115,4 +121,7 @@ def reuse_turn_savings(runs: list[Run]) -> pd.DataFrame:
             "first_vs_nonshared": _text(first_ratio), "first_noise_floor": _text(floor_first),
             "first_finding": "noise floor" if run.is_noise_floor else finding(first_ratio, floor_first),
         })
+    for row in rows:  # the spread between repeats, beside each one's interval within its run
+        ratios = repeats.get(row.pop("key"), [])
+        row["reuse_repeats"] = f"{min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)}" if len(ratios) > 1 else ""
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -128,6 +128,11 @@ def sweep_options(func):
                      help="Warm-ups also fill the methods' anchor pools (steady state, not a cold start)."),
         click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Runs per cell (other arrival seeds); tables show 95% confidence intervals."),
+        click.option("--interleave", is_flag=True,
+                     help="Every method configuration's server up side by side, their cells taking turns (cell k of "
+                          "every method back to back, the order rotating): drift on the machine falls on all alike, "
+                          "and each cell is paired with its own repeat's NonShared cell; the report shows the spread "
+                          "between repeats. Needs the memory for all servers at once (checked)."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
                      help="Sampling temperature of every request (0: greedy; quality comparisons need it); above "
@@ -246,7 +251,7 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
            for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
         **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",
                                          "quality", "temperature", "stop_on_saturation", "instances", "routing",
-                                         "shared_tier")},
+                                         "shared_tier", "interleave")},
         protocol=options["protocol"] or defaults.get("protocol", "free"),
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
@@ -255,6 +260,8 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
         adapters={role: str(Path(path).resolve()) for role, path in role_paths(options["adapters"]).items()})
     cells = spec.cells(out)
     ray = _ray_options(options)
+    if spec.interleave:
+        _check_interleave(spec, ray is not None, search is not None)
     if ray is not None:
         if search is not None:
             raise click.UsageError("--find-max-qps probes one rate after another on one machine; not with --ray")
@@ -278,6 +285,22 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
     except (ValueError, ServerError, ReplayError, ResultDirError, CodeExecutionRefused) as exc:
         raise click.ClickException(f"{exc} (finished cells are kept; rerun the same command to resume)") from None
     return out
+
+
+def _check_interleave(spec: Any, on_ray: bool, searching: bool) -> None:
+    """--interleave keeps every server up on this machine: not on Ray, not for a max-QPS search
+    (its probes depend on the one before), and only where their memory fits side by side."""
+    from kvbench.experiment.interleaved import side_by_side_shortfall, weights_bytes
+    from kvbench.model.resolve import resolve_model
+
+    if on_ray or searching:
+        raise click.UsageError(f"--interleave runs every server side by side on this machine; not with "
+                               f"{'--ray' if on_ray else '--find-max-qps'}")
+    servers = len({m.name for m in spec.methods} | ({"nonshared"} if spec.quality else set())) * spec.instances
+    shortfall = side_by_side_shortfall(servers, spec.cpu_kv_cache_gib, weights_bytes(resolve_model(spec.model)))
+    if shortfall:
+        raise click.UsageError(f"--interleave: {shortfall}; run without it (one server at a time: cells in a row, "
+                               "drift between methods not cancelled) or with fewer --methods")
 
 
 def _ray_options(options: dict[str, Any]) -> Any:

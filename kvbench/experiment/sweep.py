@@ -112,6 +112,11 @@ class SweepSpec:
     instances: int = 1
     routing: str = "trajectory"
     shared_tier: bool = True
+    # Every method configuration's server up side by side, their cells taking turns one cell each in
+    # a rotating order (kvbench.experiment.sweep_runner): drift on the machine falls on every method
+    # alike, and each (trace, QPS, repeat) is one comparison a report pairs within. A sweep resumes
+    # only as it began (its cells pair within their comparisons, or by workload).
+    interleave: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -244,7 +249,11 @@ def prepare_sweep(spec: SweepSpec, root: Path) -> SweepInputs:
     from kvbench.tracegen.trace_files import read_trace, write_trace
 
     spec_path = root / SWEEP_FILE
-    if spec_path.exists() and not spec.extends(SweepSpec.from_json(json.loads(spec_path.read_text()))):
+    stored = SweepSpec.from_json(json.loads(spec_path.read_text())) if spec_path.exists() else None
+    if stored is not None and stored.interleave != spec.interleave and spec.extends(replace(stored, interleave=spec.interleave)):
+        raise ValueError(f"{root} was swept {'with' if stored.interleave else 'without'} --interleave: resume it the "
+                         "same way (its cells pair within each repeat's comparison only when all ran interleaved)")
+    if stored is not None and not spec.extends(stored):
         raise ValueError(f"{root} holds a different sweep ({spec_path}); use another directory "
                          "(a sweep may only grow by methods)")
     run_files.write_text_atomic(spec_path, json.dumps(spec.to_json(), indent=2) + "\n")

@@ -1,7 +1,8 @@
 """Running a sweep (kvbench.experiment.sweep describes it): its cells by method configuration, one
 server start per configuration (or its instances and their shared tier), its quality baselines,
-then its cells, each a replay on that server. `run_sweep` runs the groups one after another here;
-kvbench.experiment.ray_sweep runs each as a Ray task.
+then its cells, each a replay on that server. `run_sweep` runs the groups one after another here
+(with `interleave`, side by side, their cells taking turns); kvbench.experiment.ray_sweep runs
+each as a Ray task.
 
 Every experiment that runs servers and replays goes through `run_sweep` (or `ray_sweep`):
 `kvbench sweep`, `kvbench paper --run` and the benchmark scripts (which add their own figures per
@@ -145,7 +146,8 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
         saturation=SaturationRule() if spec.stop_on_saturation else None,
         server_pids=server.pids, server_failure=server.failure, server_tier_url=server.tier_url,
         metadata={"sweep_trace": cell.trace_id, "repeat": str(cell.repeat)},
-        extra_config={**inputs.recorded(cell.trace_id), "method_params": params, "method_config": method.name,
+        extra_config={**inputs.recorded(cell.trace_id), **_comparison(spec, cell),
+                      "method_params": params, "method_config": method.name,
                       "target_rho": method.target_rho,
                       "server_options": spec.server_options, "server_command": server.command(),
                       **server.describe()})
@@ -159,6 +161,23 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
     if after_cell is not None:
         after_cell(cell, server, summary)
     return summary
+
+
+def _comparison(spec: SweepSpec, cell: SweepCell) -> dict[str, Any]:
+    """An interleaved sweep's cell is an arm of its (trace, QPS, repeat)'s comparison: a report
+    pairs it with that repeat's NonShared cell only. The id is the sweep folder's own (written once,
+    kept on resume), so two sweeps' cells never pair."""
+    if not spec.interleave:
+        return {}
+    root = root_of(cell)
+    id_file = root / "comparison-id"
+    if not id_file.exists():
+        import uuid
+
+        run_files.write_text_atomic(id_file, uuid.uuid4().hex[:12] + "\n")
+    sweep_id = id_file.read_text().strip()
+    return {run_files.COMPARISON: {"id": f"{sweep_id}-{cell.trace_id}-qps{cell.qps:g}-rep{cell.repeat}",
+                                   "arms": [m.name for m in spec.methods], "interleaved": True, "unit": "cell"}}
 
 
 def sweep_servers(spec: SweepSpec, config: Any) -> Any:
@@ -226,15 +245,53 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
 
     inputs = prepare_sweep(spec, root)
     try:
-        for group in plan_groups(spec, root, list(inputs.traces)):
+        groups = plan_groups(spec, root, list(inputs.traces))
+        for group in groups:
             if on_cell:
                 for cell in group.done:
                     on_cell(f"{group.method.name} {cell.path.name} (done earlier)")
-            if not group.idle:
-                run_group(spec, root, inputs, group, on_cell, after_cell)
+        if spec.interleave:
+            run_groups_interleaved(spec, root, inputs, [g for g in groups if not g.idle], on_cell, after_cell)
+        else:
+            for group in groups:
+                if not group.idle:
+                    run_group(spec, root, inputs, group, on_cell, after_cell)
     finally:
         wait_for_stopped_servers()  # no server outlives the sweep
     return finish_sweep(spec, root)
+
+
+def run_groups_interleaved(spec: SweepSpec, root: Path, inputs: SweepInputs, groups: list[CellGroup],
+                           on_cell: Callable[[str], None] | None = None, after_cell: AfterCell | None = None) -> None:
+    """Every group's server up side by side (each started at its first turn, none stopped before
+    the last cell); the groups' cells take turns, one cell each, the order rotating every round,
+    so cell k of every method runs back to back. Quality baselines run at once, outside the turns."""
+    import contextlib
+
+    def one_run(steps: Iterator[GroupStep]) -> GroupStep | None:
+        if next(steps, None) is None:  # the run's start; then its finish
+            return None
+        finished = next(steps)
+        if on_cell:
+            on_cell(finished.label)
+        return finished
+
+    quality = root / "quality"
+    with contextlib.ExitStack() as stack:
+        turns: list[Iterator[GroupStep]] = []
+        for group in groups:
+            steps = group_steps(spec, root, inputs, group, after_cell)
+            stack.callback(steps.close)  # type: ignore[attr-defined]  # its server stops when the sweep does
+            turns.append(steps)
+        round_index = 0
+        while turns:
+            start = round_index % len(turns)
+            for steps in turns[start:] + turns[:start]:
+                while (finished := one_run(steps)) is not None and finished.run.is_relative_to(quality):
+                    pass  # a baseline: not a turn
+                if finished is None:
+                    turns.remove(steps)
+            round_index += 1
 
 
 def finish_sweep(spec: SweepSpec, root: Path) -> list[SweepCell]:

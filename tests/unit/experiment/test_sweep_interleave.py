@@ -1,0 +1,63 @@
+"""`kvbench sweep --interleave` (issue 65 item 1) against kvbench's stub servers: every method's
+server up side by side, cell k of each method back to back in a rotating order, each (trace, QPS,
+repeat) one comparison the report pairs within, and the spread between repeats beside each run's
+interval."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from paths import HELPERS, ROOT
+
+from kvbench.analysis.runs import find_runs
+from kvbench.analysis.savings import reuse_turn_savings
+
+GRID = ["--methods", "nonshared,fullshared", "--shared-tokens", "64", "--qps", "0,4", "--num-trajectories", "3",
+        "--output-len", "4", "--num-warmups", "0", "--repeats", "2"]
+
+
+def _sweep(out: Path, model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "STUB_TOKEN_DELAY": "0", "PYTHONPATH": str(HELPERS)}
+    return subprocess.run([sys.executable, str(HELPERS / "kvbench_stub_server.py"), "sweep", "-o", str(out), *GRID,
+                           "--model", str(model), *extra], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+
+
+def test_an_interleaved_sweep_runs_each_cell_of_every_method_back_to_back(tiny_tokenizer_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    done = _sweep(tmp_path / "s", tiny_tokenizer_dir, "--interleave")
+    assert done.returncode == 0, done.stderr
+    runs = sorted(find_runs([tmp_path / "s"]), key=lambda run: run.started or 0)
+    assert len(runs) == 8  # 2 methods x 2 QPS x 2 repeats
+    sweep_id = (tmp_path / "s" / "comparison-id").read_text().strip()
+    for k in range(0, len(runs), 2):  # each round: the same cell of both methods, one comparison
+        pair = runs[k:k + 2]
+        assert {run.method for run in pair} == {"nonshared", "fullshared"}
+        assert len({run.path.name for run in pair}) == 1, [run.path for run in pair]
+        assert pair[0].comparison == pair[1].comparison and pair[0].comparison.startswith(sweep_id)
+        assert pair[0].interleaved
+    assert len({run.comparison for run in runs}) == 4
+    # the order rotates: which method goes first changes from one round to the next
+    assert [runs[k].method for k in range(0, len(runs), 2)] == ["nonshared", "fullshared"] * 2
+    savings = reuse_turn_savings(runs)
+    assert len(savings) == 4  # each FullShared cell against its own repeat's NonShared cell
+    assert savings["reuse_repeats"].str.endswith("over 2").all(), savings["reuse_repeats"].tolist()
+
+
+def test_a_sweep_without_interleave_runs_one_method_after_another_and_resumes_only_so(
+        tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    grid = ["--qps", "0", "--repeats", "1"]
+    assert _sweep(tmp_path / "s", tiny_tokenizer_dir, *grid).returncode == 0
+    runs = sorted(find_runs([tmp_path / "s"]), key=lambda run: run.started or 0)
+    assert [run.method for run in runs] == ["nonshared", "fullshared"] and runs[0].comparison is None
+    cell = next((tmp_path / "s" / "runs" / "fullshared").glob("ctx64-*"))
+    summary = json.loads((cell / "summary.json").read_text())
+    summary["interrupted"] = "SIGTERM"  # a cell to run again
+    (cell / "summary.json").write_text(json.dumps(summary))
+    mixed = _sweep(tmp_path / "s", tiny_tokenizer_dir, *grid, "--interleave")
+    assert mixed.returncode == 1 and "swept without --interleave: resume it the same way" in mixed.stderr
+    assert _sweep(tmp_path / "s", tiny_tokenizer_dir, *grid).returncode == 0
