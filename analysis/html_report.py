@@ -23,6 +23,10 @@ table{border-collapse:collapse;margin:1em 0;font-size:13px;display:block;overflo
 th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;white-space:nowrap;overflow-wrap:normal}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;margin:1em 0}
 pre{background:#f7f7f7;padding:1em;overflow-x:auto;font-size:12px}code{background:#f3f3f3}"""
+# Nothing is fetched when the page opens, whatever a run's strings hold: images only from the page's
+# own data, its own style and script only.
+CSP = ('<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
+       'style-src \'unsafe-inline\'; script-src \'unsafe-inline\'; base-uri \'none\'; form-action \'none\'">')
 # Marks on <body> how many images the browser decoded, once the page has loaded: what a headless
 # browser (and the test) checks that every plot arrived.
 IMAGES_LOADED = ("<script>window.addEventListener('load',function(){var i=document.images,n=0;"
@@ -61,7 +65,7 @@ def write_html_report(markdown_path: Path, runs: list[Run], title: str) -> Path:
     details = "".join(f"<details><summary><code>{html.escape(str(run.path))}</code></summary><pre>"
                       f"{html.escape(json.dumps(provenance(run), indent=2, default=str))}</pre></details>"
                       for run in runs)
-    page = (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+    page = (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">{CSP}<title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>{body}<h2>Runs: configuration and provenance</h2>{details}"
             f"{IMAGES_LOADED}</body></html>\n")
     path = out_dir / "report.html"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.analysis import metric_catalog, plots
-from kvbench.analysis.markdown_table import NOT_MEASURED, markdown_table
+from kvbench.analysis.markdown_table import NOT_MEASURED, markdown_table, md_text
 from kvbench.analysis.metric_catalog import View
 from kvbench.analysis.reuse_cost import reuse_turn_costs
 from kvbench.analysis.runs import Run, summary_number
@@ -44,13 +44,12 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     if tradeoff is not None:
         figures["Speed against quality"] = tradeoff
     # Every latency row beside what it cost: its reuse and its quality against a reference.
-    # Every latency row beside what it cost: its reuse and its quality against a reference.
     latency = _view(table, "latency", ["run", "method", "qps", "shared_tokens"])
     quality = _view(table, "quality", ["run"])
-    idle = table[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0)]
-    cold = [run.cell for run in runs if summary_number(run.summary.get("cold_start_dense_share")) >= 0.25]
-    saturated = [run.cell for run in runs if run.saturated]
-    loaded = [f"{run.cell} ({run.others_cpu_share or 0:.0%})" for run in runs if run.machine_loaded]
+    idle = [md_text(r) for r in table.loc[(table["method"] != "nonshared") & ~(table["realized_rho"] > 0), "run"]]
+    cold = [md_text(run.cell) for run in runs if summary_number(run.summary.get("cold_start_dense_share")) >= 0.25]
+    saturated = [md_text(run.cell) for run in runs if run.saturated]
+    loaded = [f"{md_text(run.cell)} ({run.others_cpu_share or 0:.0%})" for run in runs if run.machine_loaded]
     compared = bool(table[["exact_match_rate", "output_pgr", "pgr", "task_accuracy"]].notna().any().any())
     throughput = _view(table, "throughput", ["run"])
     slos = sorted({json.dumps(run.summary.get("goodput_slo")) for run in runs if run.summary.get("goodput_slo")})
@@ -63,16 +62,18 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
     costs = reuse_turn_costs(runs)
     costs.to_csv(out_dir / "reuse_turn_costs.csv", index=False)
     verdict = verdict_lines(runs, savings, costs)
-    lines = [f"# {title}", "",
-             "Model: " + ", ".join(f"`{m}`" + (" (a constructed test model, docs/models.md)" if is_constructed(m) else
+    # Every string a user chose (title, labels, folder and model names) goes in as text (md_text):
+    # never as Markdown a reader's browser would fetch or render.
+    lines = [f"# {md_text(title)}", "",
+             "Model: " + ", ".join(md_text(m) + (" (a constructed test model, docs/models.md)" if is_constructed(m) else
                                                f" ({note})" if (note := packaged_note(m)) else "") for m in models), "",
              provenance_line(runs), "",
              *(["## Verdict", "", "Each method against NonShared on the same trajectories (95% intervals over "
                 "trajectories; the tables below hold the detail):", "", *verdict, "", load_line(runs), ""]
                if verdict else []),
-             "Runs: " + ", ".join(f"`{run.path}`" for run in runs), "",
+             "Runs: " + ", ".join(md_text(run.path) for run in runs), "",
              "## Latency (failures beside every figure)", "", markdown_table(latency), "",
-             *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle['run'])}.", ""] if len(idle) else []),
+             *([f"**Reused nothing** (realized rho 0 or unknown): {', '.join(idle)}.", ""] if idle else []),
              *([f"**Cold start**: in {', '.join(cold)}, over a quarter of the method's segment decisions went dense "
                 "because its anchor pools were still empty; their reuse and TTFT are cold-start figures "
                 "(`--num-warmups N --prime-method-state` measures the steady state).", ""] if cold else []),
@@ -109,7 +110,7 @@ def write_report(runs: list[Run], out_dir: Path, title: str = "kvbench report") 
              *(["## Shared tier (Mooncake Store between instances; lookups by source key)", "",
                 "A remote hit is a source read from another instance's save; a miss was computed densely (a rejected "
                 "entry, corrupt or another model's, counts as one).", "", markdown_table(tier, ".2f"), ""] if len(tier) else []),
-             "## p50 TTFT (ms) by agent position", "", by_agent.to_markdown(floatfmt=".1f"), "",
+             "## p50 TTFT (ms) by agent position", "", markdown_table(by_agent.reset_index()), "",
              "## Columns", "", f"`{NOT_MEASURED}`: not measured for that run (no reference to compare with, no task "
              "to score, no connector to report reuse, no server memory read).", "",
              *[f"- `{name}`: {note}" for name, note in metric_catalog.notes(REPORT_VIEWS)], "",

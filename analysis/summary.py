@@ -71,6 +71,17 @@ def server_figures(result_dir: Path, segment: int, journal: list[dict[str, Any]]
     return out
 
 
+def _stats_missing(result_dir: Path, requests: pd.DataFrame, recorded: list[str]) -> list[str]:
+    """Successful requests of a connector run whose method stats are not in their records: those
+    the run recorded as missing, and any other (a run cut short by a full disk before it copied
+    the stats in, or wrote down which were missing). Never under-counted: reuse figures leave
+    these requests out, and the summary says how many."""
+    if not (result_dir / run_files.METHOD_STATS).exists() or "reused_tokens" not in requests or not len(requests):
+        return list(recorded)
+    unrecorded = requests.loc[requests["success"] & requests["reused_tokens"].isna(), "request_id"].astype(str)
+    return list(dict.fromkeys([*recorded, *unrecorded]))
+
+
 def _rank_mismatched(requests: pd.DataFrame) -> int:
     """Requests whose tensor-parallel ranks decided differently (should always be 0)."""
     if "method_stats" not in requests or not len(requests):
@@ -128,7 +139,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
     metrics = run_files.read_jsonl(result_dir / run_files.SERVER_METRICS)
     method_stats = run_files.read_jsonl(result_dir / run_files.METHOD_STATS)
     last = segments[-1]
-    missing = last.get("method_stats_missing") or []
+    missing = _stats_missing(result_dir, requests, last.get("method_stats_missing") or [])
     status = str(last.get("status") or "")
     summary = {
         "date": config["date"], "run_id": config["run_id"], "backend": "vllm", "method": config["method"],
@@ -176,15 +187,21 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
                                   summary.get("method_state_bytes")))
     if "shared_remote_bytes" in summary and summary.get("reused_tokens"):
         summary["shared_remote_bytes_per_reused_token"] = summary["shared_remote_bytes"] / summary["reused_tokens"]
-    return {**summary, **cache_hit_figures(summary)}
+    # the reuse share over the requests whose stats were counted (those without add shared tokens
+    # and no reuse: a full disk's lost stats would read as reuse that never happened)
+    counted = (int(requests.loc[requests["success"] & requests["reused_tokens"].notna(), "shared_tokens"].sum())
+               if missing and "reused_tokens" in requests else None)
+    return {**summary, **cache_hit_figures(summary, counted)}
 
 
-def cache_hit_figures(summary: dict[str, Any]) -> dict[str, float | None]:
+def cache_hit_figures(summary: dict[str, Any], shared_counted: int | None = None) -> dict[str, float | None]:
     """The two hit rates users ask for: vLLM's prefix-cache hits over its queries (tokens, from
     its /metrics, every server), and the method's reuse share: rows served from reuse over the
-    shared tokens of the successful requests (realized rho is over those a source held)."""
+    shared tokens of the successful requests (`shared_counted`: of those whose method stats were
+    counted; realized rho is over those a source held)."""
     hits, queries = summary.get("prefix_cache_hits"), summary.get("prefix_cache_queries")
-    reused, shared = summary.get("reused_tokens"), summary.get("shared_tokens")
+    reused = summary.get("reused_tokens")
+    shared = shared_counted if shared_counted is not None else summary.get("shared_tokens")
     return {"prefix_cache_hit_share": hits / queries if hits is not None and queries else None,
             "reuse_share": reused / shared if reused is not None and shared else None}
 

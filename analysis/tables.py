@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
@@ -72,4 +74,19 @@ def ttft_by_agent(runs: list[Run], percentile: float = 50) -> pd.DataFrame:
         by_agent = ok.groupby("agent")["ttft_ms"].quantile(percentile / 100).rename(run.cell)
         frames.append(by_agent)
     table = pd.concat(frames, axis=1) if frames else pd.DataFrame()
-    return table.sort_index(key=lambda index: index.str[1:].astype(int)) if len(table) else table
+    return table.loc[agent_order(runs, list(table.index))] if len(table) else table
+
+
+def agent_order(runs: list[Run], agents: list[str]) -> list[str]:
+    """Agents in workflow order: kvbench's own (A0, A1, ...) by number, any other names (an imported
+    log's `planner`, `coder`) by their first turn in the runs."""
+    first_turn: dict[str, int] = {}
+    for run in runs:
+        requests = run.requests.sort_values("scheduled_ns") if "scheduled_ns" in run.requests else run.requests
+        for position, agent in enumerate(requests["agent"].astype(str)):
+            first_turn.setdefault(agent, position)
+
+    def key(agent: str) -> tuple[int, int, str]:
+        numbered = re.fullmatch(r"A(\d+)", agent)
+        return (0, int(numbered.group(1)), "") if numbered else (1, first_turn.get(agent, 0), agent)
+    return sorted(agents, key=key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvbench.analysis.markdown_table import md_text
 from kvbench.analysis.runs import Run
 from kvbench.analysis.savings import baseline_runs, comparison_key
 
@@ -54,7 +55,7 @@ def verdict_lines(runs: list[Run], savings: pd.DataFrame, costs: pd.DataFrame) -
             continue
         reference, aa = references.get(comparison_key(run)), floors.get(comparison_key(run))
         memory = run.memory()["method_state_mib"]
-        lines.append(f"- **{run.cell}**: {_saves(savings, run.cell)}; "
+        lines.append(f"- **{md_text(run.cell)}**: {_saves(savings, run.cell)}; "
                      f"{_costs(costs, run.cell, reference.cell if reference else None, aa.cell if aa else None)}; "
                      f"memory: {memory:,.0f} MiB of caches and method state")
     return lines
@@ -72,8 +73,8 @@ def provenance_line(runs: list[Run]) -> str:
         parts = [datetime.fromtimestamp(started).strftime("%Y-%m-%d") if started else str(config.get("date", "?"))[:10],
                  f"kvbench {config.get('kvbench_version', '?')}"
                  + (f" ({str(config['git_sha'])[:7]})" if config.get("git_sha") else ""),
-                 f"host {config.get('host', '?')}"
-                 + (f" ({machine.get('cpu') or 'CPU'}, {machine.get('cores')} cores, {machine.get('memory_gib')} GiB)"
+                 f"host {md_text(config.get('host', '?'))}"
+                 + (f" ({md_text(machine.get('cpu') or 'CPU')}, {machine.get('cores')} cores, {machine.get('memory_gib')} GiB)"
                     if machine else "")]
         text = ", ".join(parts)
         if text not in seen:
@@ -86,7 +87,7 @@ def load_line(runs: list[Run]) -> str:
     shares = [share for run in runs if (share := run.others_cpu_share) is not None]
     if not shares:
         return "Load: not recorded (runs made before kvbench sampled the machine)."
-    loaded = [run.cell for run in runs if run.machine_loaded]
+    loaded = [md_text(run.cell) for run in runs if run.machine_loaded]
     low, high = min(shares), max(shares)
     span = f"{low:.0%}" if round(low, 2) == round(high, 2) else f"{low:.0%}-{high:.0%}"
     if not loaded:

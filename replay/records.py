@@ -203,4 +203,6 @@ class ResultsWriter:
 def write_failure(folder: Path, exc: OSError, recorded: list[dict[str, Any]]) -> str:
     """What a failed write means for a run, in one line: the folder, the error, what is safe."""
     return (f"cannot write to {folder} ({exc.strerror or exc}); the {len(recorded)} requests recorded before it "
-            f"are safe in {run_files.REQUESTS_JOURNAL} (free space, then `kvbench summarize {folder}`)")
+            f"are safe in {run_files.REQUESTS_JOURNAL}: free space, then rerun it with --resume (it replays the "
+            f"trajectories not finished, and those whose method stats were lost), or `kvbench summarize {folder}` for "
+            "what was recorded (it counts the requests without method stats: method_stats_missing)")

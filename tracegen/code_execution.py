@@ -7,13 +7,16 @@ point replaced by a proxy that calls the candidate. The completion never runs wh
 so it cannot rewrite them, forge an exit status or print a result; the outcome is read from the
 tests' stdout, which the candidate has no handle to.
 
-Each sandbox: the standard library and the system's libraries read-only (no /etc, /home, /root
-or the working tree: nothing to read a secret from), a private size-capped /tmp, no network
+Each sandbox: the standard library and the system's libraries read-only (no /etc, /home, /root,
+the working tree or any installed package: nothing to read a secret from), a private size-capped
+/tmp and /dev/shm, no network
 (`--unshare-net`), its own pid, IPC and UTS namespaces (no signal reaches a process outside),
 `--die-with-parent` and `--new-session`; rlimits on CPU time, address space, processes, file size
 and open files; an unprivileged uid of its own when kvbench runs as root (bubblewrap then drops to
-it before the completion runs, so the process limit applies); a wall deadline after which the
-whole sandbox is killed. Results carry only the outcome and a type name, never the completion's
+it before the completion runs, so the process limit applies); a seccomp filter that refuses new
+namespaces, mounts and anonymous memory files (a user namespace of its own would let a completion
+mount a tmpfs no limit sizes, memory the host pays for); a wall deadline after which the whole
+sandbox is killed. Results carry only the outcome and a type name, never the completion's
 messages or output.
 
 Running model-written code needs consent, as lm-evaluation-harness asks for it: `--allow-code-
@@ -37,6 +40,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 CONSENT_ENV = "KVBENCH_ALLOW_CODE_EXECUTION"
 CONSENT_HELP = (f"running model-written code (HumanEval's tests) needs consent: pass --allow-code-execution or set "
@@ -102,8 +106,14 @@ def sandbox_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap's bwrap is not on PATH"
     try:
-        done = subprocess.run(_bwrap_command(SandboxLimits(), "probe"), capture_output=True, text=True, timeout=30,
-                              env=_sandbox_env(SANDBOX_UID_BASE if os.geteuid() == 0 else None))
+        program = _seccomp_file()
+    except (ImportError, OSError, RuntimeError) as error:  # pyseccomp, or libseccomp.so.2, missing
+        return f"no seccomp filter ({error}; pip install pyseccomp, and libseccomp2 from the system)"
+    try:
+        with program:
+            done = subprocess.run(_bwrap_command(SandboxLimits(), "probe", seccomp_fd=program.fileno()),
+                                  capture_output=True, text=True, timeout=30, pass_fds=(program.fileno(),),
+                                  env=_sandbox_env(SANDBOX_UID_BASE if os.geteuid() == 0 else None))
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"bwrap did not run: {error}"
     if done.returncode != 0 or not done.stdout.startswith("sandbox ok"):
@@ -112,14 +122,74 @@ def sandbox_problem() -> str | None:
 
 
 def _python_binds() -> list[str]:
-    """The interpreter's own folders, which the sandbox needs to run `python -I -S`."""
+    """The interpreter's own folders, which the sandbox needs to run `python -I -S` (its installed
+    packages hidden: _package_dirs)."""
     executable = os.path.realpath(sys.executable)
     folders = {os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(executable))}
     return sorted(f for f in folders if not (f == "/usr" or f.startswith("/usr/")))
 
 
-def _bwrap_command(limits: SandboxLimits, *program_args: str) -> list[str]:
-    """bwrap and its options, then the sandboxed interpreter running sandboxed_check.py."""
+def _package_dirs() -> list[str]:
+    """Where the sandbox's interpreter and the system keep installed packages: each covered by an
+    empty read-only folder, so only the standard library is readable."""
+    import sysconfig
+
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    base = {"base": sys.base_prefix, "platbase": sys.base_prefix, "installed_base": sys.base_prefix,
+            "installed_platbase": sys.base_prefix}
+    places = {sysconfig.get_paths(vars=base)[key] for key in ("purelib", "platlib")}
+    places |= {"/usr/lib/python3/dist-packages", f"/usr/local/lib/python{version}/dist-packages",
+               f"/usr/local/lib/python{version}/site-packages", f"/usr/lib/python{version}/site-packages"}
+    return sorted(os.path.realpath(p) for p in places if os.path.isdir(p))
+
+
+# Syscalls a completion never needs, each a way past the sandbox's bounds: new namespaces (a user
+# namespace's mounts and unsized tmpfs), entering others, mounting, anonymous memory files (memfd:
+# shared memory RLIMIT_AS does not count until mapped), and kernel facilities holding memory of
+# their own (BPF maps, userfaultfd, keyrings, perf buffers).
+_REFUSED_SYSCALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen",
+                     "fsmount", "fsconfig", "fspick", "mount_setattr", "memfd_create", "memfd_secret", "bpf",
+                     "userfaultfd", "perf_event_open", "add_key", "request_key", "keyctl")
+# clone(2)'s namespace flags (os has them only from Python 3.12): time, mount, cgroup, UTS, IPC,
+# user, pid, net
+_CLONE_NAMESPACE_FLAGS = (0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+
+
+@functools.cache
+def _seccomp_program() -> bytes:
+    """The sandbox's seccomp filter as the BPF program bubblewrap loads (`--seccomp FD`): every
+    call allowed but the refused ones (EPERM), clone with a namespace flag, and clone3 (ENOSYS:
+    its flags lie in memory a filter cannot read; the C library then falls back to clone)."""
+    import errno
+
+    import pyseccomp as seccomp
+
+    program = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in _REFUSED_SYSCALLS:
+        try:
+            program.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (RuntimeError, ValueError, OSError):  # a call this kernel's libseccomp does not know
+            continue
+    for flag in _CLONE_NAMESPACE_FLAGS:
+        program.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    program.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as out:
+        program.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def _seccomp_file() -> IO[bytes]:
+    """A file holding the filter, at its start, for one bwrap to read (it reads to the end)."""
+    handle = tempfile.TemporaryFile()
+    handle.write(_seccomp_program())
+    handle.seek(0)
+    return handle
+
+
+def _bwrap_command(limits: SandboxLimits, *program_args: str, seccomp_fd: int | None = None) -> list[str]:
+    """bwrap and its options, then the sandboxed interpreter running sandboxed_check.py (with
+    `seccomp_fd`: under that file's filter)."""
     as_root = os.geteuid() == 0
     # the private /tmp first: a folder bound later may lie under it
     command = ["bwrap", "--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--ro-bind", "/usr", "/usr"]
@@ -137,9 +207,13 @@ def _bwrap_command(limits: SandboxLimits, *program_args: str) -> list[str]:
                 command += ["--perms", "0755", "--dir", str(parent)]
                 made.add(str(parent))
         command += ["--ro-bind", folder, folder]
+    for packages in _package_dirs():  # an empty read-only folder over each
+        command += ["--perms", "0555", "--size", "4096", "--tmpfs", packages, "--remount-ro", packages]
     command += ["--ro-bind", str(Path(__file__).with_name("sandboxed_check.py")), _SCRIPT_INSIDE,
-                "--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp",
-                "--die-with-parent", "--new-session"]
+                "--dev", "/dev", "--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",
+                "--proc", "/proc", "--chdir", "/tmp", "--die-with-parent", "--new-session"]
+    if seccomp_fd is not None:
+        command += ["--seccomp", str(seccomp_fd)]
     if as_root:
         # No user namespace: the sandbox's root drops to an unprivileged uid (sandboxed_check.py)
         # before any completion runs, the one capability it keeps being the switch itself.
@@ -197,15 +271,19 @@ def _check_one(check: CodeCheck, timeout_s: float, limits: SandboxLimits, uid: i
     answers_read, answers_write = os.pipe()
     cpu_s = int(timeout_s) + 5
     env = _sandbox_env(uid)
-    with tempfile.TemporaryFile() as candidate_errors:
+    with tempfile.TemporaryFile() as candidate_errors, _seccomp_file() as candidate_filter, \
+            _seccomp_file() as tests_filter:
         try:
-            candidate = subprocess.Popen(_bwrap_command(limits, "candidate"), stdin=calls_read, stdout=answers_write,
-                                         stderr=candidate_errors, env=env, start_new_session=True,
+            candidate = subprocess.Popen(_bwrap_command(limits, "candidate", seccomp_fd=candidate_filter.fileno()),
+                                         stdin=calls_read, stdout=answers_write, stderr=candidate_errors, env=env,
+                                         start_new_session=True, pass_fds=(candidate_filter.fileno(),),
                                          preexec_fn=_limiter(limits, cpu_s, processes))
             try:
-                tests = subprocess.Popen(_bwrap_command(limits, "tests"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                tests = subprocess.Popen(_bwrap_command(limits, "tests", seccomp_fd=tests_filter.fileno()),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                         pass_fds=(calls_write, answers_read), preexec_fn=_limiter(limits, cpu_s, processes))
+                                         pass_fds=(calls_write, answers_read, tests_filter.fileno()),
+                                         preexec_fn=_limiter(limits, cpu_s, processes))
             except BaseException:
                 _kill(candidate)
                 raise

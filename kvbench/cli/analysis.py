@@ -4,7 +4,9 @@ saved results."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -20,7 +22,6 @@ from kvbench.cli.param_types import allow_code_execution_option
               help="Also write report.html: one self-contained file (tables, plots embedded, each run's provenance).")
 def report_command(result_dirs: tuple[Path, ...], out: Path | None, title: str, as_html: bool) -> None:
     """Tables and plots for runs (each RESULT_DIR is a run, or a sweep holding runs)."""
-    from kvbench.analysis.report import write_report
     from kvbench.analysis.runs import RunLoadError, find_runs
 
     out = out or result_dirs[0] / "report"  # beside the results, never into the working tree's own folders
@@ -28,13 +29,46 @@ def report_command(result_dirs: tuple[Path, ...], out: Path | None, title: str, 
         runs = find_runs(list(result_dirs))
     except RunLoadError as exc:
         raise click.ClickException(str(exc)) from None
-    path = write_report(runs, out, title)
-    click.echo(path.read_text())
-    click.echo(f"report: {path}", err=True)
+    written = _write_whole(out, lambda staging: _report_files(staging, runs, title, as_html))
+    click.echo((out / "report.md").read_text())
+    for name in ("report.md", "report.html"):
+        if name in written:
+            click.echo(f"report: {out / name}", err=True)
+
+
+def _report_files(staging: Path, runs: list[Any], title: str, as_html: bool) -> None:
+    from kvbench.analysis.report import write_report
+
+    path = write_report(runs, staging, title)
     if as_html:
         from kvbench.analysis.html_report import write_html_report
 
-        click.echo(f"report: {write_html_report(path, runs, title)}", err=True)
+        write_html_report(path, runs, title)
+
+
+def _write_whole(out: Path, write: Callable[[Path], None]) -> list[str]:
+    """`write` into a staging folder beside `out`, then every file moved into `out` (a rename:
+    no space needed); the names moved. A write that fails (a full disk) leaves nothing behind and
+    is one line of error."""
+    import shutil
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".kvbench-staging-", dir=out.parent))
+    except OSError as exc:
+        raise click.ClickException(f"cannot write into {out}: {exc.strerror or exc}") from None
+    try:
+        write(staging)
+        names = sorted(p.name for p in staging.iterdir())
+        for name in names:
+            (staging / name).replace(out / name)
+        return names
+    except OSError as exc:
+        raise click.ClickException(f"could not write the report into {out} ({exc.strerror or exc}); nothing "
+                                   "was left there: free space and run it again") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _run_dirs(result_dirs: tuple[Path, ...]) -> list[Path]:

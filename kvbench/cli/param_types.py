@@ -27,6 +27,21 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
+MAX_LABEL_CHARS = 100
+
+
+def run_label(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """A run's --label, checked up front: it names the run's folder, its rows in every report and
+    its requests' ids (HTTP headers), so printable characters only (no line break or control
+    character), no path separator, at most MAX_LABEL_CHARS."""
+    if value is None:
+        return None
+    if not value.strip() or not value.isprintable() or "/" in value or len(value) > MAX_LABEL_CHARS:
+        raise click.BadParameter(f"{value!r}: a label is 1 to {MAX_LABEL_CHARS} printable characters, without "
+                                 "line breaks, control characters or '/'")
+    return value
+
+
 def finite_float(text: str) -> float:
     """float() for list options: nan and infinity refused as not finite."""
     number = float(text)

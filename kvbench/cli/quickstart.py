@@ -8,6 +8,7 @@ import click
 
 from kvbench.cli.param_types import FiniteFloatRange
 from kvbench.tracegen.generate import task_model
+from kvbench.tracegen.schema import MAX_SEGMENT_TOKENS
 from kvbench.tracegen.tasks.registry import task_names
 
 
@@ -18,7 +19,7 @@ from kvbench.tracegen.tasks.registry import task_names
               help="Trajectory arrivals per second (0: one trajectory after another, so every turn's TTFT is its "
                    "method's own, without queueing).")
 @click.option("--num-trajectories", type=click.IntRange(min=1), default=6, show_default=True)
-@click.option("--shared-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+@click.option("--shared-tokens", type=click.IntRange(min=1, max=MAX_SEGMENT_TOKENS), default=8192, show_default=True,
               help="The shared context's length. 8K: on the embedded models (8 layers, hidden size 256) a 2K "
                    "prefill costs about as much as a reuse method's fixed costs per turn, so reuse saves little "
                    "there; at 8K the prefill a method avoids dominates, as on the paper's models at any context.")

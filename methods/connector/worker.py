@@ -25,6 +25,7 @@ from kvbench.methods.connector.metadata import KVBenchMetadata, KVBenchWorkerMet
 from kvbench.methods.connector.saves import Hidden, saved_copy
 from kvbench.methods.connector.settings import ConnectorSettings
 from kvbench.methods.connector.specs import DecideSpec, SaveSpec
+from kvbench.methods.core.entry_bytes import EntryShape
 from kvbench.methods.core.forward import run_to_end
 from kvbench.methods.core.kv_codec import params_codec
 from kvbench.methods.core.lora import VLora, served_adapters
@@ -95,7 +96,10 @@ class ConnectorWorker:
             if kind not in by_kind:
                 by_kind[kind] = layout_for(cache, isa, backend_name)  # refused here, at start, if unsupported
             self.layouts[name] = by_kind[kind]
-        self.store.placed_on(next(iter(kv_caches.values())).device, self.tensor_parallel_rank(), self.tensor_parallel_size)
+        first = next(iter(kv_caches))
+        row_k, _ = self._read_layer(first, torch.zeros(1, dtype=torch.long), 1)  # one row: what a save holds per layer
+        self.store.placed_on(kv_caches[first].device, self.tensor_parallel_rank(), self.tensor_parallel_size,
+                             EntryShape(len(kv_caches), row_k.shape[1], row_k.shape[2], row_k.dtype))
 
     def attach_model(self, model: torch.nn.Module) -> None:
         """Called once per worker (kvbench's worker extension, over collective_rpc)."""

@@ -7,6 +7,7 @@ held; a value from another model, codec or kvbench layout, or one that does not 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,43 @@ LAYOUT = "kvbench-entry-1"
 
 class EntryError(ValueError):
     """Bytes that are not an entry this reader may place (it then computes the rows densely)."""
+
+
+@dataclass(frozen=True)
+class EntryShape:
+    """What an entry this reader may place holds: its layers, this rank's KV heads, their size
+    and the dtype its caches keep (as its own saves do)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def check_entry(entry: SavedKV | CompressedKV, expect: EntryShape) -> None:
+    """EntryError unless `entry` fits this reader's model: K and V [layers, n, heads, head_dim] of
+    its dtype and finite, one integer token id per row, exact rows within them, a hidden stream
+    (where there is one) with a row each and finite. Whatever another writer put in the store,
+    only this is placed."""
+    ids = entry.token_ids
+    if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32) or (len(ids) and int(ids.min()) < 0):
+        raise EntryError(f"token ids {tuple(ids.shape)} {ids.dtype}: not one non-negative integer per row")
+    n = len(ids)
+    wanted = (expect.layers, n, expect.kv_heads, expect.head_dim)
+    for name, part in (("K", entry.k), ("V", entry.v)):
+        shape, dtype = (tuple(part.shape), part.dtype)
+        if shape != wanted or dtype != expect.dtype:
+            raise EntryError(f"{name} is {shape} {dtype}, this model's caches take {wanted} {expect.dtype}")
+        if isinstance(part, torch.Tensor) and not bool(torch.isfinite(part).all()):
+            raise EntryError(f"{name} holds values that are not finite")
+    exact = getattr(entry, "exact_rows", 0)
+    if not isinstance(exact, int) or not 0 <= exact <= n:
+        raise EntryError(f"exact_rows {exact!r} outside 0..{n}")
+    if entry.hidden is not None:
+        valid = entry.hidden_valid
+        if (entry.hidden.dim() != 2 or entry.hidden.shape[0] != n or valid is None or valid.shape != (n,)
+                or valid.dtype != torch.bool or not bool(torch.isfinite(entry.hidden).all())):
+            raise EntryError(f"hidden stream {tuple(entry.hidden.shape)} does not fit {n} rows")
 
 
 def _encoded_tensors(prefix: str, encoded: Encoded) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -53,15 +91,17 @@ def _encoded(prefix: str, tensors: dict[str, torch.Tensor], header: dict[str, An
                    getattr(torch, part["dtype"]), dict(part["meta"]))
 
 
-def entry_from_bytes(value: bytes, model: str, codec: KVCodec | None, device: torch.device | str = "cpu"
-                     ) -> SavedKV | CompressedKV:
-    """The entry `value` holds, on `device`; EntryError when it is not one this reader (its model
-    and its store's codec) may place."""
+def entry_from_bytes(value: bytes, model: str, codec: KVCodec | None, device: torch.device | str = "cpu",
+                     expect: EntryShape | None = None) -> SavedKV | CompressedKV:
+    """The entry `value` holds, on `device`; EntryError when it is not one this reader (its model,
+    its store's codec and, given `expect`, its caches' shapes: check_entry) may place."""
     try:
         tensors = load_tensors(value)
         header = json.loads(_metadata(value)["kvbench"])
-    except (SafetensorError, ValueError, KeyError, TypeError) as exc:  # (a bad JSON header is a ValueError)
+    except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as exc:  # (bad JSON: a ValueError)
         raise EntryError(f"not a kvbench entry ({type(exc).__name__}: {exc})") from None
+    if not isinstance(header, dict):
+        raise EntryError(f"not a kvbench entry (its header is a JSON {type(header).__name__})")
     if header.get("layout") != LAYOUT:
         raise EntryError(f"entry layout {header.get('layout')!r}, this kvbench reads {LAYOUT}")
     if header.get("model") != model:
@@ -73,16 +113,22 @@ def entry_from_bytes(value: bytes, model: str, codec: KVCodec | None, device: to
         # token ids and the hidden-row mask stay on the CPU, as a save keeps them; the rest on `device`
         tensors = {name: t if name in ("token_ids", "hidden_valid") else t.to(device) for name, t in tensors.items()}
         hidden, valid = tensors.get("hidden"), tensors.get("hidden_valid")
+        entry: SavedKV | CompressedKV
         if codec is not None:
-            return CompressedKV(tensors["token_ids"], _encoded("k", tensors, header), _encoded("v", tensors, header),
-                                codec, hidden, valid, header.get("hidden_layer"))
-        entry = SavedKV(tensors["token_ids"], tensors["k"], tensors["v"], hidden, valid, header.get("hidden_layer"),
-                        exact_rows=int(header.get("exact_rows") or 0))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            entry = CompressedKV(tensors["token_ids"], _encoded("k", tensors, header), _encoded("v", tensors, header),
+                                 codec, hidden, valid, header.get("hidden_layer"))
+        else:
+            entry = SavedKV(tensors["token_ids"], tensors["k"], tensors["v"], hidden, valid,
+                            header.get("hidden_layer"), exact_rows=int(header.get("exact_rows") or 0))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
         raise EntryError(f"entry incomplete ({type(exc).__name__}: {exc})") from None
-    if entry.k.shape != entry.v.shape or entry.k.shape[1] != entry.num_tokens:
+    if expect is not None:
+        check_entry(entry, expect)
+    elif isinstance(entry, SavedKV) and (entry.k.dim() != 4 or entry.k.shape != entry.v.shape
+                                         or entry.k.shape[1] != len(entry.token_ids)
+                                         or not 0 <= entry.exact_rows <= len(entry.token_ids)):
         raise EntryError(f"entry shapes disagree: K {tuple(entry.k.shape)}, V {tuple(entry.v.shape)}, "
-                         f"{entry.num_tokens} tokens")
+                         f"{len(entry.token_ids)} tokens, {entry.exact_rows} exact rows")
     return entry
 
 

@@ -154,8 +154,9 @@ class SegmentStore:
         return None if entry is None else entry.nbytes
 
     # A shared tier under the store (kvbench.methods.core.tiered_store) answers these; a local one has none.
-    def placed_on(self, device: torch.device | str, rank: int, ranks: int) -> None:
-        """Where its entries live: the paged caches' device, this worker's tensor-parallel rank."""
+    def placed_on(self, device: torch.device | str, rank: int, ranks: int, shape: Any = None) -> None:
+        """Where its entries live: the paged caches' device, this worker's tensor-parallel rank, and
+        what an entry of this model holds (entry_bytes.EntryShape: what a shared store checks)."""
 
     def take_counts(self) -> dict[str, int]:
         return {}

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.core.entry_bytes import EntryError, entry_from_bytes, entry_to_bytes
+from kvbench.methods.core.entry_bytes import EntryError, EntryShape, entry_from_bytes, entry_to_bytes
 from kvbench.methods.core.kv_codec import KVCodec
 from kvbench.methods.core.mooncake_tier import MooncakeTier, SharedTierSettings, shared_key
 from kvbench.methods.core.store import CompressedKV, SavedKV, SegmentStore
@@ -29,10 +29,11 @@ class TieredStore(SegmentStore):
         self.tier, self.model = tier, model
         self.device: torch.device | str = "cpu"  # where fetched entries go: the paged caches' device
         self.rank, self.ranks = 0, 1  # this worker's tensor-parallel rank: its entries hold its heads
+        self.shape: EntryShape | None = None  # what this model's entries hold: a fetched one is checked against it
         self._reported: dict[str, int] = {}
 
-    def placed_on(self, device: torch.device | str, rank: int, ranks: int) -> None:
-        self.device, self.rank, self.ranks = device, rank, ranks
+    def placed_on(self, device: torch.device | str, rank: int, ranks: int, shape: Any = None) -> None:
+        self.device, self.rank, self.ranks, self.shape = device, rank, ranks, shape
 
     def key(self, key: str, adapter: str | None) -> str:
         return shared_key(self.model, key, adapter, self.rank, self.ranks)
@@ -86,7 +87,7 @@ class TieredStore(SegmentStore):
             counts.misses += 1
             return None
         try:
-            entry = entry_from_bytes(value, self.model, self.codec, self.device)
+            entry = entry_from_bytes(value, self.model, self.codec, self.device, self.shape)
         except EntryError as exc:
             logger.warning("kvbench: shared-tier entry %s refused, computed densely: %s", key, exc)
             counts.rejected += 1

@@ -90,3 +90,17 @@ def test_a_replay_with_goodput_writes_it_to_its_summary(tiny_tokenizer_dir: Path
 def test_a_bad_goodput_is_refused_before_anything_starts(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["replay", "--goodput", "ttft=200", "--base-url", "http://127.0.0.1:1"])
     assert result.exit_code == 2 and "--goodput takes KEY:MS" in " ".join(result.output.split())
+
+
+def test_a_request_exactly_at_a_bound_meets_it() -> None:
+    """vLLM's rule: a bound is met at equality (`<=`), for requests and for a workflow's makespan;
+    a hair above misses it."""
+    requests = _requests()
+    ttft = float(requests.loc[0, "ttft_ms"])
+    at = good_requests(requests, {"ttft": ttft})
+    above = good_requests(requests, {"ttft": ttft - 1e-6})
+    assert bool(at.iloc[0]) and not bool(above.iloc[0])
+    makespans = pd.Series({"t0": 900.0, "t1": 3000.0})
+    exact = goodput_figures(requests, makespans, 10.0, {"ttft": 10_000, "workflow": 900.0})
+    short = goodput_figures(requests, makespans, 10.0, {"ttft": 10_000, "workflow": 899.999})
+    assert exact["workflow_goodput"] == pytest.approx(0.1) and short["workflow_goodput"] == 0.0

@@ -120,3 +120,96 @@ def test_provenance_names_an_embedded_model_as_any_machine_resolves_it() -> None
     shown = provenance(run)
     assert shown["model"] == "kvbench:recall-v1"
     assert shown["server_command"] == ["python", "--model", "kvbench:recall-v1", "--port", "1"]
+
+
+def _hostile_runs(tmp_path: Path, port: int) -> Path:
+    """The golden runs under a folder, a label and a trace generator's workflow that each plant a
+    Markdown image pointing at a local server, and a `|` that would add a table column."""
+    import json
+
+    runs = tmp_path / f"runs ![f](http://127.0.0.1:{port}/folder.png)"
+    shutil.copytree(GOLDEN, runs)
+    for name in ("fullshared", "nonshared"):
+        for file in ("summary.json", "config.json"):
+            data = json.loads((runs / name / file).read_text())
+            config = data.get("config", data)
+            for holder in (data, config):
+                holder["label"] = f"{name}|x ![l](http://127.0.0.1:{port}/label.png)"
+            config["trace_header"]["generator"]["workflow"] = f"seq ![w](http://127.0.0.1:{port}/workflow.png)"
+            (runs / name / file).write_text(json.dumps(data))
+    return runs
+
+
+def test_a_report_fetches_nothing_and_keeps_its_columns_whatever_a_run_holds(tmp_path: Path) -> None:
+    """Issue 66: URLs planted in a label, a workflow and a folder's name were fetched when the page
+    opened, and a `|` in a label shifted a row by one column."""
+    import http.server
+    import threading
+
+    browser = _browser()
+    fetched: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            fetched.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        runs = _hostile_runs(tmp_path, server.server_address[1])
+        out = tmp_path / "report"
+        result = CliRunner().invoke(main, ["report", str(runs), "-o", str(out), "--html",
+                                           "--title", f"t ![t](http://127.0.0.1:{server.server_address[1]}/title.png)"])
+        assert result.exit_code == 0, result.output
+        dom = _render(browser, out / "report.html", "--dump-dom")
+        assert re.search(r'data-images="4" data-images-loaded="4"', dom.stdout)  # the plots only
+    finally:
+        server.shutdown()
+    assert fetched == []
+    markdown = (out / "report.md").read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| run") and "completed" in line)
+    row = next(line for line in markdown.splitlines() if line.startswith("| fullshared\\|x"))
+    cells = dict(zip([c.strip() for c in header.strip("|").split("|")],
+                     [c.strip() for c in re.split(r"(?<!\\)\|", row.strip("|"))]))
+    assert cells["completed"] == "24" and cells["failed"] == "0", cells
+
+
+def test_a_report_into_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from kvbench.analysis import plots
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plots, "memory_plot", full)  # the disk fills halfway through the report
+    out = tmp_path / "report"
+    result = CliRunner().invoke(main, ["report", str(GOLDEN), "-o", str(out), "--html"])
+    assert result.exit_code == 1 and "No space left on device" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback
+    assert list(out.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["report"]
+
+
+def test_named_agents_are_reported_in_workflow_order(tmp_path: Path) -> None:
+    """An imported chat log's agents have names (`planner`, `coder`): every table and plot takes
+    them (kvbench's own A0, A1, ... by number), in the order of their first turns."""
+    import pandas as pd
+
+    runs = tmp_path / "runs"
+    shutil.copytree(GOLDEN, runs)
+    names = {"A0": "planner", "A1": "coder", "A2": "reviewer", "A3": "A10"}
+    for run in runs.iterdir():
+        requests = pd.read_parquet(run / "requests.parquet")
+        requests["agent"] = requests["agent"].map(names)
+        requests.to_parquet(run / "requests.parquet")
+        (run / "requests.jsonl").unlink()
+    result = CliRunner().invoke(main, ["report", str(runs), "-o", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    by_agent = pd.read_csv(tmp_path / "report" / "ttft_by_agent.csv", index_col=0)
+    assert list(by_agent.index) == ["A10", "planner", "coder", "reviewer"]

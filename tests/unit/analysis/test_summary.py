@@ -188,3 +188,32 @@ def test_a_run_records_its_servers_memory_from_their_workers(tiny_tokenizer_dir:
     assert summary["peak_gpu_memory_gib"] is None
     plain_summary = json.loads((tmp_path / "ns" / run_files.SUMMARY).read_text())
     assert plain_summary["peak_cpu_tensor_memory_gib"] is None and plain_summary["memory_parts_gib"] is None
+
+
+def test_a_summary_after_lost_method_stats_counts_them_and_keeps_the_reuse_share(tmp_path: Path) -> None:
+    """Issue 66: after a full disk cut a run short before it copied the stats in, `summarize` said
+    reuse_share 0.251 (truth about 0.75) and method_stats_missing 0 with 16 of 24 requests without
+    stats. Lost stats are counted, and the reuse share is over the requests that have them."""
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN / "fullshared", run)
+    truth = summarize_run(run)
+    requests = pd.read_parquet(run / run_files.REQUESTS)
+    lost = requests.index[requests["success"]][:16]
+    for column in ("reused_tokens", "recomputed_tokens", "eligible_tokens", "method_stats", "prefix_cached_tokens"):
+        if column in requests:
+            requests.loc[lost, column] = None
+    requests.to_parquet(run / run_files.REQUESTS)
+    (run / run_files.REQUESTS_JOURNAL).unlink()  # the journal kept the records without their stats too
+    summary = summarize_run(run)
+    assert summary["method_stats_missing"] == 16
+    assert set(summary["method_stats_missing_requests"]) == set(requests.loc[lost, "request_id"])
+    kept = requests.drop(index=lost)
+    kept = kept[kept["success"]]
+    assert summary["reuse_share"] == pytest.approx(kept["reused_tokens"].sum() / kept["shared_tokens"].sum())
+    assert abs(summary["reuse_share"] - truth["reuse_share"]) < 0.1  # not a third of it
+
+
+def test_a_plain_vllm_run_has_no_stats_to_miss(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN / "nonshared", run)
+    assert summarize_run(run)["method_stats_missing"] == 0

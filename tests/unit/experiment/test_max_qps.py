@@ -30,6 +30,9 @@ def test_the_search_doubles_then_bisects_to_a_bracket_around_the_capacity() -> N
     seen: list[float] = []
     probes = search_rates(_probe_with_capacity(3.3, seen), start=1.0, low=0.125, high=16, steps=3)
     assert seen[:3] == [1.0, 2.0, 4.0]  # doubling until the first failure
+    # then geometric bisection of the bracket, each rate to three significant digits: sqrt(2 * 4),
+    # sqrt(2.83 * 4), sqrt(2.83 * 3.36) (any other rule, arithmetic or not, probes elsewhere)
+    assert seen[3:] == [2.83, 3.36, 3.08]
     passing, failing = bracket(probes)
     assert passing is not None and failing is not None
     assert passing <= 3.3 < failing and failing / passing < 1.2  # three bisections narrow [2, 4]
@@ -108,3 +111,32 @@ def test_a_failed_probe_counts_as_failing() -> None:
     cell = SimpleNamespace(qps=2.0, path=Path("/s/runs/m/c"))
     probe = max_qps.probe_of(cell, Path("/s"), None, "workflow", 0.9)  # type: ignore[arg-type]
     assert not probe.passed and math.isnan(probe.share) and probe.run == "runs/m/c"
+
+
+def test_a_search_that_never_fails_names_no_maximum() -> None:
+    """Issue 66: a range up to 1e40 on a workload that never loads the server reported 1e40."""
+    never = max_qps.answer(16.0, None, 16.0)
+    assert never["max_qps"] is None and never["passed_up_to"] == 16.0 and "never loaded" in never["reason"]
+    assert max_qps.answer(None, 0.125, 16.0)["max_qps"] is None
+    assert max_qps.answer(2.0, 4.0, 16.0) == {"max_qps": 2.0, "first_failing_qps": 4.0, "passed_up_to": 2.0,
+                                              "reason": None}
+
+
+def test_a_search_range_is_bounded_and_small_probes_are_named() -> None:
+    with pytest.raises(ValueError, match="from 0.001 to 10000"):
+        max_qps.check_search(0.9, (1e-300, 1e300), 100, "workflows")
+    with pytest.raises(ValueError, match="LOW below HIGH"):
+        max_qps.check_search(0.9, (4.0, 2.0), 100, "workflows")
+    needed = max_qps.least_counted(0.9)
+    assert wilson_interval(needed, needed)[0] >= 0.9 > wilson_interval(needed - 1, needed - 1)[0]
+    warning = max_qps.check_search(0.9, (0.125, 16), 1, "workflows")
+    assert warning is not None and f"that needs {needed}" in warning and "1 workflows" in warning
+    assert max_qps.check_search(0.9, (0.125, 16), needed, "workflows") is None
+
+
+def test_the_command_refuses_a_range_before_any_work(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    result = CliRunner().invoke(main, ["sweep", "-o", str(tmp_path / "s"), "--methods", "nonshared", "--shared-tokens",
+                                       "64", "--output-len", "4", "--model", str(tiny_tokenizer_dir), "--find-max-qps",
+                                       "--slo", "ttft:500", "--qps-range", "1e-300,1e300"])
+    assert result.exit_code == 1 and "from 0.001 to 10000" in result.output
+    assert not (tmp_path / "s" / "traces").exists()  # nothing generated, nothing replayed

@@ -12,7 +12,7 @@ from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.api.base import MethodConfigError
 from kvbench.methods.connector.remote_sources import RemoteSources, plan_sources
 from kvbench.methods.connector.settings import ConnectorSettings
-from kvbench.methods.core.entry_bytes import EntryError, entry_from_bytes, entry_to_bytes
+from kvbench.methods.core.entry_bytes import EntryError, EntryShape, entry_from_bytes, entry_to_bytes
 from kvbench.methods.core.kv_codec import make_codec
 from kvbench.methods.core.mooncake_tier import MooncakeTier, SharedTierSettings, TierCounts, shared_key
 from kvbench.methods.core.store import CompressedKV, SavedKV
@@ -133,4 +133,69 @@ def test_the_scheduler_holds_a_turn_back_until_its_remote_source_exists(tiers, m
     assert remote.holds_back("r2", missing, set())
     time.sleep(0.06)
     assert not remote.holds_back("r2", missing, set())  # a bounded wait: then the load computes
+    writer.clear()
+
+
+SHAPE = EntryShape(layers=3, kv_heads=2, head_dim=8, dtype=torch.float32)  # what _entry() holds
+
+
+def _forged(header: object = None, **tensors: torch.Tensor) -> bytes:
+    """An entry's bytes with its tensors or its header replaced (another writer's, or an attacker's)."""
+    import json
+
+    from safetensors.torch import save as save_tensors
+
+    entry = _entry()
+    parts = {"token_ids": entry.token_ids, "k": entry.k, "v": entry.v, **tensors}
+    meta = {"layout": "kvbench-entry-1", "model": "m", "hidden_layer": None, "codec": None, "exact_rows": 4}
+    return save_tensors({k: t.contiguous() for k, t in parts.items()},
+                        metadata={"kvbench": json.dumps(meta if header is None else header)})
+
+
+def test_a_shared_entry_is_placed_only_where_it_fits_the_readers_model() -> None:
+    """Issue 66: headers that are not objects raised out of the store, a 1-D K raised IndexError,
+    and 7 KV heads for a 2-head model, NaN K, float64 K/V, float token ids or exact_rows 10**30 or
+    -5 were returned as placeable hits. Each is now a refused entry (the reader computes densely)."""
+    n = 24
+    assert entry_from_bytes(_forged(), "m", None, expect=SHAPE).num_tokens == n  # the honest entry passes
+    nan_k = torch.randn(3, n, 2, 8)
+    nan_k[1, 3, 0, 0] = float("nan")
+    meta = {"layout": "kvbench-entry-1", "model": "m", "hidden_layer": None, "codec": None}
+    forgeries = {
+        "a JSON list header": _forged(header=[1, 2]),
+        "a JSON string header": _forged(header="kvbench"),
+        "1-D K": _forged(k=torch.randn(n), v=torch.randn(n)),
+        "7 KV heads": _forged(k=torch.randn(3, n, 7, 8), v=torch.randn(3, n, 7, 8)),
+        "another head size": _forged(k=torch.randn(3, n, 2, 16), v=torch.randn(3, n, 2, 16)),
+        "other layers": _forged(k=torch.randn(5, n, 2, 8), v=torch.randn(5, n, 2, 8)),
+        "NaN K": _forged(k=nan_k),
+        "float64 K/V": _forged(k=torch.randn(3, n, 2, 8, dtype=torch.float64), v=torch.randn(3, n, 2, 8, dtype=torch.float64)),
+        "float token ids": _forged(token_ids=torch.arange(n, dtype=torch.float32)),
+        "negative token ids": _forged(token_ids=-torch.arange(n)),
+        "fewer token ids than rows": _forged(token_ids=torch.arange(n - 1)),
+        "exact_rows 10**30": _forged(header={**meta, "exact_rows": 10**30}),
+        "exact_rows -5": _forged(header={**meta, "exact_rows": -5}),
+    }
+    for what, value in forgeries.items():
+        with pytest.raises(EntryError):
+            entry_from_bytes(value, "m", None, expect=SHAPE)
+            pytest.fail(f"{what}: placed")
+    # without a reader's shape (a store not yet placed), the entry's own consistency still holds
+    for what in ("a JSON list header", "1-D K", "exact_rows 10**30", "exact_rows -5", "fewer token ids than rows"):
+        with pytest.raises(EntryError):
+            entry_from_bytes(forgeries[what], "m", None)
+            pytest.fail(f"{what}: placed without a shape")
+
+
+def test_a_forged_remote_entry_is_counted_and_never_placed(tiers) -> None:
+    reader = _store(tiers, "b")
+    reader.placed_on("cpu", 0, 1, SHAPE)
+    reader.tier.put(reader.key("run/t3/A0.r0", None), _forged(k=torch.randn(3, 24, 7, 8), v=torch.randn(3, 24, 7, 8)))
+    reader.tier.put(reader.key("run/t3/A1.r0", None), _forged(header=["not", "an", "object"]))
+    assert reader.get("run/t3/A0.r0") is None and reader.get("run/t3/A1.r0") is None
+    assert (reader.tier.counts.rejected, reader.tier.counts.remote_hits) == (2, 0)
+    writer = _store(tiers, "a")
+    writer.put("run/t3/A2.r0", _entry())  # an honest one of the same model still arrives
+    assert reader.get("run/t3/A2.r0") is not None and reader.tier.counts.remote_hits == 1
+    reader.clear()
     writer.clear()

@@ -119,3 +119,24 @@ def test_replay_passes_vllm_args_and_method_params_to_the_server(monkeypatch: py
     assert "--enforce-eager" in config.extra_args
     assert json.loads(json.dumps(config.kv_transfer_config))["kv_connector_extra_config"]["params"] == {"V": 5}
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    # issue 66: a line break in a label reached aiohttp's header check as a traceback
+    (["replay", "--label", "fs\nx", "--qps", "0"], "printable characters"),
+    (["replay", "--label", "a/b", "--qps", "0"], "printable characters"),
+    # sizes past the trace format's own bound, refused before any work (a sweep reached 19 GB)
+    (["gen-trace", "--shared-tokens", str((1 << 22) + 1), "-o", "t.jsonl"], "--shared-tokens"),
+    (["sweep", "-o", "s", "--shared-tokens", f"64,{(1 << 22) + 1}"], "must be >= 1 and <= 4,194,304"),
+    (["sweep", "-o", "s", "--output-len", str((1 << 20) + 1)], "--output-len"),
+    # a grid with nothing, or a bad value, in it runs no cell
+    (["sweep", "-o", "s", "--qps", ""], "expected at least one"),
+    (["sweep", "-o", "s", "--qps", "0,-1"], "-1: each must be >= 0"),
+    (["sweep", "-o", "s", "--agents", "1"], "each must be >= 2"),
+])
+def test_bad_sizes_labels_and_grids_are_refused_up_front(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         args: list[str], message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = _invoke(*args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing started

@@ -52,10 +52,18 @@ def test_a_right_completion_passes_and_a_wrong_one_fails() -> None:
     assert results["raises"] == CheckResult("raises", False, "failed: the completion raised ValueError")
 
 
-def test_no_consent_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(code_execution.CONSENT_ENV)
+@pytest.mark.parametrize("value", [None, "", "0", "false", "no", "off", "False", " 0 "])
+def test_no_consent_no_run(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    """Unset, empty or any word of refusal is no consent (only 1, true or yes is)."""
+    if value is None:
+        monkeypatch.delenv(code_execution.CONSENT_ENV)
+    else:
+        monkeypatch.setenv(code_execution.CONSENT_ENV, value)
     with pytest.raises(CodeExecutionRefused, match="--allow-code-execution"):
         check_completions([CodeCheck("x", PROMPT, WRONG, TEST, "add")])
+    for given in ("1", "true", "YES"):
+        monkeypatch.setenv(code_execution.CONSENT_ENV, given)
+        assert code_execution.consent_given()
 
 
 def test_every_humaneval_problem_passes_with_its_canonical_solution() -> None:
@@ -228,7 +236,8 @@ def test_floods_and_fork_bombs_are_bounded() -> None:
 def test_a_sandbox_that_cannot_start_is_an_error_not_a_failed_completion(monkeypatch: pytest.MonkeyPatch) -> None:
     real = code_execution._bwrap_command
     monkeypatch.setattr(code_execution, "_bwrap_command",
-                        lambda limits, *args: real(limits, *args)[:1] + ["--no-such-option"] + real(limits, *args)[1:])
+                        lambda limits, *args, **kw: real(limits, *args, **kw)[:1] + ["--no-such-option"]
+                        + real(limits, *args, **kw)[1:])
     with pytest.raises(RuntimeError, match="sandbox failed"):
         check_completions([CodeCheck("x", PROMPT, "    return a + b\n", TEST, "add")])
 
@@ -248,3 +257,56 @@ def test_signals_do_not_leave_sandboxes_behind() -> None:
     assert results["sleeps"] == CheckResult("sleeps", False, "timed out")
     if os.geteuid() == 0:
         assert _sandbox_tasks() == 0
+
+
+# Each of these returns the right sum only when its attack worked: a pass is a way out.
+RIGHT_IF = "    return a + b if worked else a - b\n"
+LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+WIDENINGS = {
+    # a user namespace of its own, then a mount namespace and a tmpfs no limit of the sandbox sizes
+    # (in a child of one thread: unshare refuses a user namespace to a threaded process)
+    "user_namespace": LIBC + "pid = os.fork()\nif pid == 0: os._exit(0 if libc.unshare(0x10000000 | 0x00020000) == 0 else 1)\n"
+                      "worked = os.waitpid(pid, 0)[1] == 0",
+    # the same by clone(2) itself (x86-64's number; a fork into a new user namespace)
+    "namespace_by_clone": LIBC + "import platform\n"
+                          "pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0) if platform.machine() == 'x86_64' else -1\n"
+                          "if pid == 0: os._exit(0)\nworked = pid > 0\nif worked: os.waitpid(pid, 0)",
+    "mount": LIBC + "worked = libc.mount(b'none', b'/tmp', b'tmpfs', 0, b'size=1g') == 0",
+    # anonymous memory files: shared memory no address-space limit counts until it is mapped
+    "memfd": "import os\ntry:\n    fd = os.memfd_create('x')\n    worked = True\nexcept OSError:\n    worked = False",
+    # /dev/shm: a tmpfs bubblewrap makes inside /dev, unsized unless the sandbox sizes it
+    "fills_dev_shm": "import os\nwritten = 0\ntry:\n    for i in range(64):\n"
+                     "        with open(f'/dev/shm/f{i}', 'wb') as f:\n"
+                     "            for _ in range(16): f.write(b'x' * (1 << 20)); written += 1 << 20\n"
+                     "except OSError:\n    pass\nworked = written > 32 << 20",
+    # only the standard library is readable, not the packages installed beside it
+    "reads_third_party_code": "import os, sys, sysconfig\nv = f'{sys.version_info[0]}.{sys.version_info[1]}'\n"
+                              "places = {sysconfig.get_paths()['purelib'], sysconfig.get_paths()['platlib'], "
+                              "'/usr/lib/python3/dist-packages', f'/usr/local/lib/python{v}/dist-packages', "
+                              "f'/usr/lib/python{v}/site-packages'}\n"
+                              "worked = any(os.path.isdir(p) and os.listdir(p) for p in places)",
+}
+
+
+def test_a_completion_cannot_widen_its_sandbox() -> None:
+    """No new namespace, mount or anonymous memory file; /dev/shm as bounded as /tmp; no third-party
+    code to read (issue 66: an unshared user namespace's unsized tmpfs held 4 GiB of the host's memory)."""
+    results = _run({name: "".join(f"    {line}\n" for line in code.splitlines()) + RIGHT_IF
+                    for name, code in WIDENINGS.items()}, timeout_s=5.0)
+    assert {name: r.passed for name, r in results.items()} == dict.fromkeys(WIDENINGS, False), results
+    failed = {name: r.result for name, r in results.items() if r.result.startswith("failed: the completion")}
+    assert not failed, f"attacks that crashed instead of being refused (the test proves nothing): {failed}"
+
+
+def test_the_widening_checks_pass_where_the_attack_works() -> None:
+    """The same checks, outside any sandbox (this interpreter, as the scorer runs): each attack that
+    the host allows is seen as working, so a pass above would be caught."""
+    import subprocess
+    import sys
+
+    works_here = {}
+    for name in ("memfd", "reads_third_party_code"):
+        program = WIDENINGS[name] + "\nprint(worked)"
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+        works_here[name] = done.stdout.strip()
+    assert works_here == {"memfd": "True", "reads_third_party_code": "True"}
