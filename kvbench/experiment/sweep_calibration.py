@@ -51,7 +51,8 @@ def calibrated_params(spec: SweepSpec, root: Path, inputs: SweepInputs, method: 
                                     tolerance=CALIBRATION_TOLERANCE, threshold_range=gate.threshold_range,
                                     rho_rises=gate.rho_rises_with_threshold)
         report = {**summary_dict(steps, method.target_rho, gate.threshold_name), "trace": trace_id,
-                  "seed": spec.seed + CALIBRATION_SEED_OFFSET, "trajectories": len(trace.trajectories),
+                  "seed": trace.header.generator.get("seed"),  # the one its trace was drawn with
+                  "trajectories": len(trace.trajectories),
                   "num_warmups": spec.num_warmups, "prime_method_state": spec.prime_method_state}
         if not within(report["realized_rho"], method.target_rho, CALIBRATION_TOLERANCE):
             report["what_limits"] = what_limits(steps)  # why the target was not reached

@@ -246,7 +246,10 @@ def test_trace_timestamps_replace_the_qps_schedule(tiny_tokenizer_dir: Path, stu
     # 0.3 s apart from the first arrival, whatever --qps says
     assert list((first["scheduled_ns"] / 1e6).round().astype(int)) == [0, 300, 600]
     received_ms = np.array([stub.timings[r][0] for r in first["request_id"]]) / 1e6
-    assert np.diff(received_ms) == pytest.approx([300, 300], abs=40)
+    # sent on that schedule, not --qps's 1 ms apart: a busy machine can only delay a send, never
+    # advance it, so each gap is at least the schedule's (less the clock's slack), loosely bounded above
+    gaps = np.diff(received_ms)
+    assert (gaps > 300 - 40).all() and (gaps < 3000).all(), gaps
 
 
 def test_approximate_methods_salt_their_reuse_requests_only(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -107,3 +107,16 @@ def test_servers_sharing_a_tier_read_finished_sources_across_servers(tiny_tokeni
         crossing += any(by_turn[(row.trajectory_id, s.source_turn)] != row.server_url for s in sources)
     assert crossing == len(requests) - 2  # every reader names a source on the other server (agent routing)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["shared_tier_readable"] is True
+
+
+def test_agent_routing_follows_the_agent_not_the_turn(tiny_tokenizer_dir: Path) -> None:
+    """Over two rounds on three servers an agent's turn index differs from its place among the
+    agents: `agent` routing keeps every turn of an agent on one server, (trajectory + agent) mod N."""
+    _, (first, *_) = generate_trace(TraceSpec(num_agents=3, rounds=2, shared_tokens=64, output_len=4,
+                                              num_trajectories=1), load_tokenizer(str(tiny_tokenizer_dir)))
+    urls = ["http://a", "http://b", "http://c"]
+    placed = _placed(Router(urls, "agent"), 2, first)
+    agents = list(first.agents)
+    assert len(first.turns) == 6 and any(i != agents.index(t.agent) for i, t in enumerate(first.turns))
+    for turn in first.turns:
+        assert placed[turn.turn_id] == urls[(2 + agents.index(turn.agent)) % 3], turn.turn_id

@@ -100,11 +100,14 @@ def test_a_replay_past_the_servers_capacity_stops_early_and_is_marked_saturated(
     text = (tmp_path / "report" / "report.md").read_text()
     assert "[saturated]" in text and "**Saturated**" in text
     # A candidate that saturates where its baseline did not fails a comparison's gates, even when
-    # every gate on its figures passes.
-    with StubServer() as fast:
-        baseline = _saturating_replay(tiny_tokenizer_dir, tmp_path / "base", fast, "--stop-on-saturation")
-    assert baseline.exit_code == 0, baseline.output
-    assert json.loads((tmp_path / "base" / run_files.SUMMARY).read_text())["saturated"] is False
+    # every gate on its figures passes. The baseline: the same cell's run, marked as one that ran to
+    # its end (a real unsaturated replay of this load can itself saturate on a busy machine).
+    import shutil
+
+    shutil.copytree(tmp_path / "sat", tmp_path / "base")
+    summary = json.loads((tmp_path / "base" / run_files.SUMMARY).read_text())
+    summary.update(saturated=False, saturation=None)
+    (tmp_path / "base" / run_files.SUMMARY).write_text(json.dumps(summary))
     compare = CliRunner().invoke(main, ["compare", str(tmp_path / "base"), str(tmp_path / "sat"),
                                         "--gate", "failed=+0"], prog_name="kvbench")
     assert compare.exit_code == 1, compare.output
