@@ -51,8 +51,9 @@ def comparison_arms(arms: Sequence[Arm], interleaved: bool) -> list[Arm]:
     record = {"id": uuid.uuid4().hex[:12], "arms": [arm.name for arm in arms], "interleaved": interleaved}
     marked = []
     for arm in arms:
-        output = dataclasses.replace(arm.config.output,
-                                     extra_config={**arm.config.output.extra_config, run_files.COMPARISON: record})
+        given = arm.config.output.extra_config.get(run_files.COMPARISON)  # a sweep's: its own, stable id
+        output = dataclasses.replace(arm.config.output, extra_config={
+            **arm.config.output.extra_config, run_files.COMPARISON: {**record, **given} if given else record})
         marked.append(dataclasses.replace(arm, config=dataclasses.replace(arm.config, output=output)))
     return marked
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -75,11 +76,14 @@ def run_group(spec: SweepSpec, root: Path, inputs: SweepInputs, group: CellGroup
 
 @dataclass(frozen=True)
 class GroupStep:
-    """A run of a group about to start (finished=False) or just finished."""
+    """A run of a group about to start (finished=False) or just finished. `deferred`: a cell the
+    group's caller replays (an interleaved sweep's single-stream round, its arms taking turns a
+    trajectory at a time): its ReplayConfig, the group waiting until it is done."""
 
     run: Path
     label: str
     finished: bool
+    deferred: Any = None
 
 
 def group_steps(spec: SweepSpec, root: Path, inputs: SweepInputs, group: CellGroup,
@@ -103,10 +107,15 @@ def group_steps(spec: SweepSpec, root: Path, inputs: SweepInputs, group: CellGro
         calibrated: dict[str, dict[str, Any]] = {}  # trace -> the parameters its cells run with
         for cell in group.todo:
             label = f"{group.method.name} {cell.path.name}"
-            yield GroupStep(cell.path, label, finished=False)
             if cell.trace_id not in calibrated:  # --target-rho: the threshold set first, once per trace
                 calibrated[cell.trace_id] = calibrated_params(spec, root, inputs, group.method, cell.trace_id, server)
-            replay_cell(spec, cell, server, inputs, after_cell, calibrated[cell.trace_id])
+            if spec.interleave and cell.qps == 0:
+                yield GroupStep(cell.path, label, False, cell_config(spec, cell, server, inputs, calibrated[cell.trace_id]))
+                if after_cell is not None and (cell.path / run_files.SUMMARY).exists():
+                    after_cell(cell, server, json.loads((cell.path / run_files.SUMMARY).read_text()))
+            else:
+                yield GroupStep(cell.path, label, finished=False)
+                replay_cell(spec, cell, server, inputs, after_cell, calibrated[cell.trace_id])
             yield GroupStep(cell.path, label, finished=True)
 
 
@@ -116,8 +125,26 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
     its summary, or None when the replay failed with the server still up (error.txt says why).
     `params`: the method's parameters as the server runs them (calibrated: --target-rho)."""
     from kvbench.experiment.run import replay_and_summarize
+    from kvbench.replay.runner import ReplayError
+
+    config = cell_config(spec, cell, server, inputs, params)
+    try:
+        summary = replay_and_summarize(config)
+    except ReplayError as exc:
+        if not server.is_running():
+            raise
+        (cell.path / "error.txt").write_text(str(exc) + "\n")
+        return None
+    if after_cell is not None:
+        after_cell(cell, server, summary)
+    return summary
+
+
+def cell_config(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInputs,
+                params: dict[str, Any] | None = None) -> Any:
+    """The replay of one cell (a ReplayConfig) on its method's running server."""
     from kvbench.replay.protocol import protocol
-    from kvbench.replay.runner import ReplayConfig, ReplayError
+    from kvbench.replay.runner import ReplayConfig
     from kvbench.replay.sampling import SamplingParams
     from kvbench.replay.saturation import SaturationRule
     from kvbench.tracegen.schema import Trace
@@ -134,7 +161,7 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
         reference = load_reference(quality_dirs(root, cell.trace_id)[0], trajectories[spec.num_warmups:], inputs.model)
         if inputs.recorded_root is not None:  # a cluster worker's copy: recorded where the driver keeps it
             reference = dataclasses.replace(reference, path=inputs.recorded_root / reference.path.relative_to(root))
-    config = ReplayConfig.build(
+    return ReplayConfig.build(
         trace=Trace(header=trace.header, trajectories=trajectories), reference=reference,
         first_token_only=chosen.first_token_only,
         tokenizer=inputs.tokenizer, method=method.method, base_urls=server.base_urls, result_dir=cell.path,
@@ -151,16 +178,6 @@ def replay_cell(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
                       "target_rho": method.target_rho,
                       "server_options": spec.server_options, "server_command": server.command(),
                       **server.describe()})
-    try:
-        summary = replay_and_summarize(config)
-    except ReplayError as exc:
-        if not server.is_running():
-            raise
-        (cell.path / "error.txt").write_text(str(exc) + "\n")
-        return None
-    if after_cell is not None:
-        after_cell(cell, server, summary)
-    return summary
 
 
 def _comparison(spec: SweepSpec, cell: SweepCell) -> dict[str, Any]:
@@ -177,7 +194,9 @@ def _comparison(spec: SweepSpec, cell: SweepCell) -> dict[str, Any]:
         run_files.write_text_atomic(id_file, uuid.uuid4().hex[:12] + "\n")
     sweep_id = id_file.read_text().strip()
     return {run_files.COMPARISON: {"id": f"{sweep_id}-{cell.trace_id}-qps{cell.qps:g}-rep{cell.repeat}",
-                                   "arms": [m.name for m in spec.methods], "interleaved": True, "unit": "cell"}}
+                                   "arms": [m.name for m in spec.methods], "interleaved": True,
+                                   # single stream: turns a trajectory at a time; under load, a cell at a time
+                                   "unit": "trajectory" if cell.qps == 0 else "cell"}}
 
 
 def sweep_servers(spec: SweepSpec, config: Any) -> Any:
@@ -264,19 +283,29 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
 def run_groups_interleaved(spec: SweepSpec, root: Path, inputs: SweepInputs, groups: list[CellGroup],
                            on_cell: Callable[[str], None] | None = None, after_cell: AfterCell | None = None) -> None:
     """Every group's server up side by side (each started at its first turn, none stopped before
-    the last cell); the groups' cells take turns, one cell each, the order rotating every round,
-    so cell k of every method runs back to back. Quality baselines run at once, outside the turns."""
+    the last cell); the groups take turns a cell each, the order rotating every round, so cell k of
+    every method runs back to back. A round of single-stream cells (QPS 0) is one interleaved
+    comparison, its arms taking turns a trajectory at a time (kvbench.experiment.interleaved).
+    Quality baselines run at once, outside the turns."""
     import contextlib
 
-    def one_run(steps: Iterator[GroupStep]) -> GroupStep | None:
-        if next(steps, None) is None:  # the run's start; then its finish
-            return None
+    from kvbench.experiment.interleaved import Arm, replay_interleaved
+
+    quality = root / "quality"
+
+    def start(steps: Iterator[GroupStep]) -> GroupStep | None:
+        """The group's next cell started (a baseline run through first), or None: none left."""
+        while (step := next(steps, None)) is not None:
+            if step.deferred is not None or not step.run.is_relative_to(quality):
+                return step
+            finish(steps)
+        return None
+
+    def finish(steps: Iterator[GroupStep]) -> None:
         finished = next(steps)
         if on_cell:
             on_cell(finished.label)
-        return finished
 
-    quality = root / "quality"
     with contextlib.ExitStack() as stack:
         turns: list[Iterator[GroupStep]] = []
         for group in groups:
@@ -285,12 +314,22 @@ def run_groups_interleaved(spec: SweepSpec, root: Path, inputs: SweepInputs, gro
             turns.append(steps)
         round_index = 0
         while turns:
-            start = round_index % len(turns)
-            for steps in turns[start:] + turns[:start]:
-                while (finished := one_run(steps)) is not None and finished.run.is_relative_to(quality):
-                    pass  # a baseline: not a turn
-                if finished is None:
+            offset = round_index % len(turns)
+            deferred: list[tuple[Iterator[GroupStep], GroupStep]] = []
+            for steps in turns[offset:] + turns[:offset]:
+                step = start(steps)
+                if step is None:
                     turns.remove(steps)
+                elif step.deferred is not None:
+                    deferred.append((steps, step))  # replayed below, with the round's others
+                else:
+                    finish(steps)
+            if deferred:
+                try:
+                    replay_interleaved([Arm(step.deferred) for _, step in deferred], on_note=logger.warning)
+                finally:
+                    for steps, _ in deferred:
+                        finish(steps)
             round_index += 1
 
 

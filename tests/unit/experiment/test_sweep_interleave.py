@@ -41,8 +41,16 @@ def test_an_interleaved_sweep_runs_each_cell_of_every_method_back_to_back(tiny_t
         assert pair[0].comparison == pair[1].comparison and pair[0].comparison.startswith(sweep_id)
         assert pair[0].interleaved
     assert len({run.comparison for run in runs}) == 4
-    # the order rotates: which method goes first changes from one round to the next
-    assert [runs[k].method for k in range(0, len(runs), 2)] == ["nonshared", "fullshared"] * 2
+    units = {run.path.name: run.config["comparison"]["unit"] for run in runs}
+    assert units == {"ctx64-a4-r1-qps0-rep0": "trajectory", "ctx64-a4-r1-qps0-rep1": "trajectory",
+                     "ctx64-a4-r1-qps4-rep0": "cell", "ctx64-a4-r1-qps4-rep1": "cell"}
+    # single stream: the round's two runs took turns a trajectory at a time, each turn recorded
+    for run in runs:
+        if run.summary["request_rate"] == 0:
+            assert run.config["interleaved"], run.path
+    # under load, a cell at a time, in an order that rotates from one round to the next
+    loaded = [run for run in runs if run.summary["request_rate"] > 0]
+    assert loaded[0].method != loaded[2].method
     savings = reuse_turn_savings(runs)
     assert len(savings) == 4  # each FullShared cell against its own repeat's NonShared cell
     assert savings["reuse_repeats"].str.endswith("over 2").all(), savings["reuse_repeats"].tolist()
