@@ -150,6 +150,10 @@ def sweep_options(func):
                           "every method back to back, the order rotating): drift on the machine falls on all alike, "
                           "and each cell is paired with its own repeat's NonShared cell; the report shows the spread "
                           "between repeats. Needs the memory for all servers at once (checked)."),
+        click.option("--aa/--no-aa", "aa", default=True, show_default=True,
+                     help="With --interleave and nonshared among --methods: NonShared's cells again, as "
+                          "`nonshared-aa` on a server of their own, taking turns like the rest: each comparison's "
+                          "noise floor."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
                      help="Sampling temperature of every request (0: greedy; quality comparisons need it); above "
@@ -220,10 +224,11 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvbench.experiment.sweep import SweepSpec
+    from kvbench.experiment.sweep import PLAIN_NONSHARED, MethodConfig, SweepSpec
     from kvbench.experiment.sweep_runner import run_sweep
     from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.runner import ReplayError
+    from kvbench.run_files import AA_LABEL
     from kvbench.server.errors import ServerError
     from kvbench.tracegen.code_execution import CodeExecutionRefused
 
@@ -275,6 +280,8 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
         save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks, roles=options["roles"],
         goodput=goodput,
         adapters={role: str(Path(path).resolve()) for role, path in role_paths(options["adapters"]).items()})
+    if options.pop("aa") and spec.interleave and PLAIN_NONSHARED in spec.methods:
+        spec.methods.append(MethodConfig("nonshared", label=AA_LABEL))  # the noise floor (analysis/savings.py)
     cells = spec.cells(out)
     ray = _ray_options(options)
     if spec.interleave:

@@ -32,28 +32,32 @@ def test_an_interleaved_sweep_runs_each_cell_of_every_method_back_to_back(tiny_t
     done = _sweep(tmp_path / "s", tiny_tokenizer_dir, "--interleave")
     assert done.returncode == 0, done.stderr
     runs = sorted(find_runs([tmp_path / "s"]), key=lambda run: run.started or 0)
-    assert len(runs) == 8  # 2 methods x 2 QPS x 2 repeats
+    assert len(runs) == 12  # (nonshared, fullshared, and nonshared again: the A/A arm) x 2 QPS x 2 repeats
     sweep_id = (tmp_path / "s" / "comparison-id").read_text().strip()
-    for k in range(0, len(runs), 2):  # each round: the same cell of both methods, one comparison
-        pair = runs[k:k + 2]
-        assert {run.method for run in pair} == {"nonshared", "fullshared"}
-        assert len({run.path.name for run in pair}) == 1, [run.path for run in pair]
-        assert pair[0].comparison == pair[1].comparison and pair[0].comparison.startswith(sweep_id)
-        assert pair[0].interleaved
+    for k in range(0, len(runs), 3):  # each round: the same cell of every configuration, one comparison
+        arms = runs[k:k + 3]
+        assert sorted(run.name for run in arms) == ["fullshared", "nonshared", "nonshared-aa"]
+        assert len({run.path.name for run in arms}) == 1, [run.path for run in arms]
+        assert len({run.comparison for run in arms}) == 1 and arms[0].comparison.startswith(sweep_id)
+        assert all(run.interleaved for run in arms)
     assert len({run.comparison for run in runs}) == 4
     units = {run.path.name: run.config["comparison"]["unit"] for run in runs}
     assert units == {"ctx64-a4-r1-qps0-rep0": "trajectory", "ctx64-a4-r1-qps0-rep1": "trajectory",
                      "ctx64-a4-r1-qps4-rep0": "cell", "ctx64-a4-r1-qps4-rep1": "cell"}
-    # single stream: the round's two runs took turns a trajectory at a time, each turn recorded
+    # single stream: each round's runs took turns a trajectory at a time, each turn recorded
     for run in runs:
         if run.summary["request_rate"] == 0:
             assert run.config["interleaved"], run.path
     # under load, a cell at a time, in an order that rotates from one round to the next
     loaded = [run for run in runs if run.summary["request_rate"] > 0]
-    assert loaded[0].method != loaded[2].method
-    savings = reuse_turn_savings(runs)
-    assert len(savings) == 4  # each FullShared cell against its own repeat's NonShared cell
-    assert savings["reuse_repeats"].str.endswith("over 2").all(), savings["reuse_repeats"].tolist()
+    assert loaded[0].name != loaded[3].name
+    savings = reuse_turn_savings(runs).set_index("run")
+    fullshared = savings[savings.index.str.startswith("fullshared")]
+    floors = savings[savings.index.str.startswith("nonshared-aa")]
+    # each FullShared cell against its own repeat's NonShared cell, beside that comparison's A/A arm
+    assert len(fullshared) == 4 and len(floors) == 4 and (floors["reuse_finding"] == "noise floor").all()
+    assert (fullshared["reuse_noise_floor"] != "").all()
+    assert fullshared["reuse_repeats"].str.endswith("over 2").all(), fullshared["reuse_repeats"].tolist()
 
 
 def test_a_sweep_without_interleave_runs_one_method_after_another_and_resumes_only_so(
