@@ -125,3 +125,14 @@ def test_without_the_flag_the_same_replay_runs_to_its_end(tiny_tokenizer_dir: Pa
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "r" / run_files.SUMMARY).read_text())
     assert summary["saturated"] is False and summary["completed"] == 80 and summary["saturation_stopped_requests"] == 0
+
+
+def test_ttft_growth_is_measured_from_the_first_observation_not_from_zero() -> None:
+    """A run whose first request finishes at 20 s: TTFT rising from 1,800 to 2,600 ms while the
+    backlog grows is a growth of 1.44 since the run's first observation, short of the rule's 2; from
+    t = 0 the same line would read 2.6 (a verdict on a run that only got slower by half)."""
+    times = np.linspace(20.0, 40.0, 80)
+    verdict = _feed(SaturationDetector(RULE), times, 1000 + 40 * times, np.floor(0.5 * times))
+    assert RULE.min_ttft_growth == 2 and verdict is None
+    doubled = _feed(SaturationDetector(RULE), times, -1000 + 90 * times, np.floor(0.5 * times))  # 800 -> 2,600 ms
+    assert doubled is not None

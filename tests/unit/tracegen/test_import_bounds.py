@@ -145,3 +145,16 @@ def test_a_trace_that_fails_to_validate_leaves_nothing(tmp_path: Path, monkeypat
     monkeypatch.setattr(validate, "check_trace", refuse)
     result, out = _import(tmp_path, _log(tmp_path, _request()))
     _refused(result, out, "declares 3 tokens")
+
+
+def test_the_text_limit_counts_bytes_not_characters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """600 three-byte characters are 1,800 bytes: over a 1,000-byte limit although under it in
+    characters; 300 of them (900 bytes) are under it. Counted in characters, the first would pass."""
+    monkeypatch.setenv("KVBENCH_MAX_TRACE_TEXT_BYTES", "1000")
+    over = _log(tmp_path, _request(response="\u20ac" * 600))
+    result, out = _import(tmp_path, over)
+    _refused(result, out, "line 1: response: text of 1800 bytes, over the trace limit of 1000")
+    under = tmp_path / "under"
+    under.mkdir()
+    result, out = _import(under, _log(under, _request(response="\u20ac" * 300)))
+    assert result.exit_code == 0, result.output
