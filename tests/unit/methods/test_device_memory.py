@@ -59,3 +59,20 @@ def test_a_gpu_peak_counts_temporary_buffers_and_restarts_on_reset() -> None:
     assert peak is not None and peak >= pool.nbytes + 16 * 2**20
     after_reset = device_memory(0, [pool], reset=True)
     assert device_memory(0, [pool]).peak_allocated_bytes < after_reset.peak_allocated_bytes  # type: ignore[operator]
+
+
+def test_a_tensor_parallel_gpu_peak_adds_its_ranks_and_takes_the_largest_server() -> None:
+    """Each rank's torch peak is its own device's: a server's is their sum; the run's is its
+    largest server's, read from each server's last answer (the peak since the segment's start)."""
+    def ranks(*peaks_gib: float) -> list[dict]:
+        return [{"device": "cuda", "peak_allocated_bytes": int(p * GIB), "weights_bytes": GIB, "kv_pool_bytes": GIB}
+                for p in peaks_gib]
+
+    samples = [{"server_url": "a", "device_memory": ranks(1, 1)},  # the segment's start: superseded
+               {"server_url": "b", "device_memory": ranks(2, 2.5)},
+               {"server_url": "a", "device_memory": ranks(3, 5)}]
+    device = segment_device_memory(samples)
+    assert device is not None and device["peak_allocated_bytes"] == 8 * GIB  # a's two ranks, 3 + 5
+    assert device["weights_bytes"] == 2 * GIB and device["kv_pool_bytes"] == 2 * GIB
+    figures = memory_figures(device, 0, {})
+    assert figures["peak_gpu_memory_gib"] == 8.0 and figures["memory_parts_gib"]["other"] == 4.0
