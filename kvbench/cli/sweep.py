@@ -150,6 +150,9 @@ def sweep_options(func):
                           "every method back to back, the order rotating): drift on the machine falls on all alike, "
                           "and each cell is paired with its own repeat's NonShared cell; the report shows the spread "
                           "between repeats. Needs the memory for all servers at once (checked)."),
+        click.option("--save-prompt-ids", is_flag=True,
+                     help="Store every prompt's token ids in each cell's requests.parquet (and the quality runs'), as "
+                          "replay --save-prompt-ids does."),
         click.option("--aa/--no-aa", "aa", default=True, show_default=True,
                      help="With --interleave and nonshared among --methods: NonShared's cells again, as "
                           "`nonshared-aa` on a server of their own, taking turns like the rest: each comparison's "
@@ -277,7 +280,8 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
         protocol=options["protocol"] or defaults.get("protocol", "free"),
         num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
         prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
-        save_prompt_ids=defaults.get("save_prompt_ids", False), benchmarks=benchmarks, roles=options["roles"],
+        save_prompt_ids=options.pop("save_prompt_ids") or defaults.get("save_prompt_ids", False), benchmarks=benchmarks,
+        roles=options["roles"],
         goodput=goodput,
         adapters={role: str(Path(path).resolve()) for role, path in role_paths(options["adapters"]).items()})
     if options.pop("aa") and spec.interleave and PLAIN_NONSHARED in spec.methods:

@@ -239,7 +239,7 @@ def _run_quality_baseline(spec: SweepSpec, inputs: SweepInputs, name: str, run: 
         trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=inputs.tokenizer,
         method="nonshared", base_urls=server.base_urls, result_dir=run, qps=0.0, seed=spec.seed, routing=spec.routing,
         num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,
-        logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(),
+        logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(), save_prompt_ids=spec.save_prompt_ids,
         request_timeout_s=spec.request_timeout_s, show_progress=False,
         server_pids=server.pids, server_failure=server.failure,
         extra_config={**inputs.recorded(name), "method_params": {}, "method_config": "nonshared",

@@ -28,7 +28,7 @@ def _sweep(out: Path, model: Path, *extra: str) -> subprocess.CompletedProcess[s
 
 
 def test_a_paper_protocol_sweep_replays_every_cell_on_the_reference(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
-    done = _sweep(tmp_path / "s", tiny_tokenizer_dir, "--protocol", "paper")
+    done = _sweep(tmp_path / "s", tiny_tokenizer_dir, "--protocol", "paper", "--save-prompt-ids")
     assert done.returncode == 0, done.stderr
     reference = tmp_path / "s" / "quality" / "ctx64-a4-r1" / "reference"
     assert json.loads((reference / "config.json").read_text())["protocol"] == "free"
@@ -42,9 +42,12 @@ def test_a_paper_protocol_sweep_replays_every_cell_on_the_reference(tiny_tokeniz
         assert config["protocol"] == "paper" and config["reference_run"]["path"] == str(reference)
         requests = pd.read_parquet(cell / "requests.parquet")
         assert len(requests) == len(ref) and (requests["output_tokens"] == 1).all()
-        # the prompts carry the reference's outputs: each turn's prompt is as long as the reference's
+        # the prompts carry the reference's outputs: each turn's prompt is the reference's, token for token
         merged = requests.merge(ref, on=["trajectory_id", "turn_id"], suffixes=("", "_ref"))
-        assert (merged["prompt_tokens"] == merged["prompt_tokens_ref"]).all()
+        assert [list(p) for p in merged["prompt_token_ids"]] == [list(p) for p in merged["prompt_token_ids_ref"]]
+        later = merged[merged["turn_id"] != "A0.r0"]
+        assert len(later) and all(len(p) > len(q) for p, q in zip(later["prompt_token_ids"],
+                                                                   merged.loc[later.index - 1, "prompt_token_ids"]))
 
 
 def test_target_rho_calibrates_each_gated_configuration_once_per_trace(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
