@@ -72,6 +72,7 @@ class Metric:
 
 def _m(key: str, unit: Unit, source: Source, better: Better | None, views: str, description: str,
        **extra: object) -> Metric:
+    """One entry, its views as a space-separated string (the table below stays one line a metric)."""
     return Metric(key, unit, description, source, better, views=frozenset(views.split()),  # type: ignore[arg-type]
                   **extra)  # type: ignore[arg-type]
 
