@@ -150,8 +150,9 @@ def compare_table(baseline: list[Run], candidate: list[Run], metrics: list[str],
         for metric in metrics:
             b, c = _value(base[key], metric), _value(cand[key], metric)  # the mean over a cell's repeats
             interval = ratio_interval(base[key], cand[key], metric)
-            better = (metric_catalog.find(metric) or metric_catalog.Metric(metric, "count", "", "client")).better
-            rows.append({"cell": key, "method": base[key][0].method, "metric": metric, "better": better or "-",
+            known = metric_catalog.find(metric)
+            rows.append({"cell": key, "method": base[key][0].method, "metric": metric,
+                         "better": (known.better if known else None) or "-",
                          "baseline": b, "candidate": c,
                          "ratio": c / b if b and not math.isnan(b) else math.nan,
                          "ratio_low": interval.low if interval else math.nan,

@@ -78,8 +78,13 @@ def _stats_missing(result_dir: Path, requests: pd.DataFrame, recorded: list[str]
     these requests out, and the summary says how many."""
     if not (result_dir / run_files.METHOD_STATS).exists() or "reused_tokens" not in requests or not len(requests):
         return list(recorded)
-    unrecorded = requests.loc[requests["success"] & requests["reused_tokens"].isna(), "request_id"].astype(str)
+    unrecorded = requests.loc[_without_stats(requests), "request_id"].astype(str)
     return list(dict.fromkeys([*recorded, *unrecorded]))
+
+
+def _without_stats(requests: pd.DataFrame) -> pd.Series:
+    """Successful requests whose records hold no method stats (reuse figures leave them out)."""
+    return requests["success"] & requests["reused_tokens"].isna()
 
 
 def _rank_mismatched(requests: pd.DataFrame) -> int:
@@ -189,7 +194,7 @@ def summarize_run(result_dir: Path) -> dict[str, Any]:
         summary["shared_remote_bytes_per_reused_token"] = summary["shared_remote_bytes"] / summary["reused_tokens"]
     # the reuse share over the requests whose stats were counted (those without add shared tokens
     # and no reuse: a full disk's lost stats would read as reuse that never happened)
-    counted = (int(requests.loc[requests["success"] & requests["reused_tokens"].notna(), "shared_tokens"].sum())
+    counted = (int(requests.loc[requests["success"] & ~_without_stats(requests), "shared_tokens"].sum())
                if missing and "reused_tokens" in requests else None)
     return {**summary, **cache_hit_figures(summary, counted)}
 

@@ -318,15 +318,12 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
 def _check_interleave(spec: Any, on_ray: bool, searching: bool) -> None:
     """--interleave keeps every server up on this machine: not on Ray, not for a max-QPS search
     (its probes depend on the one before), and only where their memory fits side by side."""
-    from kvbench.experiment.interleaved import side_by_side_shortfall, weights_bytes
-    from kvbench.model.resolve import resolve_model
+    from kvbench.experiment.sweep_runner import interleave_shortfall
 
     if on_ray or searching:
         raise click.UsageError(f"--interleave runs every server side by side on this machine; not with "
                                f"{'--ray' if on_ray else '--find-max-qps'}")
-    servers = len({m.name for m in spec.methods} | ({"nonshared"} if spec.quality else set())) * spec.instances
-    shortfall = side_by_side_shortfall(servers, spec.cpu_kv_cache_gib, weights_bytes(resolve_model(spec.model)))
-    if shortfall:
+    if shortfall := interleave_shortfall(spec):
         raise click.UsageError(f"--interleave: {shortfall}; run without it (one server at a time: cells in a row, "
                                "drift between methods not cancelled) or with fewer --methods")
 

@@ -66,14 +66,19 @@ def least_counted(target_share: float) -> int:
     return n
 
 
-def check_search(target_share: float, qps_range: tuple[float, float], counted_per_probe: int, unit: str) -> str | None:
-    """Refuse a range outside QPS_LIMITS; warn (the returned text) where probes are too small to
-    show the target share with confidence: one workflow 'passing' a 0.9 share proves nothing, and
-    its pass is the point estimate's, which the next run may not repeat."""
+def check_range(qps_range: tuple[float, float]) -> None:
+    """Refuse a range outside QPS_LIMITS (before any work)."""
     low, high = qps_range
     if not (QPS_LIMITS[0] <= low < high <= QPS_LIMITS[1]):
         raise ValueError(f"--qps-range {low:g},{high:g}: a search probes rates from {QPS_LIMITS[0]:g} to "
                          f"{QPS_LIMITS[1]:g} QPS, LOW below HIGH")
+
+
+def check_search(target_share: float, qps_range: tuple[float, float], counted_per_probe: int, unit: str) -> str | None:
+    """Refuse a range outside QPS_LIMITS; warn (the returned text) where probes are too small to
+    show the target share with confidence: one workflow 'passing' a 0.9 share proves nothing, and
+    its pass is the point estimate's, which the next run may not repeat."""
+    check_range(qps_range)
     needed = least_counted(target_share)
     if counted_per_probe < needed:
         return (f"each probe counts {counted_per_probe} {unit}: even all meeting the bounds, its 95% interval cannot "
@@ -125,16 +130,18 @@ def find_max_qps(spec: SweepSpec, root: Path, target_share: float = 0.9, metric:
         raise ValueError(f"--goodput-share must be in (0, 1], got {target_share}")
     low, high = qps_range
     start = min(max(spec.qps[0] if spec.qps and spec.qps[0] > 0 else 1.0, low), high)
+    check_range(qps_range)
     workloads = {point.shared_tokens: point.num_trajectories or spec.num_trajectories for point in spec.grid_points()}
-    # a request metric counts every turn of the probe's trajectories
-    turns = 1 if metric == "workflow" else min(spec.agents) * min(spec.rounds)
-    warning = check_search(target_share, qps_range, min(workloads.values()) * turns,
-                           "workflows" if metric == "workflow" else "requests")
-    if warning and on_probe:
-        on_probe(f"warning: {warning}")
     results = []
     with result_dir_lock(root):
         inputs = prepare_sweep(spec, root)
+        # what one probe counts: its trajectories, or (a request metric) every turn of them
+        counted = min(workloads.get(int(trace.header.generator.get("shared_tokens") or 0), spec.num_trajectories)
+                      * (1 if metric == "workflow" else len(trace.trajectories[0].turns))
+                      for trace in inputs.traces.values())
+        warning = check_search(target_share, qps_range, counted, "workflows" if metric == "workflow" else "requests")
+        if warning and on_probe:
+            on_probe(f"warning: {warning}")
         for method in spec.methods:
             config = inputs.server_config(spec, root, method)
             with VLLMServer(config) if spec.instances == 1 else sweep_servers(spec, config) as server:

@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +87,7 @@ class GroupStep:
 
 
 def group_steps(spec: SweepSpec, root: Path, inputs: SweepInputs, group: CellGroup,
-                after_cell: AfterCell | None = None) -> Iterator[GroupStep]:
+                after_cell: AfterCell | None = None) -> Generator[GroupStep, None, None]:
     """The group's runs, one step before and one after each, on its server (started once, and
     stopped when the steps end or the iteration is given up)."""
     from kvbench.server.lifecycle import wait_for_stopped_servers
@@ -280,6 +280,18 @@ def _run_sweep(spec: SweepSpec, root: Path, on_cell: Callable[[str], None] | Non
     return finish_sweep(spec, root)
 
 
+def interleave_shortfall(spec: SweepSpec) -> str | None:
+    """Why the servers an interleaved sweep keeps up together (each method configuration's, and the
+    plain NonShared one its quality baselines run on, each on its instances) do not fit in this
+    machine's memory, or None."""
+    from kvbench.experiment.interleaved import side_by_side_shortfall, weights_bytes
+    from kvbench.model.resolve import resolve_model
+
+    configurations = {m.name for m in spec.methods} | ({PLAIN_NONSHARED.name} if spec.quality else set())
+    return side_by_side_shortfall(len(configurations) * spec.instances, spec.cpu_kv_cache_gib,
+                                  weights_bytes(resolve_model(spec.model)))
+
+
 def run_groups_interleaved(spec: SweepSpec, root: Path, inputs: SweepInputs, groups: list[CellGroup],
                            on_cell: Callable[[str], None] | None = None, after_cell: AfterCell | None = None) -> None:
     """Every group's server up side by side (each started at its first turn, none stopped before
@@ -309,9 +321,9 @@ def run_groups_interleaved(spec: SweepSpec, root: Path, inputs: SweepInputs, gro
     with contextlib.ExitStack() as stack:
         turns: list[Iterator[GroupStep]] = []
         for group in groups:
-            steps = group_steps(spec, root, inputs, group, after_cell)
-            stack.callback(steps.close)  # type: ignore[attr-defined]  # its server stops when the sweep does
-            turns.append(steps)
+            generator = group_steps(spec, root, inputs, group, after_cell)
+            stack.callback(generator.close)  # its server stops when the sweep does
+            turns.append(generator)
         round_index = 0
         while turns:
             offset = round_index % len(turns)
