@@ -89,6 +89,11 @@ def test_a_ratio_is_a_finding_only_outside_one_and_the_noise_floor() -> None:
     assert finding(RatioInterval(1.5, 1.3, 1.7, 0.95), floor) == "slower"
     assert finding(RatioInterval(0.85, 0.8, 0.95, 0.95), floor) == "within noise"  # excludes 1, meets the floor
     assert finding(RatioInterval(0.9, 0.7, 1.05, 0.95), None) == "within noise"
+    # an interval that reaches 1, or the floor, exactly does not exclude it
+    assert finding(RatioInterval(0.9, 0.8, 1.0, 0.95), None) == "within noise"
+    assert finding(RatioInterval(1.1, 1.0, 1.2, 0.95), None) == "within noise"
+    assert finding(RatioInterval(0.8, 0.7, 0.9, 0.95), floor) == "within noise"
+    assert finding(RatioInterval(1.2, 1.1, 1.3, 0.95), floor) == "within noise"
     assert finding("n/a", floor) == ""
 
 

@@ -199,9 +199,11 @@ def test_a_summary_after_lost_method_stats_counts_them_and_keeps_the_reuse_share
     truth = summarize_run(run)
     requests = pd.read_parquet(run / run_files.REQUESTS)
     lost = requests.index[requests["success"]][:16]
+    failed = requests.index[requests["success"]][-1:]  # a failed request has no stats to lose
+    requests.loc[failed, "success"] = False
     for column in ("reused_tokens", "recomputed_tokens", "eligible_tokens", "method_stats", "prefix_cached_tokens"):
         if column in requests:
-            requests.loc[lost, column] = None
+            requests.loc[lost.union(failed), column] = None
     requests.to_parquet(run / run_files.REQUESTS)
     (run / run_files.REQUESTS_JOURNAL).unlink()  # the journal kept the records without their stats too
     summary = summarize_run(run)

@@ -127,6 +127,8 @@ def test_a_search_range_is_bounded_and_small_probes_are_named() -> None:
         max_qps.check_search(0.9, (1e-300, 1e300), 100, "workflows")
     with pytest.raises(ValueError, match="LOW below HIGH"):
         max_qps.check_search(0.9, (4.0, 2.0), 100, "workflows")
+    with pytest.raises(ValueError, match="LOW below HIGH"):
+        max_qps.check_search(0.9, (2.0, 2.0), 100, "workflows")  # a range of one rate brackets nothing
     needed = max_qps.least_counted(0.9)
     assert wilson_interval(needed, needed)[0] >= 0.9 > wilson_interval(needed - 1, needed - 1)[0]
     warning = max_qps.check_search(0.9, (0.125, 16), 1, "workflows")

@@ -33,6 +33,9 @@ def test_a_clear_winner_lost_is_a_failure_and_a_near_tie_is_not() -> None:
     assert tie is not None and tie.step == 1 and tie.near_tie and tie.margin == pytest.approx(0.01)
     clear = first_divergence([1, 7, 9], [1, 2, 3], [{1: -0.1}, {2: -0.1, 7: -3.0}, {}], tolerance=0.02)
     assert clear is not None and not clear.near_tie and clear.margin == pytest.approx(2.9)
+    # a margin of exactly the tolerance is still a tie (binary-exact values)
+    edge = first_divergence([7], [2], [{2: -0.5, 7: -0.75}], tolerance=0.25)
+    assert edge is not None and edge.margin == 0.25 and edge.near_tie
     # a token outside the reference's top candidates is never a tie
     unseen = first_divergence([5], [1], [{1: -0.1}], tolerance=10.0)
     assert unseen is not None and unseen.margin == math.inf and not unseen.near_tie

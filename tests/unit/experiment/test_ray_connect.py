@@ -31,6 +31,28 @@ def test_an_address_nothing_answers_at_is_named() -> None:
         assert unreachable(f"127.0.0.1:{listening.getsockname()[1]}", timeout_s=2) is None
 
 
+def test_an_address_that_never_completes_a_connection_is_given_up_on_in_seconds() -> None:
+    """A listener whose queue is full drops new connections unanswered (as a firewalled host
+    does): the default wait, not the system's minutes of retries, bounds the check."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        queued = [socket.socket() for _ in range(4)]
+        try:
+            for client in queued:
+                client.setblocking(False)
+                client.connect_ex(silent.getsockname())
+            time.sleep(0.2)
+            started = time.monotonic()
+            reason = unreachable(f"127.0.0.1:{silent.getsockname()[1]}")
+            waited = time.monotonic() - started
+        finally:
+            for client in queued:
+                client.close()
+    assert reason is not None and "timed out" in reason
+    assert waited < 15
+
+
 def test_a_sweep_on_a_cluster_nothing_answers_at_stops_at_once(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
     pytest.importorskip("ray", reason="the [ray] extra (scripts/install.sh installs it)")
     started = time.monotonic()

@@ -110,13 +110,14 @@ def test_servers_sharing_a_tier_read_finished_sources_across_servers(tiny_tokeni
 
 
 def test_agent_routing_follows_the_agent_not_the_turn(tiny_tokenizer_dir: Path) -> None:
-    """Over two rounds on three servers an agent's turn index differs from its place among the
-    agents: `agent` routing keeps every turn of an agent on one server, (trajectory + agent) mod N."""
-    _, (first, *_) = generate_trace(TraceSpec(num_agents=3, rounds=2, shared_tokens=64, output_len=4,
+    """Two agents over three rounds on three servers: a turn's index differs from its agent's
+    place among the agents even modulo the servers, so routing by turn would put an agent's turns
+    on several servers; `agent` routing keeps each on one, (trajectory + agent) mod N."""
+    _, (first, *_) = generate_trace(TraceSpec(num_agents=2, rounds=3, shared_tokens=64, output_len=4,
                                               num_trajectories=1), load_tokenizer(str(tiny_tokenizer_dir)))
     urls = ["http://a", "http://b", "http://c"]
     placed = _placed(Router(urls, "agent"), 2, first)
     agents = list(first.agents)
-    assert len(first.turns) == 6 and any(i != agents.index(t.agent) for i, t in enumerate(first.turns))
+    assert len(first.turns) == 6 and any(i % 3 != agents.index(t.agent) for i, t in enumerate(first.turns))
     for turn in first.turns:
         assert placed[turn.turn_id] == urls[(2 + agents.index(turn.agent)) % 3], turn.turn_id
