@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench import run_files
+from kvbench.tracegen.tasks.registry import all_tasks
 
 
 class RunLoadError(ValueError):
@@ -91,7 +92,8 @@ class Run:
     def workload(self) -> str:
         """What the run replayed at which load: shared tokens, agents, rounds, workflow, QPS."""
         generator = self._generator()
-        if generator.get("task") in ("mmlu", "gsm8k", "humaneval"):  # the question is the context
+        task = all_tasks().get(str(generator.get("task")))
+        if task is not None and task.uses_items:  # the item's question is the context
             parts = [str(generator["task"])]
         else:
             parts = [f"{short}={generator[key]}" for key, short in (("shared_tokens", "ctx"), ("num_agents", "a"),

@@ -24,6 +24,8 @@ TASK_SCORES = "task_scores.parquet"  # a task trace's turns against their gold a
 QUALITY = "quality.parquet"  # each turn's output against a reference run's (analysis)
 QUALITY_PGR = "quality_pgr.json"  # PGR against a no-shared-context floor run (analysis)
 SUMMARY = "summary.json"  # written by analysis from the files above
+FIDELITY_SEGMENTS = "fidelity_segments.parquet"  # per (segment, layer), from a fidelity sweep's FullShared cell
+FIDELITY_ERRORS = "fidelity_errors.parquet"  # per (segment, layer), from each method's cell of it
 # error_type of a request in flight when an over-saturated run stopped: never answered, not a
 # failure; analysis leaves such records out (`answered_requests`)
 SATURATION_STOP = "saturated"

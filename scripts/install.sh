@@ -51,7 +51,7 @@ if [ "$target" = cpu ] && [ -z "${KVBENCH_SKIP_AIPERF:-}" ]; then
   [ -x "$tools/bin/aiperf" ] || "$tools/bin/python" -m pip install --quiet "aiperf==0.13.0"
 fi
 if ! command -v bwrap >/dev/null 2>&1; then
-  # bubblewrap: the sandbox HumanEval's model-written code runs in (tracegen/code_execution.py)
+  # bubblewrap: the sandbox HumanEval's model-written code runs in (tracegen/tasks/sandbox/code_execution.py)
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } ||
       echo "note: could not install bubblewrap; HumanEval scoring needs it (apt-get install bubblewrap)" >&2

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, replace
 from kvbench import __version__
 from kvbench.tracegen.adapters import with_adapters
 from kvbench.tracegen.arrivals import arrival_times
-from kvbench.tracegen.benchmark_workloads import NUM_AGENTS, BenchmarkTask, ChatFrame, chat_frame
 from kvbench.tracegen.roles import MAX_AGENTS, Role, roles_for
 from kvbench.tracegen.schema import (
     OUT_PREFIX,
@@ -23,6 +22,7 @@ from kvbench.tracegen.schema import (
     Trajectory,
     Turn,
 )
+from kvbench.tracegen.tasks.benchmark import NUM_AGENTS, BenchmarkTask, ChatFrame, chat_frame
 from kvbench.tracegen.tasks.registry import NO_TASK, benchmark_names, get_task, task_names
 from kvbench.tracegen.text import document_words, question
 from kvbench.tracegen.tokenizer import TraceTokenizer
@@ -115,7 +115,7 @@ class TraceSpec:
             except ValueError as exc:
                 raise ValueError(f"{exc}, not {self.roles!r}") from None
         if self.data is not None or self.limit is not None:
-            raise ValueError("--data and --limit are for benchmark tasks (--task mmlu, gsm8k or humaneval)")
+            raise ValueError(f"--data and --limit are for tasks that read items (--task {', '.join(benchmark_names())})")
 
     def _validate_benchmark(self) -> None:
         """A benchmark workload's shape is the paper's: four agents, one round, sequential; the
@@ -127,7 +127,7 @@ class TraceSpec:
                              f"sequential, one round; the question is the shared segment): {', '.join(wrong)} "
                              "does not apply")
         task = get_task(self.task)
-        if self.data is None and isinstance(task, BenchmarkTask) and not task.has_default_data:
+        if self.data is None and task.uses_items and not task.has_default_data:
             raise ValueError(f"--task {self.task} needs --data PATH (a parquet or JSONL export of the dataset; "
                              "docs/running.md says where to get one)")
         if self.output_len < 1:

@@ -154,8 +154,8 @@ def score_command(result_dirs: tuple[Path, ...], trace_path: Path | None) -> Non
     task_scores.parquet (one row per scored turn) and task_accuracy into summary.json. Replays of a
     task trace are scored as they finish; this scores them again (or with another trace file)."""
     from kvbench.experiment.run import rescore
-    from kvbench.tracegen.code_execution import CodeExecutionRefused
     from kvbench.tracegen.schema import TraceError
+    from kvbench.tracegen.tasks.sandbox.code_execution import CodeExecutionRefused
 
     runs = _run_dirs(result_dirs)
     for run in runs:

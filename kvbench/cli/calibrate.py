@@ -71,11 +71,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, i
     report = summary_dict(steps, target_rho, cls.threshold_name)
     task = next((t.task.name for t in trace.trajectories if t.task is not None), None)
     if task is not None:  # a benchmark workload (gen-trace --task mmlu ...): the threshold is per task
-        from kvbench.analysis.paper_values import PAPER_TAU
-
         report["task"] = task
-        if task in PAPER_TAU and method == "kvcmas":
-            report["paper_tau"] = PAPER_TAU[task]  # its choice for rho about 0.8 on its models
     click.echo(json.dumps(report, indent=2))
     if not within(report["realized_rho"], target_rho, tolerance) and flat_rho(steps):
         tried = ", ".join(f"{s.threshold:.4f}" for s in steps)

@@ -56,6 +56,8 @@ def load_trace(trace_path: Path | None, model: str | None, workload: WorkloadOpt
                                         workload.shared_tokens, workload.output_len, workload.seed)
     except (TraceError, ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
-    if any(t.task is not None and t.task.name == "humaneval" for t in trace.trajectories):
+    from kvbench.tracegen.tasks.registry import runs_model_code
+
+    if runs_model_code({t.task.name for t in trace.trajectories if t.task is not None}):
         require_code_execution_here()  # scoring it runs model-written code: refused before a server starts
     return trace, tokenizer, served

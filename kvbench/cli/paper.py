@@ -14,18 +14,19 @@ from typing import Any
 import click
 
 from kvbench.cli.sweep import run_grid, sweep_options
+from kvbench.tracegen.tasks.registry import get_task
 
 ALL = "all"
 
 
 def _paper_names() -> list[str]:
-    from kvbench.analysis.paper import TABLES
+    from kvbench.analysis.paper.tables import TABLES
 
     return [*TABLES, ALL]
 
 
 def _paper_help() -> str:
-    from kvbench.analysis.paper import NOT_COVERED, TABLES
+    from kvbench.analysis.paper.tables import NOT_COVERED, TABLES
 
     listed = "\n\n".join(f"\b\n{name}: {table.title.split(': ', 1)[1]}"
                           + (f" [--run: --protocol {table.protocol}]" if table.protocol != "free" else "")
@@ -38,7 +39,7 @@ def _paper_help() -> str:
 
 def _run_entry(name: str, folder: Path, options: dict[str, Any]) -> Path:
     """Run entry `name`'s sweep(s) in `folder`; the folder to render from."""
-    from kvbench.analysis import paper
+    from kvbench.analysis.paper import tables as paper
 
     entry, after_cell = paper.TABLES[name], None
     if name in paper.FIDELITY_TABLES:
@@ -58,7 +59,7 @@ def _run_entry(name: str, folder: Path, options: dict[str, Any]) -> Path:
     else:
         results = run_grid(folder / "sweep", grid, after_cell=after_cell, **options)
     accuracy = entry.accuracy_grid
-    if accuracy and all(t in options["data_files"] or t == "humaneval" for t in accuracy["benchmarks"]):
+    if accuracy and all(t in options["data_files"] or get_task(t).has_default_data for t in accuracy["benchmarks"]):
         run_grid(folder / "sweep-accuracy", accuracy, **options)
         results = folder  # both sweeps
     return results
@@ -67,14 +68,14 @@ def _run_entry(name: str, folder: Path, options: dict[str, Any]) -> Path:
 def _entry_results(name: str, folder: Path) -> Path:
     """Where `_run_entry` left entry `name`'s results in `folder`: the folder itself when it holds
     several sweeps, else its one sweep."""
-    from kvbench.analysis import paper
+    from kvbench.analysis.paper import tables as paper
 
     several = paper.TABLES[name].output_lens or (folder / "sweep-accuracy").is_dir()
     return folder if several else folder / "sweep"
 
 
 def _render(name: str, results: Path, out: Path, paper_values: bool) -> Path:
-    from kvbench.analysis import paper
+    from kvbench.analysis.paper import tables as paper
     from kvbench.analysis.runs import RunLoadError
 
     try:
@@ -114,7 +115,7 @@ def paper_command(table: str, results: Path | None, run_sweep: bool, out: Path |
 def sweep_groups() -> dict[str, list[str]]:
     """The paper's entries by the sweep they render from (entries of one grid share it), named
     after the group's first table (else its first figure)."""
-    from kvbench.analysis.paper import TABLES
+    from kvbench.analysis.paper.tables import TABLES
 
     by_grid: dict[str, list[str]] = {}
     for name, entry in TABLES.items():

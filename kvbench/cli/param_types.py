@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kvbench.tracegen.code_execution import CONSENT_ENV, CodeExecutionRefused, require_code_execution
+from kvbench.tracegen.tasks.sandbox.code_execution import CONSENT_ENV, CodeExecutionRefused, require_code_execution
 
 F = TypeVar("F", bound=Callable[..., Any])
 

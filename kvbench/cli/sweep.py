@@ -65,8 +65,10 @@ def _data_files(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
 
 
 def _benchmarks(tasks: list[str], files: dict[str, str]) -> dict[str, str | None]:
-    """The benchmark tasks a sweep can run: those with a data file (HumanEval has its own)."""
-    runnable: dict[str, str | None] = {t: files.get(t) for t in tasks if t in files or t == "humaneval"}
+    """The benchmark tasks a sweep can run: those with a data file, given or their own."""
+    from kvbench.tracegen.tasks.registry import get_task
+
+    runnable: dict[str, str | None] = {t: files.get(t) for t in tasks if t in files or get_task(t).has_default_data}
     left_out = [t for t in tasks if t not in runnable]
     if left_out:
         click.echo(f"left out: {', '.join(left_out)} (no --data {left_out[0]}=PATH; docs/running.md says where to "
@@ -233,7 +235,7 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
     from kvbench.replay.runner import ReplayError
     from kvbench.run_files import AA_LABEL
     from kvbench.server.errors import ServerError
-    from kvbench.tracegen.code_execution import CodeExecutionRefused
+    from kvbench.tracegen.tasks.sandbox.code_execution import CodeExecutionRefused
 
     methods = options.pop("methods") or defaults.get("methods", ["nonshared", "fullshared"])
     # a table about one method's parameter (Table 13's V, Fig 13's ranks) keeps that method
@@ -347,7 +349,7 @@ def _run_on_ray(spec: Any, out: Path, ray: Any, after_cell: Any) -> Path:
     from kvbench.experiment.file_bundle import BundleError
     from kvbench.experiment.ray_sweep import RaySweepError, SweepRunsFailed, run_sweep_on_ray
     from kvbench.replay.result_lock import ResultDirError
-    from kvbench.tracegen.code_execution import CodeExecutionRefused
+    from kvbench.tracegen.tasks.sandbox.code_execution import CodeExecutionRefused
 
     try:
         run_sweep_on_ray(spec, out, ray, lambda line: click.echo(f"[ray] {line}", err=True), after_cell)

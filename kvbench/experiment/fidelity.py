@@ -1,6 +1,6 @@
 """The paper's cache-fidelity measurements (`kvbench paper fig2|fig3|table2|fig7 --run`), taken
 inside the vLLM workers of a sweep's cells while their servers are up, on the trace's real shared
-segments (kvbench.analysis.fidelity renders them):
+segments (kvbench.analysis.paper.fidelity renders them):
 
 - in FullShared's cells, every shared segment of every measured turn of NonShared's cell is
   prefilled densely in the turn's prompt and in its source turn's cache, and the two are compared
@@ -18,7 +18,6 @@ from typing import Any
 import pandas as pd
 
 from kvbench import run_files
-from kvbench.analysis.fidelity import ERRORS_FILE, SEGMENTS_FILE
 from kvbench.experiment.sweep import AfterCell, MethodConfig, SweepCell
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
 from kvbench.tracegen.schema import Trajectory
@@ -161,7 +160,7 @@ def record_fidelity(error_trajectories: int = 3, budget: float = RECOMPUTE_BUDGE
         for row in requests.itertuples(index=False):
             rows += _error_rows(server.base_url, model, turns[(row.trajectory_id, row.turn_id)], row, first_context,
                                 cell.shared_tokens, cell.method.name)
-        pd.DataFrame(rows).to_parquet(cell.path / ERRORS_FILE, index=False)
+        pd.DataFrame(rows).to_parquet(cell.path / run_files.FIDELITY_ERRORS, index=False)
         if cell.method.method != "fullshared" or cell.method.params:
             return
         root = cell.path.parents[2]  # <sweep>/runs/<method>/<cell>
@@ -172,5 +171,5 @@ def record_fidelity(error_trajectories: int = 3, budget: float = RECOMPUTE_BUDGE
         for row in requests.itertuples(index=False):
             rows += _segment_rows(client, turns[(row.trajectory_id, row.turn_id)], row, outputs, turns, first_context,
                                   budget, cell.shared_tokens)
-        pd.DataFrame(rows).to_parquet(cell.path / SEGMENTS_FILE, index=False)
+        pd.DataFrame(rows).to_parquet(cell.path / run_files.FIDELITY_SEGMENTS, index=False)
     return after_cell

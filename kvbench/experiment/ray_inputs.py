@@ -80,7 +80,7 @@ def cluster_inputs(spec: SweepSpec, inputs: SweepInputs) -> ClusterInputs:
     """The driver's side: its traces, model and adapters as a worker will check them."""
     import os
 
-    from kvbench.tracegen.code_execution import CONSENT_ENV
+    from kvbench.tracegen.tasks.sandbox.code_execution import CONSENT_ENV
 
     trace_files = {f"traces/{name}.jsonl": path for name, path in inputs.trace_paths.items()}
     model_folder = (_folder_input(Path(inputs.model)) if not _embedded(spec) and Path(inputs.model).is_dir()

@@ -13,8 +13,9 @@ from kvbench.analysis.quality import write_quality
 from kvbench.analysis.summary import write_summary
 from kvbench.analysis.task_score import write_scores
 from kvbench.replay.runner import ReplayConfig, run_replay
-from kvbench.tracegen.code_execution import require_code_execution
 from kvbench.tracegen.schema import Trace, TraceHeader, Trajectory
+from kvbench.tracegen.tasks.registry import runs_model_code
+from kvbench.tracegen.tasks.sandbox.code_execution import require_code_execution
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 def require_consent_for(trajectories: Sequence[Trajectory]) -> None:
     """A trace whose scoring runs model-written code (HumanEval) needs consent and a sandbox:
     refused before anything is replayed (CodeExecutionRefused)."""
-    if any(t.task is not None and t.task.name == "humaneval" for t in trajectories):
+    if runs_model_code({t.task.name for t in trajectories if t.task is not None}):
         require_code_execution()
 
 

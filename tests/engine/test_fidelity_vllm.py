@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from kvbench.analysis import fidelity, paper
+from kvbench.analysis.paper import fidelity
+from kvbench.analysis.paper import tables as paper
 from kvbench.cli import main
 from kvbench.model.store import first_context_layer
 

@@ -57,7 +57,9 @@ class TaskDefinition:
     summary: ClassVar[str]  # one line for `kvbench gen-trace --help` and the docs
     roles: ClassVar[str] = "math"  # the role preset unless --roles says otherwise
     model: ClassVar[str | None] = None  # the model its traces name unless --model says otherwise
-    uses_items: ClassVar[bool] = False
+    uses_items: ClassVar[bool] = False  # one trajectory per item; the item's question is the shared context
+    has_default_data: ClassVar[bool] = False  # an item task that runs without --data (its own copy of the items)
+    runs_model_code: ClassVar[bool] = False  # grading runs model-written code: consent and a sandbox (tasks/sandbox/)
     # Outputs are read as text without special tokens (an end-of-sequence token is no part of an
     # answer); False: decoded as generated.
     reads_text: ClassVar[bool] = False

@@ -1,5 +1,5 @@
 """`gen-trace --task gsm8k`: GSM8K problems (`openai/gsm8k`, config `main`, parquet or JSONL) in
-the paper's four-agent workload (kvbench.tracegen.benchmark_workloads).
+the paper's four-agent workload (kvbench.tracegen.tasks.benchmark).
 
 Data: `question`, `answer` (the worked solution ending with `#### <number>`: the gold answer).
 Answer: the number after the last "The answer is" (the format FinalRefer is asked for); where
@@ -13,10 +13,10 @@ import math
 import re
 from typing import Any
 
-from kvbench.tracegen.benchmark_workloads import REFLECT, BenchmarkTask, benchmark_role
 from kvbench.tracegen.datasets import DatasetError, TaskItem
 from kvbench.tracegen.schema import Trajectory, TurnAnswer
 from kvbench.tracegen.tasks.base import Parsed, Score
+from kvbench.tracegen.tasks.benchmark import REFLECT, BenchmarkTask, benchmark_role
 
 ANSWER_MARKER = "The answer is"  # what FinalRefer is told to end with
 SOLUTION_MARKER = re.compile(r"####\s*(.+?)\s*$", re.S)

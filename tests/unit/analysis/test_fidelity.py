@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvbench.analysis.fidelity import effective_rank, fig3_tables, fig7_tables, table2, truncation_error
+from kvbench.analysis.paper.fidelity import effective_rank, fig3_tables, fig7_tables, table2, truncation_error
 from kvbench.contracts import ContractError, FidelityRequest
 from kvbench.methods.connector.diagnostics import fidelity_measures
 
@@ -123,7 +123,8 @@ def test_fig7_and_fig3_tables() -> None:
 
 
 def test_the_four_paper_entries_render_from_measurement_files(tmp_path) -> None:
-    from kvbench.analysis import fidelity, paper
+    from kvbench.analysis.paper import fidelity
+    from kvbench.analysis.paper import tables as paper
 
     cell = tmp_path / "runs" / "nonshared" / "ctx2048-a4-r1-qps0-rep0"
     cell.mkdir(parents=True)

@@ -1,7 +1,7 @@
 """Every `kvbench paper` renderer renders from its golden results folder (tests/data/golden-paper,
 golden-table1), and every value of the paper it prints equals the paper's own text
 (tests/data/kvcmas-paper-tables.txt: its tables' lines, verbatim). The paper's text is parsed
-here, never through kvbench.analysis.paper_values, so a value mistyped there fails."""
+here, never through kvbench.analysis.paper.values, so a value mistyped there fails."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from paths import DATA, ROOT
 
-from kvbench.analysis import paper
+from kvbench.analysis.paper import tables as paper
 
 PAPER_TEXT = (DATA / "kvcmas-paper-tables.txt").read_text()
 GOLDEN = DATA / "golden-paper"
@@ -213,7 +213,7 @@ def test_table2_prints_the_papers_coverage() -> None:
 
 
 def test_a_value_mistyped_in_paper_values_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbench.analysis import paper_values_serving
+    from kvbench.analysis.paper import values_serving as paper_values_serving
 
     typo = paper_values_serving._TABLE7[(8192, "p50")].replace("8.15", "8.51", 1)
     monkeypatch.setitem(paper_values_serving._TABLE7, (8192, "p50"), typo)

@@ -262,3 +262,43 @@ def test_the_architecture_doc_names_the_layers_and_floors_the_checks_enforce() -
 
     assert [layer_of(row[1]) for row in _table_after("## Layers")] == LAYERS
     assert [row[0] for row in _table_after("Inside `methods/`, floors")] == METHOD_FLOORS
+
+
+PAPER_PACKAGE = "kvbench.analysis.paper"  # the KVCMAS paper's reproduction: values, renderers, fidelity analyses
+
+
+def test_only_the_paper_command_knows_the_paper_package() -> None:
+    """The general analysis (and everything else) does not import the paper's reproduction; the
+    `kvbench paper` command is its one way in."""
+    importers = sorted(module for module, targets in _import_graph().items()
+                       if not module.startswith(PAPER_PACKAGE) and any(t.startswith(PAPER_PACKAGE) for t in targets))
+    assert importers == ["kvbench.cli.paper"]
+
+
+def test_no_module_outside_a_task_decides_by_a_tasks_name() -> None:
+    """What kvbench needs to know of a task is the task's own attribute (uses_items,
+    has_default_data, runs_model_code...): no comparison with a task's name outside the tasks
+    (and the paper's tables, which are about its named benchmarks)."""
+    from kvbench.tracegen.tasks.registry import all_tasks
+
+    names = set(all_tasks())
+    outside = {m: p for m, p in _modules().items()
+               if not m.startswith(("kvbench.tracegen.tasks", PAPER_PACKAGE))}
+
+    def constants(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return {c.value for c in node.elts if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        return set()
+
+    found = []
+    for module, path in outside.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = set().union(*(constants(side) for side in sides)) & names
+                about_a_task = any("task" in ast.unparse(side) for side in sides if not constants(side))
+                if named and about_a_task:  # (a model recipe may share a task's name)
+                    found.append(f"{module}:{node.lineno} compares with {sorted(named)}")
+    assert found == []

@@ -93,7 +93,7 @@ def test_a_run_scores_its_final_answers(task: str, data: str, outputs, correct: 
 
 
 def test_humaneval_runs_score_pass_at_1_from_their_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbench.tracegen.code_execution import CONSENT_ENV
+    from kvbench.tracegen.tasks.sandbox.code_execution import CONSENT_ENV
 
     monkeypatch.setenv(CONSENT_ENV, "1")  # the checks run in the sandbox (tests/unit/tracegen/test_code_sandbox.py)
     tokenizer = load_tokenizer(None)
@@ -144,7 +144,7 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def test_table5_shows_the_spread_over_repeats_beside_the_papers(tmp_path: Path) -> None:
-    from kvbench.analysis.paper_accuracy import render_table5
+    from kvbench.analysis.paper.accuracy import render_table5
 
     frame = _frame([{"method": "kvcmas", "task": "mmlu", "task_accuracy": 0.65, "repeats": 3,
                      "task_accuracy_std": 0.0123, "task_accuracy_ci": 0.03}])
@@ -155,7 +155,7 @@ def test_table5_shows_the_spread_over_repeats_beside_the_papers(tmp_path: Path) 
 
 
 def test_table6_rows_are_taus_with_accuracy_rho_and_the_papers_values(tmp_path: Path) -> None:
-    from kvbench.analysis.paper_accuracy import render_table6
+    from kvbench.analysis.paper.accuracy import render_table6
 
     frame = _frame([{"method": "kvcmas", "config": f"kvcmas-tau{t}", "params": {"tau": t}, "task": "mmlu",
                      "task_accuracy": a, "realized_rho": r} for t, a, r in ((0.3, 0.6, 0.82), (0.1, 0.7, 0.6))])
@@ -166,8 +166,8 @@ def test_table6_rows_are_taus_with_accuracy_rho_and_the_papers_values(tmp_path: 
 
 
 def test_table8_and_table13_accuracy(tmp_path: Path) -> None:
-    from kvbench.analysis.paper import render_table13
-    from kvbench.analysis.paper_accuracy import render_table8
+    from kvbench.analysis.paper.accuracy import render_table8
+    from kvbench.analysis.paper.tables import render_table13
 
     frame = _frame([{"method": m, "task": "mmlu", "task_accuracy": a} for m, a in
                     (("kvcmas", 0.6), ("kvcmas-nonchained", 0.5), ("nonshared", 0.7))])

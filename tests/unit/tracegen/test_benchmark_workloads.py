@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from paths import DATA
 
 from kvbench.cli import main
-from kvbench.tracegen.benchmark_workloads import chat_frame
 from kvbench.tracegen.generate import TraceSpec, generate_trace
 from kvbench.tracegen.schema import OUT_PREFIX, Trajectory
+from kvbench.tracegen.tasks.benchmark import chat_frame
 from kvbench.tracegen.tasks.registry import get_task
 from kvbench.tracegen.tokenizer import TraceTokenizer, load_tokenizer
 from kvbench.tracegen.trace_files import read_trace
@@ -79,7 +79,7 @@ def test_limit_samples_items_with_the_seed_and_the_trace_round_trips(tmp_path: P
     (["--task", "gsm8k", "--data", str(FIXTURES["gsm8k"]), "--agents", "3"], "num_agents=3 does not apply"),
     (["--task", "gsm8k", "--data", str(FIXTURES["gsm8k"]), "--shared-tokens", "512"], "shared_tokens=512"),
     (["--task", "mmlu", "--data", str(FIXTURES["gsm8k"])], "row 1: choices: missing"),
-    (["--task", "recall", "--limit", "3"], "--data and --limit are for benchmark tasks"),
+    (["--task", "recall", "--limit", "3"], "--data and --limit are for tasks that read items (--task gsm8k, humaneval, mmlu)"),
     (["--task", "gsm8k", "--data", str(FIXTURES["gsm8k"]), "--roles", "code"], "--roles does not apply"),
     (["--task", "gsm8k", "--data", str(FIXTURES["gsm8k"]), "--num-trajectories", "3"], "--limit picks items"),
 ])

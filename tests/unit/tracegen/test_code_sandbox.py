@@ -1,4 +1,4 @@
-"""Model-written code runs only in the sandbox (tracegen/code_execution.py): every attack a
+"""Model-written code runs only in the sandbox (tracegen/tasks/sandbox/code_execution.py): every attack a
 completion can make is refused or contained, and none turns a failing completion into a pass.
 
 Each attack is a completion of `add(a, b)` that tries something and then returns a wrong sum, so
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.tracegen import code_execution
-from kvbench.tracegen.code_execution import CheckResult, CodeCheck, CodeExecutionRefused, check_completions
+from kvbench.tracegen.tasks.sandbox import code_execution
+from kvbench.tracegen.tasks.sandbox.code_execution import CheckResult, CodeCheck, CodeExecutionRefused, check_completions
 
 PROMPT = "def add(a: int, b: int) -> int:\n    \"\"\"Return a + b.\"\"\"\n"
 TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"

@@ -17,9 +17,9 @@ import pandas as pd
 from scipy import stats
 
 from kvbench.analysis.aggregate import method_params
-from kvbench.analysis.paper_format import paper_number, paper_section, peak_memory
-from kvbench.analysis.paper_methods import method_order, paper_name
-from kvbench.analysis.paper_values import (
+from kvbench.analysis.paper.format import paper_number, paper_section, peak_memory
+from kvbench.analysis.paper.methods import method_order, paper_name
+from kvbench.analysis.paper.values import (
     PAPER_TAU,
     TABLE1_ORDER,
     TABLE1_TASKS,

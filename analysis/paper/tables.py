@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.analysis import fidelity
 from kvbench.analysis.aggregate import average_repeats, runs_frame
-from kvbench.analysis.paper_accuracy import (
+from kvbench.analysis.paper import fidelity
+from kvbench.analysis.paper.accuracy import (
     render_fig4,
     render_table1,
     render_table4,
@@ -20,16 +20,16 @@ from kvbench.analysis.paper_accuracy import (
     render_table6,
     render_table8,
 )
-from kvbench.analysis.paper_format import paper_number, paper_section
-from kvbench.analysis.paper_serving import render_fig5, render_table7, render_table9, render_table10
-from kvbench.analysis.paper_single_stream import (
+from kvbench.analysis.paper.format import paper_number, paper_section
+from kvbench.analysis.paper.serving import render_fig5, render_table7, render_table9, render_table10
+from kvbench.analysis.paper.single_stream import (
     render_fig13,
     render_single_stream,
     render_table13,
     render_table14,
     render_table15,
 )
-from kvbench.analysis.paper_values import TABLE2_CRITERIA, TABLE2_MODELS, table2_values
+from kvbench.analysis.paper.values import TABLE2_CRITERIA, TABLE2_MODELS, table2_values
 from kvbench.analysis.runs import find_runs
 
 PAPER_METHODS = ["nonshared", "fullshared", "droidspeak", "cacheblend", "relaycaching", "graphflow", "kvcomm", "kvcmas"]

@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from kvbench.analysis.aggregate import method_params
-from kvbench.analysis.paper_accuracy import accuracy_cell, benchmark_rows, provenance
-from kvbench.analysis.paper_format import (
+from kvbench.analysis.paper.accuracy import accuracy_cell, benchmark_rows, provenance
+from kvbench.analysis.paper.format import (
     context_label,
     flatten,
     fmt,
@@ -26,9 +26,9 @@ from kvbench.analysis.paper_format import (
     peak_memory,
     pivot,
 )
-from kvbench.analysis.paper_methods import METHOD_NAMES, paper_name
-from kvbench.analysis.paper_serving import protocol_caption
-from kvbench.analysis.paper_values_efficiency import (
+from kvbench.analysis.paper.methods import METHOD_NAMES, paper_name
+from kvbench.analysis.paper.serving import protocol_caption
+from kvbench.analysis.paper.values_efficiency import (
     ESTIMATED,
     RHO_COLUMNS,
     SCALING_STEPS,

@@ -1,4 +1,4 @@
-"""The two programs of one HumanEval check, each run by tracegen/code_execution.py in its own
+"""The two programs of one HumanEval check, each run by tracegen/tasks/sandbox/code_execution.py in its own
 bubblewrap sandbox with `python -I -S` (the standard library only: this file imports nothing else).
 
 `candidate`: runs the model's program (the problem's prompt and the completion) and answers calls

@@ -11,7 +11,7 @@ memory in the paper).
 
 from __future__ import annotations
 
-from kvbench.analysis.paper_methods import METHOD_NAMES
+from kvbench.analysis.paper.methods import METHOD_NAMES
 
 QPS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 RHOS = (0.9, 0.8, 0.6)

@@ -7,7 +7,7 @@ KVComm's Table 11 memory is the paper's estimate (it did not fit: its dagger); "
 
 from __future__ import annotations
 
-from kvbench.analysis.paper_methods import METHOD_NAMES
+from kvbench.analysis.paper.methods import METHOD_NAMES
 
 RHO_COLUMNS = (0.95, 0.9, 0.8, 0.7, 0.6)  # Tables 11 and 12
 CONTEXTS = {"2K": 2048, "8K": 8192, "32K": 32768}

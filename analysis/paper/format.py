@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvbench.analysis.paper_methods import method_order
+from kvbench.analysis.paper.methods import method_order
 
 # Every table of the paper's values starts with this heading (tests find them by it).
 PAPER_HEADING = "### the paper"

@@ -29,11 +29,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from kvbench import run_files
+
 ENERGY = 0.9  # the paper's: the minimum rank retaining 90% of the singular-value energy
 PAPER_RANK = 32  # KVCMAS's r, the dotted line of the paper's Fig 2
 TRUNCATION_RANKS = (1, 2, 4, 8, 16, 32, 64)
-SEGMENTS_FILE = "fidelity_segments.parquet"  # per (segment, layer), from the FullShared cell
-ERRORS_FILE = "fidelity_errors.parquet"  # per (segment, layer), from each method's cell
+SEGMENTS_FILE = run_files.FIDELITY_SEGMENTS
+ERRORS_FILE = run_files.FIDELITY_ERRORS
 
 
 def effective_rank(singular_values: Sequence[float], energy: float = ENERGY) -> int:

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from kvbench.analysis.paper_format import (
+from kvbench.analysis.paper.format import (
     context_label,
     flatten,
     paper_number,
@@ -21,8 +21,8 @@ from kvbench.analysis.paper_format import (
     pivot,
     what_it_cost,
 )
-from kvbench.analysis.paper_methods import METHOD_NAMES, paper_name
-from kvbench.analysis.paper_values_serving import (
+from kvbench.analysis.paper.methods import METHOD_NAMES, paper_name
+from kvbench.analysis.paper.values_serving import (
     FIG5_PAIRS,
     NO_RHO,
     QPS,

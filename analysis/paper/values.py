@@ -5,7 +5,7 @@ every value printed against the paper's text."""
 
 from __future__ import annotations
 
-from kvbench.analysis.paper_methods import METHOD_NAMES
+from kvbench.analysis.paper.methods import METHOD_NAMES
 
 # Table 1(a) (LLM benchmarks): per method and benchmark, accuracy (%; HumanEval pass@1), end-to-end
 # latency (s), TTFT (s), peak GPU memory (GB) and rho; A100 80 GB at 1 QPS, accuracy averaged over

@@ -123,7 +123,6 @@ class BenchmarkTask(TaskDefinition):
     reads_text = True
     agent_roles: ClassVar[tuple[Role, ...]]
     columns: ClassVar[tuple[str, ...]]  # what a row of its data file must hold
-    has_default_data: ClassVar[bool] = False  # runs without --data (`default_data`)
 
     def default_output_len(self, encode: Callable[[str], list[int]]) -> int:
         return 512  # a cap: its turns stop at the model's end of sequence

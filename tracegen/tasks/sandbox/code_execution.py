@@ -1,7 +1,7 @@
 """Running HumanEval completions against their tests: model-written code, run only in an OS sandbox.
 
 A completion is untrusted code. Each check runs in two fresh bubblewrap sandboxes
-(tracegen/sandboxed_check.py): the *candidate* runs the prompt and the completion and answers calls
+(tracegen/tasks/sandbox/sandboxed_check.py): the *candidate* runs the prompt and the completion and answers calls
 to its entry point with plain values; the *tests* run the problem's prompt and test with the entry
 point replaced by a proxy that calls the candidate. The completion never runs where the asserts do,
 so it cannot rewrite them, forge an exit status or print a result; the outcome is read from the
