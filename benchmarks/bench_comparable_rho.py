@@ -29,7 +29,7 @@ from kvbench.analysis.runs import find_runs
 from kvbench.experiment.calibrate import best_step, calibrate_threshold, profile_layers, what_limits, within
 from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
 from kvbench.experiment.sweep_runner import run_sweep
-from kvbench.methods.registry import method_spec
+from kvbench.methods.registry import method_spec, resolve_method
 from kvbench.model.resolve import resolve_model
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer
@@ -47,14 +47,14 @@ def calibrate_method(method: str, model: str, trace: Trace, tokenizer: Any, targ
                      tolerance: float, log_dir: Path) -> dict[str, Any]:
     """The method's setting for the target rho on the calibration trace, with what it realized."""
     cls = method_spec(method)
-    config = method_server_config(method, resolve_model(model), {}, log_path=log_dir / f"{method}.log")
+    config = method_server_config(resolve_method(method, {}), resolve_model(model), log_path=log_dir / f"{method}.log")
     with VLLMServer(config) as server:
         if cls.layer_profiled:
-            profile = profile_layers(trace, tokenizer, method, server.base_url, resolve_model(model), target)
+            profile = profile_layers(trace, tokenizer, resolve_method(method), server.base_url, resolve_model(model), target)
             return {"params": {"layers": list(profile.layers)}, "profiled_turns": profile.turns,
                     "layer_deviation": [round(d, 6) for d in profile.deviation]}
         assert cls.threshold_name is not None, f"{method} has nothing to calibrate"
-        steps = calibrate_threshold(trace, tokenizer, method, server.base_url, target, cls.threshold_name,
+        steps = calibrate_threshold(trace, tokenizer, resolve_method(method), server.base_url, target, cls.threshold_name,
                                     num_warmups=warmups, tolerance=tolerance, threshold_range=cls.threshold_range,
                                     rho_rises=cls.rho_rises_with_threshold)
     best = best_step(steps, target)

@@ -31,6 +31,7 @@ import pandas as pd
 from kvbench import run_files
 from kvbench.analysis.intervals import p50_ratio_interval
 from kvbench.experiment.run import replay_and_summarize
+from kvbench.methods.registry import resolve_method
 from kvbench.model.resolve import resolve_model
 from kvbench.replay.run_config import ReplayConfig
 from kvbench.server.config import method_server_config
@@ -95,7 +96,7 @@ def main() -> None:
     runs: dict[int, dict[str, pd.DataFrame]] = {c: {} for c in traces}
     with (nullcontext(str(args.result_dir)) if args.result_dir else tempfile.TemporaryDirectory()) as root:
         for method in dict.fromkeys(m for m, _ in CONFIGS):
-            config = method_server_config(method, model, max_model_len=max(traces) + 2048,
+            config = method_server_config(resolve_method(method), model, max_model_len=max(traces) + 2048,
                                           log_path=Path(root) / method / "server.log")
             with running_server(config) as server:
                 wait_for_stopped_servers()
@@ -103,7 +104,7 @@ def main() -> None:
                     for context, trace in traces.items():
                         out = Path(root) / method / f"{_name(method, concurrent)}-{context}"
                         replay_and_summarize(ReplayConfig.build(
-                            trace=trace, tokenizer=tokenizer, method=method, base_urls=[server.base_url],
+                            trace=trace, tokenizer=tokenizer, method=resolve_method(method), base_urls=[server.base_url],
                             result_dir=out, qps=0.0, num_warmups=args.warmups, concurrent_sources=concurrent,
                             label=_name(method, concurrent), show_progress=False,
                             server_pids={server.base_url: server.process.pid}, server_failure=server.failure,

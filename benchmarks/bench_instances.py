@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.analysis.intervals import p50_ratio_interval
+from kvbench.methods.registry import resolve_method
 from kvbench.model.resolve import resolve_model
 from kvbench.server.config import method_server_config
 from kvbench.server.instances import InstancePlan, ServerGroup
@@ -151,7 +152,7 @@ def main() -> None:
         if method == "fullshared":
             setups.append(("2 instances, no shared tier", InstancePlan(instances=2, shared=False), ("agent",)))
         for setup, plan, routings in setups:
-            config = method_server_config(method, model, max_model_len=max(contexts) + 2048)
+            config = method_server_config(resolve_method(method), model, max_model_len=max(contexts) + 2048)
             folder = root / method / setup.replace(" ", "-").replace(",", "")
             print(f"starting {setup} ({method}) ...", file=sys.stderr, flush=True)
             with ServerGroup(config, plan, folder) as group:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvbench.methods.registry import resolve_method
 from kvbench.replay.runner import ReplayConfig, run_replay
 from kvbench.server.lifecycle import free_port
 from kvbench.tracegen.generate import TraceSpec, generate_trace
@@ -46,7 +47,7 @@ def main() -> None:
             base_url = f"http://127.0.0.1:{port}"
             urllib.request.urlopen(f"{base_url}/health", timeout=10)
             config = ReplayConfig.build(trace=Trace(header=header, trajectories=trajectories), tokenizer=tokenizer,
-                                  method="nonshared", base_urls=[base_url], result_dir=Path(tmp) / "run",
+                                  method=resolve_method("nonshared"), base_urls=[base_url], result_dir=Path(tmp) / "run",
                                   qps=args.qps, show_progress=False)
             started = time.perf_counter()
             run_replay(config)

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from kvbench.methods.api.spec import MethodSpec
+from kvbench.methods.api.spec import ChosenMethod, MethodSpec
 
 if TYPE_CHECKING:
     from kvbench.methods.api.base import SharingMethod
@@ -79,6 +79,14 @@ def method_spec(name: str) -> MethodSpec:
     return methods[name]
 
 
+def resolve_method(name: str, params: dict[str, Any] | None = None) -> ChosenMethod:
+    """`name` with `params` checked (ValueError naming an unknown method or a bad parameter): the
+    one lookup a command makes; everything after it takes the ChosenMethod."""
+    spec = method_spec(name)
+    spec.parse_params(dict(params or {}))
+    return ChosenMethod(spec, dict(params or {}))
+
+
 def method_class(name: str) -> type[SharingMethod]:
     """The implementation of `name` (imports torch and the method: for its tests and tools that
     run methods in their own process, not for the client)."""
@@ -94,20 +102,19 @@ def validate_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def method_keys(name: str) -> dict[str, str]:
-    """The keys of kv_connector_extra_config naming a method: its name and its implementation."""
-    return {"method": name, "implementation": method_spec(name).implementation}
+    """The keys of kv_connector_extra_config naming a method (for tests and tools that build a
+    connector's settings by hand)."""
+    return ChosenMethod(method_spec(name)).connector_keys()
 
 
-def kv_transfer_config(name: str, params: dict[str, Any] | None = None, max_store_bytes: int | None = None,
-                       fault_injection: str | None = None,
+def kv_transfer_config(method: ChosenMethod, max_store_bytes: int | None = None, fault_injection: str | None = None,
                        max_load_tokens_per_step: int | None = None) -> dict[str, Any] | None:
     """The server's --kv-transfer-config for a method (None for plain vLLM)."""
-    spec = method_spec(name)
-    if not spec.uses_connector:
-        if params:
-            raise ValueError(f"method {name!r} takes no parameters")
+    if not method.spec.uses_connector:
+        if method.params:
+            raise ValueError(f"method {method.name!r} takes no parameters")
         return None
-    extra: dict[str, Any] = {**method_keys(name), "params": dict(params or {})}
+    extra: dict[str, Any] = {**method.connector_keys(), "params": dict(method.params)}
     if max_store_bytes is not None:
         extra["max_store_bytes"] = max_store_bytes
     if fault_injection is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import __version__
+from kvbench.methods.api.spec import ChosenMethod
 from kvbench.model.store import model_identity
 from kvbench.replay.machine_load import describe_machine
 from kvbench.replay.reference import ReferenceRun, trajectory_digests
@@ -120,16 +121,15 @@ class ReplayConfig:
 
     trace: Trace
     tokenizer: TraceTokenizer
-    method: str
+    method: ChosenMethod
     servers: ServerBinding
     output: OutputSettings
     load: LoadSettings = field(default_factory=LoadSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
-    method_params: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, trace: Trace, tokenizer: TraceTokenizer, method: str, base_urls: list[str], result_dir: Path,
-              method_params: dict[str, Any] | None = None, server_pids: dict[str, int] | None = None,
+    def build(cls, trace: Trace, tokenizer: TraceTokenizer, method: ChosenMethod, base_urls: list[str], result_dir: Path,
+              server_pids: dict[str, int] | None = None,
               server_failure: Callable[[], str | None] | None = None, server_tier_url: str | None = None,
               **settings: Any) -> ReplayConfig:
         """A config from flat settings, each sorted into its part (a name no part has is refused)."""
@@ -142,8 +142,7 @@ class ReplayConfig:
         servers = ServerBinding(list(base_urls), dict(server_pids or {}), server_failure or (lambda: None), server_tier_url)
         return cls(trace=trace, tokenizer=tokenizer, method=method, servers=servers,
                    output=OutputSettings(result_dir=result_dir, **parts["output"]),
-                   load=LoadSettings(**parts["load"]), quality=QualitySettings(**parts["quality"]),
-                   method_params=dict(method_params or {}))
+                   load=LoadSettings(**parts["load"]), quality=QualitySettings(**parts["quality"]))
 
     def with_servers(self, servers: ServerBinding, **extra_config: Any) -> ReplayConfig:
         """This config against `servers`, with what they add to config.json (their command)."""
@@ -178,9 +177,9 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
     """A new run's config.json: what it replays and how, and where it ran (provenance)."""
     stamp = datetime.now(UTC)
     return {
-        "run_id": f"{cfg.output.label or cfg.method}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
+        "run_id": f"{cfg.output.label or cfg.method.name}-{stamp:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}",
         "date": f"{stamp:%Y%m%d-%H%M%S}",
-        "method": cfg.method,
+        "method": cfg.method.name,
         "label": cfg.output.label,
         "metadata": cfg.output.metadata,
         "base_urls": cfg.servers.base_urls,
@@ -224,8 +223,8 @@ def new_run_config(cfg: ReplayConfig) -> dict[str, Any]:
 def check_resumable(run_config: dict[str, Any], cfg: ReplayConfig) -> None:
     """A resumed run must replay what the interrupted one did: same method, sampling and prompts."""
     result_dir = cfg.output.result_dir
-    if run_config["method"] != cfg.method:
-        raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method!r}")
+    if run_config["method"] != cfg.method.name:
+        raise ReplayError(f"--resume: {result_dir} holds a {run_config['method']!r} run, not {cfg.method.name!r}")
     recorded = SamplingParams.from_dict(run_config.get("sampling"))
     if recorded != cfg.quality.sampling:
         raise ReplayError(f"--resume: {result_dir} was sampled with {recorded.to_dict()}, not {cfg.quality.sampling.to_dict()}")

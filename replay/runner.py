@@ -43,12 +43,10 @@ FINAL_POLL_TIMEOUT_S = 60.0
 class Replayer:
     def __init__(self, config: ReplayConfig, turns: ArmTurns | None = None) -> None:
         """`turns`: its arm of an interleaved comparison (replay/rotation.py); None: a run of its own."""
-        from kvbench.methods.registry import method_spec
-
         self.config = config
         self.turns = turns
         self.positions = {t.trajectory_id: i for i, t in enumerate(config.trace.trajectories)}  # place in the trace
-        self.method_info = method_spec(config.method)  # its flags only: the client imports no method
+        self.method_info = config.method.spec  # its flags only: the client imports no method
         self.abort_reason: str | None = None
         self.interrupted: int | None = None  # the stop signal that ended the run
         self.writer: ResultsWriter | None = None  # set once the run reached its servers
@@ -57,12 +55,12 @@ class Replayer:
         self.semaphore = asyncio.Semaphore(config.load.max_concurrency) if config.load.max_concurrency else None
         self.t0_ns = 0
         self._consecutive_unreachable = 0
-        self.servers = ReplayServers(config.servers.base_urls, config.method, self.method_info.uses_connector)
+        self.servers = ReplayServers(config.servers.base_urls, config.method.name, self.method_info.uses_connector)
         self.router = Router(config.servers.base_urls, config.load.routing)
         self.backend = CompletionsBackend(  # models: filled when the servers are checked
             self.servers.served_models, config.quality.sampling, config.quality.logprobs,
             config.load.request_timeout_s, config.quality.first_token_only)
-        self.progress = ReplayProgress(config.method, 0, enabled=False)
+        self.progress = ReplayProgress(config.method.name, 0, enabled=False)
         # Loaded runs only: a single stream cannot outrun its server.
         loaded = config.load.qps > 0 or config.load.use_trace_timestamps
         self.saturation = SaturationWatch(config.load.saturation if loaded else None)
@@ -167,7 +165,7 @@ class Replayer:
             self.segment.update(warmup_s=round(time.time() - self.segment["started"], 3), warmup_trajectories=len(warmups))
         await sampler.start(session)
         stats = self.stats
-        self.progress = ReplayProgress(cfg.method, sum(len(t.turns) for t in todo), enabled=cfg.output.show_progress,
+        self.progress = ReplayProgress(cfg.method.name, sum(len(t.turns) for t in todo), enabled=cfg.output.show_progress,
                                        prefix_hit_share=sampler.prefix_cache_hit_share,
                                        reused_tokens=stats.reused_tokens if stats is not None else lambda: None)
         self.progress.start()
@@ -342,7 +340,7 @@ class Replayer:
                     return  # not started: no record, --resume runs it
                 url = placed[turn.turn_id] = self.router.route(index, trajectory, turn, placed)
                 record = RequestRecord(
-                    run_id=builder.run_id, method=self.config.method, trajectory_id=trajectory.trajectory_id,
+                    run_id=builder.run_id, method=self.config.method.name, trajectory_id=trajectory.trajectory_id,
                     turn_id=turn.turn_id, agent=turn.agent, edge_source=",".join(turn.after) or None,
                     server_url=url, request_id=f"{builder.run_id}/{trajectory.trajectory_id}/{turn.turn_id}",
                     prompt_tokens=trajectory.prompt_tokens(turn),

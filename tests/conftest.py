@@ -9,7 +9,7 @@ import pytest
 from vllm_helpers import serving
 
 from kvbench.contracts import WorkerRpc
-from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
+from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, resolve_method
 from kvbench.model.resolve import resolve_model
 from kvbench.server.config import ServerConfig
 from kvbench.server.lifecycle import VLLMServer, wait_for_stopped_servers
@@ -56,7 +56,7 @@ def fullshared_server(default_model: str, tmp_path_factory: pytest.TempPathFacto
     """A server running the kvbench connector with FullShared (faults injectable per request)."""
     config = ServerConfig(
         model=default_model, log_path=Path(tmp_path_factory.mktemp("fullshared")) / "server.log",
-        max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
+        max_model_len=4096, kv_transfer_config=kv_transfer_config(resolve_method("fullshared"), fault_injection="flagged"),
         worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=[WorkerRpc.ATTACH_MODEL],
         extra_args=["--num-gpu-blocks-override", str(FULLSHARED_BLOCKS)])
     with serving(config) as server:

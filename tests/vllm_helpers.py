@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from kvbench.cli import main
 from kvbench.contracts import CONTRACT_VERSION, Plan
+from kvbench.methods.registry import resolve_method
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer, running_server
 from kvbench.server.worker_rpc import WorkerClient
@@ -144,7 +145,40 @@ def all_passed(report: dict) -> bool:
 
 def method_server(method: str, model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """Body of a module-scoped fixture: a connector server running `method` with its defaults."""
-    config = method_server_config(method, model, max_model_len=4096,
+    config = method_server_config(resolve_method(method), model, max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
     with serving(config) as server:
         yield server
+
+
+def method_server_fixture(method: str) -> Callable[..., Iterator[VLLMServer]]:
+    """A module-scoped `server` fixture: a connector server running `method` with its defaults
+    (`server = method_server_fixture("cacheblend")` at a test module's top)."""
+
+    @pytest.fixture(scope="module")
+    def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+        yield from method_server(method, default_model, tmp_path_factory)
+
+    return server
+
+
+def source_and_dense(server: VLLMServer, prompts: dict) -> tuple[str, str]:
+    """A0's cache of its prompt (the source a reused turn reads q from), and A1's dense cache (what
+    the reused turn's should equal), both prefilled by vLLM itself."""
+    source, dense = new_key(), new_key()
+    dense_prefill(server, prompts["p0"], source)
+    dense_prefill(server, prompts["p1"], dense)
+    return source, dense
+
+
+def reused_turn(server: VLLMServer, prompts: dict, source: str, dense: str) -> tuple[list[dict], dict]:
+    """A1's turn reading q from `source` under the server's parameters: each layer's K/V error
+    against `dense`, and the request's method stats."""
+    key = new_key()
+    complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
+    return kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"], request_stats(server, key)
+
+
+def near_dense(layer: dict) -> bool:
+    """A layer's K and V within bf16 rounding of a dense prefill's."""
+    return layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01

@@ -13,6 +13,7 @@ from kvbench.cli.inputs import check_method, load_trace
 from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_option
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.cli.workload_options import WorkloadOptions, workload_options
+from kvbench.methods.api.spec import ChosenMethod
 
 
 @click.command("calibrate")
@@ -43,16 +44,15 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, i
     recomputed layer group (offline layer-wise deviation profiling)."""
     from kvbench.experiment.calibrate import calibrate_threshold, flat_rho, summary_dict, what_limits, within
     from kvbench.experiment.servers import server_url
-    from kvbench.methods.registry import method_spec
     from kvbench.server.errors import ServerError
 
-    params = check_method(method, server.method_params)
-    cls = method_spec(method) if method != "nonshared" else None
-    if cls is not None and cls.layer_profiled:
+    chosen = check_method(method, server.method_params)
+    cls = chosen.spec
+    if cls.layer_profiled:
         trace, tokenizer, served = load_trace(trace_path, server.model, replace(workload, num_warmups=0))
-        _profile_layers_command(method, params, trace, tokenizer, served, target_rho, base_url, server)
+        _profile_layers_command(chosen, trace, tokenizer, served, target_rho, base_url, server)
         return
-    if cls is None or cls.threshold_name is None:
+    if cls.threshold_name is None:
         raise click.BadParameter(f"{method!r} has no reliability gate, reuse budget or layer group to calibrate",
                                  param_hint="--method")
     trace, tokenizer, served = load_trace(trace_path, server.model, workload)
@@ -63,8 +63,8 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, i
         click.echo(f"  {cls.threshold_name}={step.threshold:.4f} -> realized rho {step.realized_rho:.3f}", err=True)
 
     try:
-        with server_url(base_url, lambda: server.server_config(method, params, served)) as url:
-            steps = calibrate_threshold(trace, tokenizer, method, url, target_rho, cls.threshold_name,
+        with server_url(base_url, lambda: server.server_config(chosen, served)) as url:
+            steps = calibrate_threshold(trace, tokenizer, chosen, url, target_rho, cls.threshold_name,
                                         iterations, show, workload.num_warmups, tolerance, **ranges)
     except ServerError as exc:
         raise click.ClickException(str(exc)) from None
@@ -85,7 +85,7 @@ def calibrate_command(method: str, target_rho: float, trace_path: Path | None, i
             "another --trace or a larger --tolerance")
 
 
-def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tokenizer: Any, served: str,
+def _profile_layers_command(method: ChosenMethod, trace: Any, tokenizer: Any, served: str,
                             target_rho: float, base_url: str | None, server: ServerOptions) -> None:
     """DroidSpeak's profiling: the layer group to recompute for a target reuse ratio."""
     from kvbench.experiment.calibrate import profile_layers
@@ -93,7 +93,7 @@ def _profile_layers_command(method: str, params: dict[str, Any], trace: Any, tok
     from kvbench.server.errors import ServerError
 
     try:
-        with server_url(base_url, lambda: server.server_config(method, params, served)) as url:
+        with server_url(base_url, lambda: server.server_config(method, served)) as url:
             profile = profile_layers(trace, tokenizer, method, url, served, target_rho)
     except (ServerError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -68,12 +68,13 @@ def check_command(methods: str | None, base_urls: tuple[str, ...], output_path: 
         @contextlib.contextmanager
         def server_for(method: str) -> Iterator[str]:
             from kvbench.experiment.servers import server_url
+            from kvbench.methods.registry import resolve_method
 
             def config() -> object:
                 logs.mkdir(parents=True, exist_ok=True)
                 adapters = _identity_adapters(spec.model, Path(scratch)) if method.startswith("precache") else {}
                 click.echo(f"starting vLLM ({method}) for {spec.model} ... log: {logs / f'check-{method}.log'}", err=True)
-                return server.server_config(method, {}, spec.model, log_path=logs / f"check-{method}.log",
+                return server.server_config(resolve_method(method), spec.model, log_path=logs / f"check-{method}.log",
                                             lora_modules=adapters)
             with server_url(served.get(method), config) as url:  # type: ignore[arg-type]
                 yield url

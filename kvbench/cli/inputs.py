@@ -11,6 +11,7 @@ import click
 
 from kvbench.cli.param_types import require_code_execution_here
 from kvbench.cli.workload_options import WorkloadOptions
+from kvbench.methods.api.spec import ChosenMethod
 
 
 def key_values(items: tuple[str, ...], option: str) -> dict[str, str]:
@@ -34,15 +35,15 @@ def parse_method_params(items: tuple[str, ...]) -> dict[str, Any]:
     return params
 
 
-def check_method(method: str, method_params: tuple[str, ...]) -> dict[str, Any]:
-    from kvbench.methods.registry import validate_params
+def check_method(method: str, method_params: tuple[str, ...]) -> ChosenMethod:
+    """The command's one lookup of its method: the name and its --method-param checked, then
+    passed down resolved."""
+    from kvbench.methods.registry import resolve_method
 
-    params = parse_method_params(method_params)
     try:
-        validate_params(method, params)
+        return resolve_method(method, parse_method_params(method_params))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--method/--method-param") from None
-    return params
 
 
 def load_trace(trace_path: Path | None, model: str | None, workload: WorkloadOptions) -> tuple[Any, Any, str]:

@@ -11,10 +11,12 @@ from typing import Any
 import click
 
 from kvbench.experiment.interleaved import AA_ARM
+from kvbench.methods.api.spec import ChosenMethod
 
 
-def compare_methods(methods: list[str], root: Path, aa: bool, interleave: bool,
-                    make_config: Callable[[str, str, Path], Any], server_config: Callable[[str, Path], Any],
+def compare_methods(methods: list[ChosenMethod], root: Path, aa: bool, interleave: bool,
+                    make_config: Callable[[ChosenMethod, str, Path], Any],
+                    server_config: Callable[[ChosenMethod, Path], Any],
                     cpu_kv_cache_gib: float, model: str) -> None:
     """Replay `methods` (and the NonShared A/A arm when `aa`) under `root`; print their figures."""
     from kvbench.experiment.interleaved import (
@@ -25,13 +27,14 @@ def compare_methods(methods: list[str], root: Path, aa: bool, interleave: bool,
         weights_bytes,
     )
     from kvbench.experiment.replay import ReplayInputError, run_replay_experiment
+    from kvbench.methods.registry import resolve_method
     from kvbench.replay.interrupts import Interrupted
     from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.run_config import ReplayError
     from kvbench.server.errors import ServerError
 
-    names = [*methods, *([AA_ARM] if aa else [])]
-    method_of = {name: "nonshared" if name == AA_ARM else name for name in names}
+    method_of = {m.name: m for m in methods} | ({AA_ARM: resolve_method("nonshared")} if aa else {})
+    names = list(method_of)
     try:
         arms = [Arm(make_config(method_of[name], name, root / name),
                     lambda log, m=method_of[name]: server_config(m, log)) for name in names]

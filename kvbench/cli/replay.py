@@ -15,6 +15,7 @@ from kvbench.cli.param_types import FiniteFloatRange, allow_code_execution_optio
 from kvbench.cli.run_notes import load_warning, measured_note
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.cli.workload_options import WorkloadOptions, workload_options
+from kvbench.methods.api.spec import ChosenMethod
 from kvbench.replay.interrupts import Interrupted
 from kvbench.replay.protocol import PROTOCOLS
 from kvbench.replay.routing import ROUTING_POLICIES
@@ -138,8 +139,9 @@ def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: b
         raise click.BadParameter(str(exc), param_hint="--goodput") from None
     methods = [m.strip() for m in method.split(",") if m.strip()]
     if len(methods) > 1:
-        _check_comparison(methods, server, qps, use_trace_timestamps, base_urls, label, instances, drop_shared)
-    params = {} if len(methods) > 1 else check_method(method, server.method_params)
+        compared = _check_comparison(methods, server, qps, use_trace_timestamps, base_urls, label, instances, drop_shared)
+    else:
+        chosen = check_method(method, server.method_params)
     if instances.instances > 1 and (base_urls or port is not None):
         raise click.UsageError("--instances starts its servers on free ports: give --instances, or --base-url/--port")
     if resume and result_dir is None:
@@ -150,9 +152,9 @@ def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: b
     if (note := measured_note(len(trace.trajectories), workload.num_warmups)) is not None:
         click.echo(note, err=True)
 
-    def make_config(method: str, label: str | None, result_dir: Path | None) -> Any:
+    def make_config(method: ChosenMethod, label: str | None, result_dir: Path | None) -> Any:
         return replay_config(
-            trace, tokenizer, model, method, params, base_urls=list(base_urls), result_dir=result_dir, label=label,
+            trace, tokenizer, model, method, base_urls=list(base_urls), result_dir=result_dir, label=label,
             reference_dir=reference_dir, protocol=protocol, trace_path=trace_path,
             max_load_tokens_per_step=server.max_load_tokens_per_step,
             qps=qps, arrival=arrival, burstiness=burstiness, use_trace_timestamps=use_trace_timestamps,
@@ -170,12 +172,12 @@ def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: b
         from kvbench.cli.method_comparison import compare_methods
 
         root = result_dir or Path("results") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
-        compare_methods(methods, root, aa, interleave, make_config,
-                        lambda m, log: server.server_config(m, {}, model, log_path=log, lora_modules=trace.header.adapters),
+        compare_methods(compared, root, aa, interleave, make_config,
+                        lambda m, log: server.server_config(m, model, log_path=log, lora_modules=trace.header.adapters),
                         cpu_kv_cache_gib=server.cpu_kv_cache_gib, model=model)
         return
     try:
-        config = make_config(method, label, result_dir)
+        config = make_config(chosen, label, result_dir)
     except ReplayInputError as exc:
         if exc.option is None:
             raise click.UsageError(str(exc)) from None
@@ -183,7 +185,7 @@ def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: b
     result_dir = config.output.result_dir
 
     def server_config(log_path: Path) -> Any:
-        return server.server_config(method, params, model, port=port, log_path=log_path,
+        return server.server_config(chosen, model, port=port, log_path=log_path,
                                     lora_modules=trace.header.adapters)
 
     try:
@@ -210,10 +212,11 @@ def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: b
 
 
 def _check_comparison(methods: list[str], server: ServerOptions, qps: float, use_trace_timestamps: bool,
-                      base_urls: tuple[str, ...], label: str | None, instances: InstancePlan, drop_shared: bool) -> None:
-    """A comparison of several methods runs each on a server it starts, single stream."""
-    for name in methods:
-        check_method(name, ())
+                      base_urls: tuple[str, ...], label: str | None, instances: InstancePlan,
+                      drop_shared: bool) -> list[ChosenMethod]:
+    """A comparison of several methods runs each on a server it starts, single stream, with its
+    defaults: the methods resolved."""
+    compared = [check_method(name, ()) for name in methods]
     if len(set(methods)) != len(methods):
         raise click.BadParameter(f"{','.join(methods)} names a method twice", param_hint="--method")
     refused = [(server.method_params, "--method-param (each method runs with its defaults: compare parameters with "
@@ -226,6 +229,7 @@ def _check_comparison(methods: list[str], server: ServerOptions, qps: float, use
     for given, what in refused:
         if given:
             raise click.UsageError(f"--method {','.join(methods)} compares several methods: it takes no {what}")
+    return compared
 
 
 def _report_failures(result_dir: Path, summary: dict[str, Any]) -> None:

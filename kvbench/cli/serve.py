@@ -14,6 +14,7 @@ from kvbench.cli.inputs import check_method
 from kvbench.cli.instance_options import instance_options
 from kvbench.cli.param_types import role_paths
 from kvbench.cli.server_options import ServerOptions, server_options
+from kvbench.methods.api.spec import ChosenMethod
 from kvbench.replay.interrupts import Interrupted
 
 if TYPE_CHECKING:
@@ -43,14 +44,14 @@ def serve_command(method: str, host: str, port: int, log_path: Path | None, lora
     from kvbench.server.errors import ServerError
     from kvbench.server.lifecycle import VLLMServer
 
-    params = check_method(method, server.method_params)
+    chosen = check_method(method, server.method_params)
     if instances.grouped:
-        _serve_group(method, params, host, port, log_path, server, instances)
+        _serve_group(chosen, host, port, log_path, server, instances)
         return
     log_path = log_path or Path("results") / "serve" / f"{method}-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     adapters = {name: str(Path(path).resolve()) for name, path in role_paths(lora_modules, "--lora-modules", "NAME").items()}
-    config = server.server_config(method, params, resolve_model(server.model), host=host, port=port,
+    config = server.server_config(chosen, resolve_model(server.model), host=host, port=port,
                                   log_path=log_path.resolve(), lora_modules=adapters)
     click.echo(f"starting vLLM ({method}) for {config.model} on {host}:{port} (a start takes a minute or two "
                f"on a CPU) ... log: {config.log_path}", err=True)
@@ -68,7 +69,7 @@ def serve_command(method: str, host: str, port: int, log_path: Path | None, lora
         click.echo(f"stopped ({signal.Signals(exc.signum).name}); the server is shut down", err=True)
 
 
-def _serve_group(method: str, params: dict, host: str, port: int, log_path: Path | None, server: ServerOptions,
+def _serve_group(chosen: ChosenMethod, host: str, port: int, log_path: Path | None, server: ServerOptions,
                  instances: InstancePlan) -> None:
     """`serve --instances N`: the instances on free ports (one alone on --port), their logs in one folder."""
     import time
@@ -77,8 +78,9 @@ def _serve_group(method: str, params: dict, host: str, port: int, log_path: Path
     from kvbench.server.errors import ServerError
     from kvbench.server.instances import ServerGroup
 
+    method = chosen.name
     log_dir = (log_path or Path("results") / "serve" / method).resolve()
-    config = server.server_config(method, params, resolve_model(server.model), host=host, port=port)
+    config = server.server_config(chosen, resolve_model(server.model), host=host, port=port)
     click.echo(f"starting {instances.instances} vLLM instances ({method}) for {config.model} ... logs: {log_dir}", err=True)
     try:
         with ServerGroup(config, instances, log_dir) as group:

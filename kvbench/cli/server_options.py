@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from kvbench.cli.param_types import FiniteFloatRange, option_group
+from kvbench.methods.api.spec import ChosenMethod
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -58,14 +59,14 @@ class ServerOptions:
     max_store_bytes: int | None
     fault_injection: str | None
 
-    def server_config(self, method: str, params: dict[str, Any], served_model: str, *, host: str = "127.0.0.1",
+    def server_config(self, method: ChosenMethod, served_model: str, *, host: str = "127.0.0.1",
                       port: int | None = None, log_path: Path | None = None,
                       lora_modules: dict[str, str] | None = None) -> Any:
-        """The ServerConfig of a vLLM server running `method` with `params` for `served_model`
+        """The ServerConfig of a vLLM server running `method` (with its parameters) for `served_model`
         (and the LoRA adapters a trace's agents use)."""
         from kvbench.server.config import method_server_config
 
-        return method_server_config(method, served_model, params, host=host, port=port, lora_modules=lora_modules or {},
+        return method_server_config(method, served_model, host=host, port=port, lora_modules=lora_modules or {},
                                     max_model_len=self.max_model_len, cpu_kv_cache_gib=self.cpu_kv_cache_gib,
                                     extra_args=list(self.vllm_args), startup_timeout_s=self.startup_timeout_s,
                                     log_path=log_path, max_load_tokens_per_step=self.max_load_tokens_per_step,

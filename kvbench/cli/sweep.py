@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +11,6 @@ import click
 from kvbench.cli.param_types import allow_code_execution_option, finite_float, role_paths
 from kvbench.replay.protocol import PROTOCOLS
 from kvbench.replay.routing import ROUTING_POLICIES
-from kvbench.tracegen.generate import task_model
 from kvbench.tracegen.roles import MAX_AGENTS, ROLE_PRESETS
 from kvbench.tracegen.schema import MAX_OUTPUT_TOKENS, MAX_SEGMENT_TOKENS
 from kvbench.tracegen.tasks.registry import benchmark_names, task_names
@@ -62,58 +59,6 @@ def _data_files(ctx: click.Context, param: click.Parameter, value: tuple[str, ..
                                      f"existing file, got {spec!r}")
         files[task] = path
     return files
-
-
-def _benchmarks(tasks: list[str], files: dict[str, str]) -> dict[str, str | None]:
-    """The benchmark tasks a sweep can run: those with a data file, given or their own."""
-    from kvbench.tracegen.tasks.registry import get_task
-
-    runnable: dict[str, str | None] = {t: files.get(t) for t in tasks if t in files or get_task(t).has_default_data}
-    left_out = [t for t in tasks if t not in runnable]
-    if left_out:
-        click.echo(f"left out: {', '.join(left_out)} (no --data {left_out[0]}=PATH; docs/running.md says where to "
-                   "get the files)", err=True)
-    if not runnable:
-        raise click.UsageError("no benchmark task has its data: give --data TASK=PATH")
-    return runnable
-
-
-def _method_configs(methods: list[str], param_specs: tuple[str, ...], target_rhos: list[float] | None = None) -> list[Any]:
-    """`kvcmas:V=5,10` (repeatable) -> one configuration per value combination of that method;
-    with `target_rhos`, each configuration of a method with a threshold once per target (the
-    others once: nothing to calibrate)."""
-    from kvbench.experiment.sweep import MethodConfig
-    from kvbench.methods.registry import method_spec, validate_params
-
-    grids: dict[str, dict[str, list[Any]]] = {m: {} for m in methods}
-    for spec in param_specs:
-        method, sep, rest = spec.partition(":")
-        key, sep2, values = rest.partition("=")
-        if not sep or not sep2 or method not in grids:
-            raise click.BadParameter(f"expected METHOD:KEY=V1,V2 for a method in --methods, got {spec!r}",
-                                     param_hint="--method-param")
-        grids[method][key] = [json.loads(v) if v.strip().replace(".", "", 1).lstrip("-").isdigit() else v
-                              for v in values.split(",")]
-    configs = []
-    for method in methods:
-        try:
-            method_spec(method)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--methods") from None
-        keys = sorted(grids[method])
-        for combination in itertools.product(*(grids[method][k] for k in keys)):
-            params = dict(zip(keys, combination))
-            try:
-                validate_params(method, params)
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint="--method-param") from None
-            gate = method_spec(method).threshold_name
-            if target_rhos and gate is not None and gate in params:
-                raise click.BadParameter(f"{method}:{gate} is what --target-rho calibrates; give one or the other",
-                                         param_hint="--method-param")
-            targets: list[float | None] = list(target_rhos) if target_rhos and gate is not None else [None]
-            configs += [MethodConfig(method, params, target_rho=target) for target in targets]
-    return configs
 
 
 def sweep_options(func):
@@ -229,65 +174,20 @@ def run_grid(out: Path, defaults: dict[str, Any], after_cell: Any = None, search
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvbench.experiment.sweep import PLAIN_NONSHARED, MethodConfig, SweepSpec
+    from kvbench.experiment.sweep_build import SweepInputError, build_sweep_spec
     from kvbench.experiment.sweep_runner import run_sweep
     from kvbench.replay.result_lock import ResultDirError
     from kvbench.replay.runner import ReplayError
-    from kvbench.run_files import AA_LABEL
     from kvbench.server.errors import ServerError
     from kvbench.tracegen.tasks.sandbox.code_execution import CodeExecutionRefused
 
-    methods = options.pop("methods") or defaults.get("methods", ["nonshared", "fullshared"])
-    # a table about one method's parameter (Table 13's V, Fig 13's ranks) keeps that method
-    methods = [*methods, *(m for m in defaults.get("method_params", {}) if m not in methods)]
-    param_specs = tuple(options.pop("method_params"))
-    for method, grid in defaults.get("method_params", {}).items():
-        if not any(p.startswith(method + ":") for p in param_specs):
-            param_specs += tuple(f"{method}:{key}={','.join(map(str, values))}" for key, values in grid.items())
-    data_files, limit = options.pop("data_files"), options.pop("limit")
-    from kvbench.analysis.goodput import parse_goodput
-
+    adapters = {role: str(Path(path).resolve()) for role, path in role_paths(options.pop("adapters")).items()}
     try:
-        goodput = parse_goodput(options.pop("goodput_specs"))
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--goodput") from None
-    tasks = defaults.get("benchmarks") or ([options["task"]] if options["task"] in benchmark_names() else [])
-    benchmarks = _benchmarks(tasks, data_files) if tasks else {}
-    if benchmarks:
-        options["task"] = "none"  # each trace names its own task
-        options["num_trajectories"] = limit or options["num_trajectories"]
-    elif data_files or limit:
-        raise click.UsageError("--data and --limit are for benchmark tasks (--task mmlu, gsm8k or humaneval)")
-    options["model"] = options["model"] or task_model(options["task"])
-    if options["output_len"] is None:
-        from kvbench.tracegen.tasks.registry import default_output_len
-        from kvbench.tracegen.tokenizer import load_tokenizer
-
-        options["output_len"] = default_output_len(next(iter(benchmarks), options["task"]),
-                                                   load_tokenizer(options["model"]).encode)
-    if options["quality"] and "nonshared" not in methods:
-        # NonShared's own cells, at every QPS, are the noise floor of the quality figures under load
-        click.echo("note: --quality adds nonshared to --methods: its cells at each QPS show how much load alone "
-                   "changes the outputs", err=True)
-        methods = ["nonshared", *methods]
-    given = options.pop("target_rhos")
-    target_rhos = [t for t in (given if given is not None else defaults.get("target_rhos", [])) if t is not None]
-    spec = SweepSpec(
-        methods=_method_configs(methods, param_specs, target_rhos),
-        **{key: (options[key] if options[key] is not None else defaults.get(key, default))
-           for key, default in (("shared_tokens", [2048]), ("qps", [0.0]), ("agents", [4]), ("rounds", [1]))},
-        **{key: options[key] for key in ("workflow", "task", "output_len", "num_warmups", "repeats", "seed", "model",
-                                         "quality", "temperature", "stop_on_saturation", "instances", "routing",
-                                         "shared_tier", "interleave")},
-        protocol=options["protocol"] or defaults.get("protocol", "free"),
-        num_trajectories=options["num_trajectories"] or defaults.get("num_trajectories", 8),
-        prime_method_state=options["prime_method_state"] or defaults.get("prime_method_state", False),
-        save_prompt_ids=options.pop("save_prompt_ids") or defaults.get("save_prompt_ids", False), benchmarks=benchmarks,
-        roles=options["roles"],
-        goodput=goodput,
-        adapters={role: str(Path(path).resolve()) for role, path in role_paths(options["adapters"]).items()})
-    if options.pop("aa") and spec.interleave and PLAIN_NONSHARED in spec.methods:
-        spec.methods.append(MethodConfig("nonshared", label=AA_LABEL))  # the noise floor (analysis/savings.py)
+        spec = build_sweep_spec({**options, "adapters": adapters}, defaults, on_note=lambda note: click.echo(note, err=True))
+    except SweepInputError as exc:
+        if exc.option is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=exc.option) from None
     cells = spec.cells(out)
     ray = _ray_options(options)
     if spec.interleave:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbench.methods.api.spec import ChosenMethod
 from kvbench.tracegen.schema import Trace
 from kvbench.tracegen.tokenizer import TraceTokenizer
 
@@ -51,7 +52,7 @@ def what_limits(steps: list[CalibrationStep]) -> str:
     return "; ".join(parts) or f"all {total} segments were accepted"
 
 
-def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: str, base_url: str, target_rho: float,
+def calibrate_threshold(trace: Trace, tokenizer: TraceTokenizer, method: ChosenMethod, base_url: str, target_rho: float,
                         threshold_name: str, iterations: int = 6,
                         on_step: Callable[[CalibrationStep], None] | None = None,
                         num_warmups: int = 0, tolerance: float | None = None,
@@ -149,7 +150,7 @@ def layer_group(deviation: list[float], target_rho: float) -> tuple[int, int]:
     return start, start + width
 
 
-def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: str, base_url: str, model: str,
+def profile_layers(trace: Trace, tokenizer: TraceTokenizer, method: ChosenMethod, base_url: str, model: str,
                    target_rho: float) -> LayerProfile:
     """Replay the trace with plain reuse (a group of layer 0 only, entering with the embeddings:
     the same K/V as reusing them), then compare every reuse turn with a dense prefill of its prompt."""

@@ -12,6 +12,7 @@ from typing import Any
 from kvbench import run_files
 from kvbench.experiment.run import replay_and_summarize
 from kvbench.experiment.servers import replay_server
+from kvbench.methods.api.spec import ChosenMethod
 from kvbench.replay.run_config import ReplayConfig
 from kvbench.server.config import ServerConfig
 from kvbench.server.instances import InstancePlan
@@ -55,7 +56,7 @@ def load_trace(trace_path: Path | None, model: str | None, num_trajectories: int
     return trace, tokenizer, resolve_model(model if model is not None else trace.header.tokenizer)
 
 
-def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: str, params: dict[str, Any], *,
+def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: ChosenMethod, *,
                   base_urls: list[str], result_dir: Path | None, label: str | None, reference_dir: Path | None,
                   trace_path: Path | None, max_load_tokens_per_step: int | None, qps: float, num_warmups: int,
                   use_trace_timestamps: bool, drop_shared: bool, logprobs: int | None,
@@ -64,15 +65,14 @@ def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: s
     what follows from them: the reference run read, the floor's label, the default result folder,
     logprobs recorded against a reference (None: 20 with one, else 0). `protocol` (replay/protocol.py;
     None: paper-decode with a reference, else free) must agree with the reference given."""
-    from kvbench.methods.registry import method_spec
     from kvbench.tracegen.schema import MAX_ARRIVAL_S
 
     if qps > 0 and not use_trace_timestamps and len(trace.trajectories) / qps > MAX_ARRIVAL_S:
         raise ReplayInputError(f"{qps:g} spreads {len(trace.trajectories)} trajectories over about "
                                f"{len(trace.trajectories) / qps:g} s, past the {MAX_ARRIVAL_S:g} s a trace allows "
                                "(0 runs them one after another)", "--qps")
-    if method_spec(method).needs_adapters and not trace.header.adapters:
-        raise ReplayInputError(f"--method {method} rebuilds each agent's values from its LoRA adapter, and this "
+    if method.spec.needs_adapters and not trace.header.adapters:
+        raise ReplayInputError(f"--method {method.name} rebuilds each agent's values from its LoRA adapter, and this "
                                "trace's agents use none (gen-trace --adapter ROLE=PATH; kvbench model adapters)")
     from kvbench.replay.protocol import protocol as find_protocol
 
@@ -98,14 +98,14 @@ def replay_config(trace: Trace, tokenizer: TraceTokenizer, model: str, method: s
     if drop_shared and label is None:
         label = run_files.FLOOR_LABEL  # PGR's floor is its own kind of run, never another NonShared row
     if result_dir is None:
-        result_dir = Path("results") / f"{label or method}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
+        result_dir = Path("results") / f"{label or method.name}-{qps:g}qps-{datetime.now():%Y%m%d-%H%M%S}"
     return ReplayConfig.build(
         trace=trace, tokenizer=tokenizer, method=method, base_urls=[u.rstrip("/") for u in base_urls],
-        result_dir=result_dir, label=label, reference=reference, method_params=params, qps=qps,
+        result_dir=result_dir, label=label, reference=reference, qps=qps,
         num_warmups=num_warmups, use_trace_timestamps=use_trace_timestamps, drop_shared=drop_shared,
         first_token_only=chosen.first_token_only,
         logprobs=logprobs if logprobs is not None else (20 if reference is not None else 0),
-        extra_config={"model": model, "method_params": params,
+        extra_config={"model": model, "method_params": method.params,
                       "trace_path": str(trace_path.resolve()) if trace_path else None,
                       "max_load_tokens_per_step": max_load_tokens_per_step if not base_urls else None},
         **settings)

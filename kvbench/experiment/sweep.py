@@ -6,6 +6,7 @@ start per method configuration; kvbench.experiment.ray_sweep runs it on a Ray cl
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import run_files
+from kvbench.methods.api.spec import ChosenMethod
 from kvbench.tracegen.generate import TraceSpec, task_roles
 
 SWEEP_FILE = "sweep.json"
@@ -28,6 +30,13 @@ class MethodConfig:
     # The reuse ratio its threshold is calibrated to on its server before its cells (sweep
     # --target-rho; kvbench.experiment.sweep_calibration); None: its parameters as given.
     target_rho: float | None = None
+
+    @functools.cached_property
+    def chosen(self) -> ChosenMethod:
+        """The method looked up and its parameters checked, once per configuration (ValueError)."""
+        from kvbench.methods.registry import resolve_method
+
+        return resolve_method(self.method, self.params)
 
     @property
     def name(self) -> str:
@@ -229,7 +238,7 @@ class SweepInputs:
         """The server of one method configuration (its log in the configuration's folder)."""
         from kvbench.server.config import method_server_config
 
-        return method_server_config(method.method, self.served_model or self.model, method.params,
+        return method_server_config(method.chosen, self.served_model or self.model,
                                     **spec.server_options, cpu_kv_cache_gib=spec.cpu_kv_cache_gib,
                                     lora_modules=self.lora_modules, log_path=root / "runs" / method.name / "server.log")
 

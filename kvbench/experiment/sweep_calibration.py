@@ -31,12 +31,11 @@ def calibrated_params(spec: SweepSpec, root: Path, inputs: SweepInputs, method: 
     `trace_id` (found now on `server`, or read from an earlier run of the sweep), and set on
     every one of the server's instances; its parameters unchanged without a target."""
     from kvbench.experiment.calibrate import calibrate_threshold, summary_dict, what_limits, within
-    from kvbench.methods.registry import method_spec
     from kvbench.server.worker_rpc import WorkerClient
 
     if method.target_rho is None:
         return dict(method.params)
-    gate = method_spec(method.method)
+    gate = method.chosen.spec
     assert gate.threshold_name is not None  # sweep gives targets to methods with a threshold only
     path = calibration_path(root, method, trace_id)
     if path.exists():
@@ -45,7 +44,7 @@ def calibrated_params(spec: SweepSpec, root: Path, inputs: SweepInputs, method: 
         trace = _calibration_trace(spec, inputs, trace_id)
         for url in server.base_urls:  # the configuration's own parameters, then the threshold's probes
             WorkerClient(url).set_params(dict(method.params))
-        steps = calibrate_threshold(trace, inputs.tokenizer, method.method, server.base_urls[0], method.target_rho,
+        steps = calibrate_threshold(trace, inputs.tokenizer, method.chosen, server.base_urls[0], method.target_rho,
                                     gate.threshold_name, num_warmups=spec.num_warmups,
                                     prime_method_state=spec.prime_method_state,
                                     tolerance=CALIBRATION_TOLERANCE, threshold_range=gate.threshold_range,

@@ -164,10 +164,10 @@ def cell_config(spec: SweepSpec, cell: SweepCell, server: Any, inputs: SweepInpu
     return ReplayConfig.build(
         trace=Trace(header=trace.header, trajectories=trajectories), reference=reference,
         first_token_only=chosen.first_token_only,
-        tokenizer=inputs.tokenizer, method=method.method, base_urls=server.base_urls, result_dir=cell.path,
+        tokenizer=inputs.tokenizer, method=method.chosen.with_params(params), base_urls=server.base_urls, result_dir=cell.path,
         routing=spec.routing, qps=cell.qps, seed=spec.seed + cell.repeat, num_warmups=spec.num_warmups,
         prime_method_state=spec.prime_method_state, save_prompt_ids=spec.save_prompt_ids,
-        label=method.name, resume=(cell.path / run_files.CONFIG).exists(), method_params=params,
+        label=method.name, resume=(cell.path / run_files.CONFIG).exists(),
         request_timeout_s=spec.request_timeout_s, show_progress=False, logprobs=20 if spec.quality else 0,
         sampling=SamplingParams(temperature=spec.temperature), goodput=spec.goodput,
         saturation=SaturationRule() if spec.stop_on_saturation else None,
@@ -237,7 +237,7 @@ def _run_quality_baseline(spec: SweepSpec, inputs: SweepInputs, name: str, run: 
     trace = inputs.traces[name]
     replay_and_summarize(ReplayConfig.build(
         trace=Trace(header=trace.header, trajectories=trace.trajectories), tokenizer=inputs.tokenizer,
-        method="nonshared", base_urls=server.base_urls, result_dir=run, qps=0.0, seed=spec.seed, routing=spec.routing,
+        method=PLAIN_NONSHARED.chosen, base_urls=server.base_urls, result_dir=run, qps=0.0, seed=spec.seed, routing=spec.routing,
         num_warmups=spec.num_warmups, label="no-context" if drop else "reference", drop_shared=drop,
         logprobs=0 if drop else 20, resume=(run / run_files.CONFIG).exists(), save_prompt_ids=spec.save_prompt_ids,
         request_timeout_s=spec.request_timeout_s, show_progress=False,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.contracts import WorkerRpc
+from kvbench.methods.api.spec import ChosenMethod
 from kvbench.methods.core.mooncake_tier import SharedTierSettings
 from kvbench.server.errors import ServerError
 from kvbench.tracegen.adapters import peft_rank
@@ -111,18 +112,18 @@ def reserved_cpu_cores(cores: int, ranks: int) -> int:
     return ranks if cores - ranks >= 2 * ranks else 0
 
 
-def method_server_config(method: str, model: str, params: dict[str, Any] | None = None,
-                         max_load_tokens_per_step: int = 0, max_store_bytes: int | None = None,
+def method_server_config(method: ChosenMethod, model: str, max_load_tokens_per_step: int = 0,
+                         max_store_bytes: int | None = None,
                          fault_injection: str | None = None, **options: Any) -> ServerConfig:
     """A server for a sharing method: plain vLLM, or vLLM with the kvbench connector, its worker
     extension and the model handed to the connector once the server is up. Every server gets the
     worker extension: its memory RPC (WorkerRpc.MEMORY) needs no connector. The connector's
     settings (load spreading, store cap, injected faults) mean nothing to plain vLLM and are
     left out for it."""
-    from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, method_spec
+    from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
 
-    uses_connector = method_spec(method).uses_connector
-    transfer = kv_transfer_config(method, params, max_load_tokens_per_step=max_load_tokens_per_step if uses_connector else None,
+    uses_connector = method.spec.uses_connector
+    transfer = kv_transfer_config(method, max_load_tokens_per_step=max_load_tokens_per_step if uses_connector else None,
                                   max_store_bytes=max_store_bytes if uses_connector else None,
                                   fault_injection=fault_injection if uses_connector else None)
     return ServerConfig(model=model, kv_transfer_config=transfer,

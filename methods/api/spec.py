@@ -4,7 +4,7 @@ worker loads the implementation by its dotted path (kvbench.methods.api.base.loa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.methods.api.params import MethodParams
@@ -45,3 +45,26 @@ class MethodSpec:
     def parse_params(self, raw: dict[str, Any]) -> dict[str, Any]:
         """All parameters with defaults filled in; MethodConfigError names every bad one."""
         return self.Params.parse(self.name, raw)
+
+
+@dataclass(frozen=True)
+class ChosenMethod:
+    """A method looked up once, at the edge (the CLI, a sweep's configuration), with its
+    parameters checked: what the replay, the server's configuration and the connector's transfer
+    configuration take, so none of them looks the name up again."""
+
+    spec: MethodSpec
+    params: dict[str, Any] = field(default_factory=dict)  # as given; the worker fills in the defaults
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def with_params(self, params: dict[str, Any]) -> ChosenMethod:
+        """The same method with other parameters (a calibrated threshold), checked."""
+        self.spec.parse_params(dict(params))
+        return ChosenMethod(self.spec, dict(params))
+
+    def connector_keys(self) -> dict[str, str]:
+        """The keys of kv_connector_extra_config naming it: its name and its implementation."""
+        return {"method": self.name, "implementation": self.spec.implementation}

@@ -17,6 +17,15 @@ def model_layers(default_model: str) -> int:
 
 
 @pytest.fixture(scope="session")
+def context_layer(default_model: str) -> int:
+    """The embedded model's first context-dependent layer: CacheBlend's check layer and
+    RelayCaching's detection layer by default."""
+    from kvbench.model.store import first_context_layer
+
+    return first_context_layer(default_model)
+
+
+@pytest.fixture(scope="session")
 def bf16_noise(default_model: str, prompts: dict) -> dict[str, float]:
     """Log-prob tolerance per prompt: 0.02, or one bf16 step of the largest next-token logit if
     that is coarser. vLLM computes logits in bf16, so a single logit rounding the other way moves

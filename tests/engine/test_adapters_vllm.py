@@ -14,6 +14,7 @@ from vllm_helpers import all_passed, method_check, replay_turns, serving
 
 from kvbench.cli import main
 from kvbench.experiment.check_requests import ADAPTER_PREFIX
+from kvbench.methods.registry import resolve_method
 from kvbench.model.adapters import build_random_adapter
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer
@@ -39,7 +40,7 @@ def adapters(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> di
 def rebase_server(default_model: str, adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[VLLMServer]:
     log = Path(tmp_path_factory.mktemp("rebase")) / "server.log"
-    with serving(method_server_config("precache-rebase", default_model, lora_modules=adapters, max_model_len=2048,
+    with serving(method_server_config(resolve_method("precache-rebase"), default_model, lora_modules=adapters, max_model_len=2048,
                                       log_path=log)) as server:
         yield server
 

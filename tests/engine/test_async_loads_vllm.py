@@ -14,6 +14,7 @@ import pytest
 from vllm_helpers import complete, dense_prefill, kv_error, max_dlogprob, new_key, request_stats, serving
 
 from kvbench.contracts import CONTRACT_VERSION, Plan
+from kvbench.methods.registry import resolve_method
 from kvbench.replay.backend import stream_completion
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer
@@ -26,7 +27,7 @@ BUDGET = 128  # tokens per engine step: 512 rows through one layer; a 1.5K-row l
 @pytest.fixture(scope="module")
 def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """KVCMAS with asynchronous loads; plans with inject_fault make their load fail."""
-    config = method_server_config("kvcmas", default_model, max_load_tokens_per_step=BUDGET, max_model_len=4096,
+    config = method_server_config(resolve_method("kvcmas"), default_model, max_load_tokens_per_step=BUDGET, max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp("async-loads")) / "server.log")
     assert config.kv_transfer_config is not None
     config.kv_transfer_config["kv_connector_extra_config"]["fault_injection"] = "flagged"
@@ -116,10 +117,10 @@ def test_the_load_budget_reaches_the_connector() -> None:
     options = ServerOptions(model=None, max_model_len=None, cpu_kv_cache_gib=2.0, startup_timeout_s=60.0,
                             method_params=(), vllm_args=(), max_load_tokens_per_step=512, max_store_bytes=None,
                             fault_injection=None)
-    extra = options.server_config("kvcmas", {}, "model").kv_transfer_config["kv_connector_extra_config"]
+    extra = options.server_config(resolve_method("kvcmas"), "model").kv_transfer_config["kv_connector_extra_config"]
     assert ConnectorSettings.from_extra_config(extra).max_load_tokens_per_step == 512
     # plain vLLM: no connector to configure
-    assert options.server_config("nonshared", {}, "model").kv_transfer_config is None
+    assert options.server_config(resolve_method("nonshared"), "model").kv_transfer_config is None
     with pytest.raises(MethodConfigError, match="max_load_tokens_per_step"):
         ConnectorSettings.from_extra_config({**method_keys("kvcmas"), "max_load_tokens_per_step": -1})
     # every command that starts a server takes the flag

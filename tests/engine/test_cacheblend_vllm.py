@@ -5,55 +5,42 @@ FullShared's error past the check layer."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from vllm_helpers import (
     all_passed,
-    complete,
-    dense_prefill,
-    kv_error,
     method_check,
-    method_server,
-    new_key,
-    request_stats,
-    reuse_q,
+    method_server_fixture,
+    near_dense,
+    reused_turn,
     set_params,
     small_replay,
+    source_and_dense,
 )
 
-from kvbench.model.store import first_context_layer
 from kvbench.server.errors import ServerError
 from kvbench.server.lifecycle import VLLMServer
 
 pytestmark = pytest.mark.engine
 
-
-@pytest.fixture(scope="module")
-def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    yield from method_server("cacheblend", default_model, tmp_path_factory)
+server = method_server_fixture("cacheblend")
 
 
 @pytest.fixture(scope="module")
-def check_layer(default_model: str) -> int:
+def check_layer(context_layer: int) -> int:
     """The method's default check layer: the model's first context-dependent layer."""
-    return first_context_layer(default_model)
+    return context_layer
 
 
 def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: dict, check_layer: int,
                                                    model_layers: int) -> None:
-    source, dense = new_key(), new_key()
-    dense_prefill(server, prompts["p0"], source)  # A0: q after A0's system prompt
-    dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
+    source, dense = source_and_dense(server, prompts)
     n, q = len(prompts["p1"]) - 1, len(prompts["q"])
     errors = {}
     for ratio in (0.0, 0.3, 1.0):
         assert set_params(server, recompute_ratio=ratio)["recompute_ratio"] == ratio
-        key = new_key()
-        complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
-        errors[ratio] = kv_error(server, key, dense, 0, n)["layers"]
-        stats = request_stats(server, key)
+        errors[ratio], stats = reused_turn(server, prompts, source, dense)
         picked = math.ceil(ratio * q)
         assert stats["blend"]["check_layer"] == check_layer
         assert stats["blend"]["picked_tokens"] == picked and stats["blend"]["candidate_tokens"] == q
@@ -61,10 +48,9 @@ def test_recompute_ratio_spans_fullshared_to_dense(server: VLLMServer, prompts: 
         # (token, layer) entries served from reuse: the unpicked rows, past the check layer only
         assert stats["served_entries"] == (q - picked) * (model_layers - check_layer - 1)
         assert stats["layers"] == model_layers
-    close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
     for ratio, layers in errors.items():  # up to the check layer every row is computed: dense
-        assert all(close(layer) for layer in layers[:check_layer + 1]), (ratio, layers)
-    assert all(close(layer) for layer in errors[1.0]), errors[1.0]  # all recomputed: dense everywhere
+        assert all(near_dense(layer) for layer in layers[:check_layer + 1]), (ratio, layers)
+    assert all(near_dense(layer) for layer in errors[1.0]), errors[1.0]  # all recomputed: dense everywhere
     for layer in range(check_layer + 1, len(errors[0.0])):
         for kv in ("k_rel", "v_rel"):
             # Nothing recomputed past the check layer keeps the reuse error (well above the bf16
@@ -93,17 +79,13 @@ def test_replay_reports_the_reuse_ratio(server: VLLMServer, tmp_path: Path) -> N
 
 def test_gradual_filtering_narrows_layer_by_layer(server: VLLMServer, prompts: dict, check_layer: int,
                                                   model_layers: int) -> None:
-    source, dense = new_key(), new_key()
-    dense_prefill(server, prompts["p0"], source)
-    dense_prefill(server, prompts["p1"], dense)
-    n, q = len(prompts["p1"]) - 1, len(prompts["q"])
+    source, dense = source_and_dense(server, prompts)
+    q = len(prompts["q"])
     errors = {}
     for filters in ([], [0.6]):
         set_params(server, recompute_ratio=0.15, filter_ratios=filters)
-        key = new_key()
-        complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
-        errors[len(filters)] = kv_error(server, key, dense, 0, n)["layers"]
-        stats = request_stats(server, key)["blend"]
+        errors[len(filters)], request = reused_turn(server, prompts, source, dense)
+        stats = request["blend"]
         assert stats["candidate_tokens"] == q and stats["picked_tokens"] == math.ceil(0.15 * q)
     kept = math.ceil(0.6 * q)
     assert stats["filtered"] == [{"layer": check_layer, "kept_tokens": kept},

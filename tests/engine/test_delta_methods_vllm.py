@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from vllm_helpers import all_passed, method_check, serving
 
 from kvbench.cli import main
+from kvbench.methods.registry import resolve_method
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer
 from kvbench.server.worker_rpc import WorkerClient
@@ -25,7 +26,7 @@ METHODS = ["kvcmas", "kvcmas-nonchained", "kvcomm", "kvcomm-ref", "graphflow"]
 def method_server(request: pytest.FixtureRequest, default_model: str,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, VLLMServer]]:
     method = request.param
-    config = method_server_config(method, default_model, max_model_len=4096,
+    config = method_server_config(resolve_method(method), default_model, max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp(method)) / "server.log")
     with serving(config) as server:
         yield method, server

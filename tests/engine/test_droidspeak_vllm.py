@@ -5,7 +5,6 @@ a later group corrects the layers after its first; rows without a saved stream a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,27 +13,23 @@ from vllm_helpers import (
     all_passed,
     complete,
     dense_prefill,
-    kv_error,
     method_check,
-    method_server,
+    method_server_fixture,
+    near_dense,
     new_key,
-    request_stats,
-    reuse_q,
+    reused_turn,
     set_params,
     small_replay,
+    source_and_dense,
 )
 
 from kvbench.cli import main
-from kvbench.model.store import first_context_layer
 from kvbench.server.errors import ServerError
 from kvbench.server.lifecycle import VLLMServer
 
 pytestmark = pytest.mark.engine
 
-
-@pytest.fixture(scope="module")
-def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    yield from method_server("droidspeak", default_model, tmp_path_factory)
+server = method_server_fixture("droidspeak")
 
 
 def _source(server: VLLMServer, prompt: list[int]) -> str:
@@ -45,30 +40,22 @@ def _source(server: VLLMServer, prompt: list[int]) -> str:
     return key
 
 
-def _reused_errors(server: VLLMServer, prompts: dict, source: str, dense: str) -> tuple[list[dict], dict]:
-    key = new_key()
-    complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
-    return kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"], request_stats(server, key)
-
-
-def test_layer_groups_against_dense(server: VLLMServer, prompts: dict, default_model: str, model_layers: int) -> None:
-    first = first_context_layer(default_model)  # 1 in a standard model; the recall model's K/V before it are local
+def test_layer_groups_against_dense(server: VLLMServer, prompts: dict, context_layer: int, model_layers: int) -> None:
+    first = context_layer  # 1 in a standard model; the recall model's K/V before it are local
     dense = new_key()
     dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
     n, q = len(prompts["p1"]) - 1, len(prompts["q"])
     errors, stats = {}, {}
     for layers in ([0, model_layers], [first, model_layers], [model_layers - 1, model_layers]):
         assert set_params(server, layers=layers)["layers"] == layers
-        errors[tuple(layers)], stats[tuple(layers)] = _reused_errors(server, prompts, _source(server, prompts["p0"]),
-                                                                     dense)
-    close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
+        errors[tuple(layers)], stats[tuple(layers)] = reused_turn(server, prompts, _source(server, prompts["p0"]), dense)
     # Entering with the token embeddings, every layer of the group is exact: all of them here.
-    assert all(close(layer) for layer in errors[(0, model_layers)]), errors[(0, model_layers)]
+    assert all(near_dense(layer) for layer in errors[(0, model_layers)]), errors[(0, model_layers)]
     assert stats[(0, model_layers)]["reused_tokens"] == 0 and stats[(0, model_layers)]["recomputed_tokens"] == n
     # A 1-layer group gets the source's own K/V back (they depend on the entering stream only):
     # FullShared's error, which is well above bf16 rounding in the deepest layers.
     fullshared = errors[(model_layers - 1, model_layers)]
-    assert not close(fullshared[-1]), fullshared
+    assert not near_dense(fullshared[-1]), fullshared
     # A group from the first context-dependent layer: that layer is the source's, the later ones
     # see A1's context through attention. The entering stream already carries A0's context (the
     # layer before attended to it), so only part of the error goes: 13-20% per layer on the
@@ -87,12 +74,10 @@ def test_layer_groups_against_dense(server: VLLMServer, prompts: dict, default_m
 
 def test_rows_without_a_saved_stream_are_computed(server: VLLMServer, prompts: dict) -> None:
     assert set_params(server, layers=None)["layers"] is None  # default: the deepest 20% of layers, at least 2
-    source, dense = new_key(), new_key()
-    dense_prefill(server, prompts["p0"], source)  # prefilled by vLLM itself: no residual stream saved
-    dense_prefill(server, prompts["p1"], dense)
-    errors, stats = _reused_errors(server, prompts, source, dense)
+    source, dense = source_and_dense(server, prompts)  # prefilled by vLLM itself: no residual stream saved
+    errors, stats = reused_turn(server, prompts, source, dense)
     assert stats["reused_tokens"] == 0 and stats["dense_without_stream_tokens"] == len(prompts["q"])
-    assert all(layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01 for layer in errors), errors
+    assert all(near_dense(layer) for layer in errors), errors
 
 
 def test_layer_group_must_fit_the_model(server: VLLMServer, model_layers: int) -> None:

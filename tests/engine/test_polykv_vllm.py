@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from vllm_helpers import all_passed, method_check, serving
 
 from kvbench.cli import main
+from kvbench.methods.registry import resolve_method
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer
 from kvbench.server.worker_rpc import WorkerClient
@@ -24,7 +25,7 @@ TRACE = ["--qps", "0", "--num-trajectories", "2", "--shared-tokens", "1024", "--
 
 @pytest.fixture(scope="module")
 def polykv_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    config = method_server_config("polykv", default_model, max_model_len=4096,
+    config = method_server_config(resolve_method("polykv"), default_model, max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp("polykv")) / "server.log")
     with serving(config) as server:
         yield server

@@ -14,7 +14,7 @@ from vllm_helpers import all_passed, all_request_stats, method_check, replay_tur
 
 from kvbench.contracts import WorkerRpc
 from kvbench.experiment.check_requests import ADAPTER_PREFIX
-from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
+from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, resolve_method
 from kvbench.model.adapters import build_random_adapter
 from kvbench.model.resolve import resolve_model
 from kvbench.model.role_adapters import build_route_adapter
@@ -36,7 +36,8 @@ def route_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     adapters.update({f"{ADAPTER_PREFIX}{i}": str(build_random_adapter(model, root / f"check-{i}", zero=True))
                      for i in range(2)})
     config = ServerConfig(model=model, log_path=root / "server.log", max_model_len=4096,
-                          kv_transfer_config=kv_transfer_config(request.param), worker_extension_cls=WORKER_EXTENSION,
+                          kv_transfer_config=kv_transfer_config(resolve_method(request.param)),
+                          worker_extension_cls=WORKER_EXTENSION,
                           post_start_rpcs=[WorkerRpc.ATTACH_MODEL], lora_modules=adapters, extra_args=["--enforce-eager"])
     with serving(config) as server:
         yield request.param, server

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from vllm_helpers import serving
 
 from kvbench.cli import main
+from kvbench.methods.registry import resolve_method
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer
 
@@ -38,7 +39,7 @@ def reference(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="module")
 def always_faulty_server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """FullShared whose every load fails: vLLM computes every prompt itself (dense fallback)."""
-    config = method_server_config("fullshared", default_model, fault_injection="all", max_model_len=4096,
+    config = method_server_config(resolve_method("fullshared"), default_model, fault_injection="all", max_model_len=4096,
                                   log_path=Path(tmp_path_factory.mktemp("faulty")) / "server.log")
     with serving(config) as server:
         yield server

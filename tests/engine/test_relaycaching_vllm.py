@@ -5,23 +5,11 @@ error past the detection layer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_helpers import (
-    complete,
-    dense_prefill,
-    kv_error,
-    method_server,
-    new_key,
-    request_stats,
-    reuse_q,
-    set_params,
-    small_replay,
-)
+from vllm_helpers import method_server_fixture, near_dense, reused_turn, set_params, small_replay, source_and_dense
 
-from kvbench.model.store import first_context_layer
 from kvbench.server.errors import ServerError
 from kvbench.server.lifecycle import VLLMServer
 
@@ -29,42 +17,33 @@ pytestmark = pytest.mark.engine
 
 NEVER = 1e6  # a threshold no token reaches
 
-
-@pytest.fixture(scope="module")
-def server(default_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    yield from method_server("relaycaching", default_model, tmp_path_factory)
+server = method_server_fixture("relaycaching")
 
 
 @pytest.fixture(scope="module")
-def det_layer(default_model: str) -> int:
+def det_layer(context_layer: int) -> int:
     """The method's default detection layer: the model's first context-dependent layer."""
-    return first_context_layer(default_model)
+    return context_layer
 
 
 def test_detection_spans_fullshared_to_dense(server: VLLMServer, prompts: dict, det_layer: int,
                                               model_layers: int) -> None:
-    source, dense = new_key(), new_key()
-    dense_prefill(server, prompts["p0"], source)  # A0: decoded by vLLM itself; RelayCaching needs no saved stream
-    dense_prefill(server, prompts["p1"], dense)  # what A1's cache should be
+    source, dense = source_and_dense(server, prompts)  # A0 decoded by vLLM itself: RelayCaching needs no saved stream
     q = len(prompts["q"])
     errors, stats = {}, {}
     for name, taus in (("all", {"tau_dev": 0, "tau_inf": NEVER}), ("none", {"tau_dev": NEVER, "tau_inf": NEVER}),
                        ("default", {"tau_dev": 1.5, "tau_inf": 1.45}), ("influence", {"tau_dev": NEVER, "tau_inf": 1.45})):
         set_params(server, **taus)
-        key = new_key()
-        complete(server, prompts["p1"], reuse_q(prompts, "p1", source, key), salt=key)
-        errors[name] = kv_error(server, key, dense, 0, len(prompts["p1"]) - 1)["layers"]
-        stats[name] = request_stats(server, key)
-    close = lambda layer: layer["k_rel"] < 0.01 and layer["v_rel"] < 0.01  # noqa: E731 - bf16 rounding
+        errors[name], stats[name] = reused_turn(server, prompts, source, dense)
     relay = {name: s["relay"] for name, s in stats.items()}
     assert all(r["det_layer"] == det_layer and r["candidate_tokens"] == q for r in relay.values())
     # tau_dev 0 picks every row (1 - cos >= 0): computed in every layer, the dense cache.
-    assert relay["all"]["picked_tokens"] == q and all(close(layer) for layer in errors["all"]), errors["all"]
+    assert relay["all"]["picked_tokens"] == q and all(near_dense(layer) for layer in errors["all"]), errors["all"]
     assert stats["all"]["reused_tokens"] == 0
     # Nothing picked: layers up to the detection layer are computed, the others keep the reuse error.
     assert relay["none"]["picked_tokens"] == 0
-    assert all(close(layer) for layer in errors["none"][:det_layer + 1]), errors["none"]
-    assert not close(errors["none"][-1]), errors["none"]
+    assert all(near_dense(layer) for layer in errors["none"][:det_layer + 1]), errors["none"]
+    assert not near_dense(errors["none"][-1]), errors["none"]
     assert stats["none"]["reused_tokens"] == round(q * (model_layers - det_layer - 1) / model_layers)
     # The paper's thresholds pick a minority by either criterion (Eq. 9: their union) and remove
     # part of the error past the detection layer.

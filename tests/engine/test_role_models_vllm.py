@@ -12,7 +12,7 @@ import pytest
 from vllm_helpers import replay_turns, serving
 
 from kvbench.contracts import WorkerRpc
-from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config
+from kvbench.methods.registry import WORKER_EXTENSION, kv_transfer_config, resolve_method
 from kvbench.model.resolve import resolve_model
 from kvbench.model.roles import PROMPT_FAMILIES
 from kvbench.server.config import ServerConfig
@@ -31,7 +31,7 @@ def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     # against 140 s compiled, measured side by side on a loaded 2-core machine).
     config = ServerConfig(
         model=resolve_model(f"kvbench:{name}"), log_path=Path(tmp_path_factory.mktemp(name)) / "server.log",
-        max_model_len=4096, kv_transfer_config=kv_transfer_config("fullshared", fault_injection="flagged"),
+        max_model_len=4096, kv_transfer_config=kv_transfer_config(resolve_method("fullshared"), fault_injection="flagged"),
         worker_extension_cls=WORKER_EXTENSION, post_start_rpcs=[WorkerRpc.ATTACH_MODEL],
         extra_args=["--enforce-eager"])
     with serving(config) as server:

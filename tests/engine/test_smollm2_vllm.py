@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from vllm_helpers import serving
 
 from kvbench.cli import main
+from kvbench.methods.registry import resolve_method
 from kvbench.model.resolve import resolve_model
 from kvbench.server.config import method_server_config
 
@@ -39,7 +40,7 @@ def trace(smollm2: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _replay(method: str, model: str, trace: Path, out: Path, *extra: str) -> dict:
-    with serving(method_server_config(method, model, log_path=out.parent / f"{method}-server.log",
+    with serving(method_server_config(resolve_method(method), model, log_path=out.parent / f"{method}-server.log",
                                       max_model_len=4096)) as server:
         result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--method", method, "--qps", "0",
                                            "--base-url", server.base_url, "--result-dir", str(out), "--logprobs", "20",

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from vllm_helpers import serving
 
 from kvbench.cli import main
+from kvbench.methods.registry import resolve_method
 from kvbench.server.config import method_server_config
 from kvbench.server.lifecycle import VLLMServer
 
@@ -35,7 +36,7 @@ def cap(default_model: str) -> int:
 @pytest.fixture(scope="module")
 def capped_server(default_model: str, cap: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     # half a GiB of KV pool: vLLM CPU's own variable took whole GiB only, so 0.5 once stopped vLLM
-    config = method_server_config("fullshared", default_model, max_store_bytes=cap, max_model_len=4096,
+    config = method_server_config(resolve_method("fullshared"), default_model, max_store_bytes=cap, max_model_len=4096,
                                   cpu_kv_cache_gib=0.5, log_path=Path(tmp_path_factory.mktemp("capped")) / "server.log")
     with serving(config) as server:
         yield server

@@ -15,6 +15,7 @@ import pytest
 from vllm_helpers import complete, dense_prefill, new_key, reuse_q, serving
 
 from kvbench.experiment.run import replay_and_summarize
+from kvbench.methods.registry import resolve_method
 from kvbench.model.store import first_context_layer
 from kvbench.replay.kv_error import reused_segments, turn_layer_errors
 from kvbench.replay.method_stats import rank_mismatch
@@ -59,11 +60,11 @@ def test_every_method_gets_the_same_cpu_cores(monkeypatch: pytest.MonkeyPatch) -
     assert reserved_cpu_cores(4, 1) == 1 and reserved_cpu_cores(16, 2) == 2 and reserved_cpu_cores(4, 2) == 0
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.setattr("kvbench.server.lifecycle._has_cuda", lambda: False)
-    reserved = {method: VLLMServer(method_server_config(method, "m")).environment()["VLLM_CPU_NUM_OF_RESERVED_CPU"]
-                for method in ("nonshared", "fullshared", "kvcmas")}
+    reserved = {method: VLLMServer(method_server_config(resolve_method(method), "m")).environment()[
+                "VLLM_CPU_NUM_OF_RESERVED_CPU"] for method in ("nonshared", "fullshared", "kvcmas")}
     assert set(reserved.values()) == {str(reserved_cpu_cores(len(os.sched_getaffinity(0)), 1))}
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the user's own setting wins
-    assert VLLMServer(method_server_config("kvcmas", "m")).environment()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert VLLMServer(method_server_config(resolve_method("kvcmas"), "m")).environment()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
 
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two cores")
@@ -85,14 +86,14 @@ def _replay(method: str, model: str, ranks: int, trace: tuple[Trace, object], tm
     each request's method stats and the KV error of the last `error_turns` turns whose query was
     reused (mean over the context-dependent layers of the K and V errors, over all heads). Fewer
     `warmups` (methods without an anchor pool) replay that many fewer trajectories before the four measured."""
-    config = method_server_config(method, model, params or {}, log_path=tmp / f"{method}-tp{ranks}.log",
-                                  max_model_len=4096,
+    chosen = resolve_method(method, params or {})
+    config = method_server_config(chosen, model, log_path=tmp / f"{method}-tp{ranks}.log", max_model_len=4096,
                                   extra_args=["--tensor-parallel-size", str(ranks)])
     full_trace, tokenizer = trace
     full_trace = Trace(header=full_trace.header, trajectories=full_trace.trajectories[3 - warmups:])
     out = tmp / f"{method}-tp{ranks}"
     with serving(config) as server:
-        summary = replay_and_summarize(ReplayConfig.build(trace=full_trace, tokenizer=tokenizer, method=method,  # type: ignore[arg-type]
+        summary = replay_and_summarize(ReplayConfig.build(trace=full_trace, tokenizer=tokenizer, method=chosen,
                                                     base_urls=[server.base_url], result_dir=out, qps=0, num_warmups=warmups,
                                                     prime_method_state=True, save_prompt_ids=True,
                                                     show_progress=False))
@@ -168,7 +169,7 @@ def test_a_load_failing_on_one_rank_falls_back_on_every_rank(default_model: str,
     """Rank 0 alone places a non-finite value: both ranks must give up the load together (the
     check is summed over ranks), else rank 1 would run the partial forward's collectives alone and
     the engine would hang. vLLM then computes the request itself: the dense answer."""
-    config = method_server_config("fullshared", default_model, log_path=tmp_path / "tp2-fault.log",
+    config = method_server_config(resolve_method("fullshared"), default_model, log_path=tmp_path / "tp2-fault.log",
                                   max_model_len=4096, extra_args=["--tensor-parallel-size", "2"])
     config.kv_transfer_config["kv_connector_extra_config"]["fault_injection"] = "flagged_nonfinite_rank0"
     with serving(config) as server:

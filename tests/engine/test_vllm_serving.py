@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from kvbench.methods.registry import resolve_method
 from kvbench.server.lifecycle import VLLMServer
 
 pytestmark = pytest.mark.engine
@@ -75,7 +76,7 @@ def test_a_normal_stop_leaves_no_traceback_in_the_log(default_model: str, tmp_pa
     log = tmp_path / "server.log"
     # A drain of a minute: an engine starved of CPU on a loaded runner missed vLLM's default 10 s
     # and was force-killed; only an engine that hangs outlasts this one.
-    server = VLLMServer(method_server_config("fullshared", default_model, max_model_len=1024, log_path=log,
+    server = VLLMServer(method_server_config(resolve_method("fullshared"), default_model, max_model_len=1024, log_path=log,
                                              shutdown_timeout_s=60))
     with server:
         assert _complete(server, {"prompt": _prompt_ids(default_model), "max_tokens": 2})["choices"]

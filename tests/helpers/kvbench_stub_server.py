@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
+import psutil
+
+from kvbench.experiment import interleaved
 from kvbench.server import lifecycle as server
 
 
@@ -23,9 +26,20 @@ def _stub_command(self: server.VLLMServer) -> list[str]:
             "--connector-method", method, "--token-delay", os.environ.get("STUB_TOKEN_DELAY", "0.02")]
 
 
+STUB_SERVER_BYTES = 200 << 20  # what a stub server holds at most: a Python process, no KV pool, no weights
+
+
+def _stub_shortfall(servers: int, cpu_kv_cache_gib: float, weights_bytes: int, available_bytes: int | None = None):
+    """The side-by-side memory check for stubs: what they need, not what vLLM servers would (a
+    loaded test machine must not refuse an interleaved sweep of stubs)."""
+    available = available_bytes if available_bytes is not None else psutil.virtual_memory().available
+    return None if servers * STUB_SERVER_BYTES <= 0.9 * available else f"{servers} stub servers do not fit"
+
+
 def use_stub_servers() -> None:
     """Also what each Ray worker runs first (KVBENCH_RAY_WORKER_SETUP=kvbench_stub_server.use_stub_servers)."""
     server.VLLMServer.command = _stub_command  # type: ignore[method-assign]
+    interleaved.side_by_side_shortfall = _stub_shortfall
 
 
 use_stub_servers()

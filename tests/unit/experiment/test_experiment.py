@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.experiment.sweep import MethodConfig, SweepPoint, SweepSpec
+from kvbench.methods.registry import resolve_method
 
 
 def test_a_product_grid_replays_every_context_at_every_qps() -> None:
@@ -74,11 +75,13 @@ def test_calibration_probes_a_budget_first_and_stops_within_tolerance(monkeypatc
     monkeypatch.setattr(worker_rpc, "WorkerClient", FakeClient)
     monkeypatch.setattr(run, "replay_and_summarize", fake_replay)
     realizes = "budget"
-    steps = calibrate.calibrate_threshold(None, None, "graphflow", "http://x", 0.8, "rho", iterations=6, tolerance=0.05)
+    steps = calibrate.calibrate_threshold(None, None, resolve_method("graphflow"), "http://x", 0.8, "rho", iterations=6,
+                                          tolerance=0.05)
     assert [s.threshold for s in steps] == [0.8]  # realized 0.784: within 0.05 at once
     probes.clear()
     realizes = "sqrt"
-    steps = calibrate.calibrate_threshold(None, None, "kvcmas", "http://x", 0.8, "tau", iterations=6, tolerance=0.05)
+    steps = calibrate.calibrate_threshold(None, None, resolve_method("kvcmas"), "http://x", 0.8, "tau", iterations=6,
+                                          tolerance=0.05)
     assert steps[0].threshold == 0.5 and calibrate.within(steps[-1].realized_rho, 0.8, 0.05)
     assert len(steps) < 6
     assert calibrate.within(0.75, 0.8, 0.05) and not calibrate.within(0.74, 0.8, 0.05)
@@ -113,7 +116,8 @@ def test_a_calibration_whose_rho_does_not_move_stops_and_says_why(monkeypatch) -
     monkeypatch.setattr(run, "replay_and_summarize", fake_replay)
 
     monkeypatch.setattr("kvbench.replay.runner.ReplayConfig.build", lambda **kw: type("C", (), kw)())  # no trace here
-    steps = calibrate.calibrate_threshold(None, None, "kvcmas", "http://x", 0.8, "tau", iterations=6, tolerance=0.05)
+    steps = calibrate.calibrate_threshold(None, None, resolve_method("kvcmas"), "http://x", 0.8, "tau", iterations=6,
+                                          tolerance=0.05)
     assert [s.threshold for s in steps] == [0.5, 0.75] and calibrate.flat_rho(steps)
     assert steps[-1].decisions == {"dense_few_anchors": 2, "accepted": 1}
     why = calibrate.what_limits(steps)
@@ -146,8 +150,8 @@ def test_calibration_follows_each_methods_threshold(monkeypatch, method: str, ta
     monkeypatch.setattr(worker_rpc, "WorkerClient", FakeClient)
     monkeypatch.setattr(run, "replay_and_summarize", fake_replay)
     monkeypatch.setattr("kvbench.replay.runner.ReplayConfig.build", lambda **kw: type("C", (), kw)())
-    steps = calibrate.calibrate_threshold(None, None, method, "http://x", target, cls.threshold_name, iterations=10,
-                                          tolerance=0.02, threshold_range=cls.threshold_range,
+    steps = calibrate.calibrate_threshold(None, None, resolve_method(method), "http://x", target, cls.threshold_name,
+                                          iterations=10, tolerance=0.02, threshold_range=cls.threshold_range,
                                           rho_rises=cls.rho_rises_with_threshold)
     assert calibrate.within(steps[-1].realized_rho, target, 0.02)
     assert cls.threshold_name in cls.Params.model_fields

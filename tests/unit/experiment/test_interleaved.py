@@ -17,6 +17,7 @@ from kvbench import run_files
 from kvbench.experiment.interleaved import Arm, replay_interleaved
 from kvbench.experiment.replay import load_trace, replay_config
 from kvbench.experiment.run import replay_and_summarize
+from kvbench.methods.registry import resolve_method
 from kvbench.replay.run_config import ReplayConfig
 from kvbench.replay.stub import StubServer
 
@@ -55,7 +56,7 @@ def _configs(tokenizer_dir: Path, root: Path, urls: dict[str, str]) -> list[Repl
     settings: dict[str, Any] = dict(reference_dir=None, trace_path=None, max_load_tokens_per_step=None, qps=0.0,
                                     num_warmups=0, use_trace_timestamps=False, drop_shared=False, logprobs=None,
                                     show_progress=False)
-    return [replay_config(trace, tokenizer, model, "nonshared", {}, base_urls=[url], result_dir=root / name,
+    return [replay_config(trace, tokenizer, model, resolve_method("nonshared"), base_urls=[url], result_dir=root / name,
                           label=name, **settings) for name, url in urls.items()]
 
 

@@ -14,6 +14,7 @@ from click.testing import CliRunner, Result
 from kvbench.analysis.metrics import realized_rho, recompute_share, reuse_figures
 from kvbench.cli.server_options import ServerOptions, server_options
 from kvbench.methods.core.store import SavedKV, SegmentStore
+from kvbench.methods.registry import resolve_method
 
 
 def _entry(tokens: int) -> SavedKV:
@@ -93,10 +94,10 @@ def test_store_cap_and_fault_injection_are_kvbench_options() -> None:
 
     result, options = _server_options("--max-store-bytes", "32MiB", "--fault-injection", "0.25")
     assert result.exit_code == 0 and options is not None, result.output
-    extra = options.server_config("kvcmas", {}, "model").kv_transfer_config["kv_connector_extra_config"]
+    extra = options.server_config(resolve_method("kvcmas"), "model").kv_transfer_config["kv_connector_extra_config"]
     settings = ConnectorSettings.from_extra_config(extra)
     assert settings.max_store_bytes == 32 * 2**20 and settings.fault_injection == "0.25"
-    assert options.server_config("nonshared", {}, "model").kv_transfer_config is None  # plain vLLM: no store
+    assert options.server_config(resolve_method("nonshared"), "model").kv_transfer_config is None  # plain vLLM: no store
     for bad in (("--max-store-bytes", "lots"), ("--max-store-bytes", "0"), ("--fault-injection", "1.5"),
                 ("--fault-injection", "sometimes")):
         result, _ = _server_options(*bad)
@@ -121,9 +122,10 @@ def test_a_fractional_cpu_kv_cache_reaches_vllm_in_bytes(monkeypatch: pytest.Mon
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     result, options = _server_options("--cpu-kv-cache-gib", "0.5")
     assert result.exit_code == 0 and options is not None, result.output
-    command = server.VLLMServer(options.server_config("nonshared", {}, "model", port=1)).command()
+    command = server.VLLMServer(options.server_config(resolve_method("nonshared"), "model", port=1)).command()
     assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**29)
-    assert "VLLM_CPU_KVCACHE_SPACE" not in server.VLLMServer(options.server_config("nonshared", {}, "m")).environment()
+    plain = server.VLLMServer(options.server_config(resolve_method("nonshared"), "m"))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in plain.environment()
     assert _server_options("--cpu-kv-cache-gib", "0")[0].exit_code == 2
 
 

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from peft_folders import v_only_peft
 
 from kvbench.cli import main
+from kvbench.methods.registry import resolve_method
 from kvbench.server.config import lora_args
 from kvbench.server.errors import ServerError
 from kvbench.tracegen.trace_files import read_trace
@@ -151,7 +152,7 @@ def test_a_connector_server_gives_its_adapters_to_the_connector(tmp_path: Path) 
     from kvbench.server.lifecycle import VLLMServer
 
     folder = _peft(tmp_path / "a")
-    command = VLLMServer(method_server_config("precache-prelr", "m", lora_modules={"a": str(folder)})).command()
+    command = VLLMServer(method_server_config(resolve_method("precache-prelr"), "m", lora_modules={"a": str(folder)})).command()
     transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector_extra_config"]["adapters"] == {"a": str(folder)}
     assert "--lora-modules" in command and f"a={folder}" in command
