@@ -34,7 +34,26 @@ def shared_tier_figures(method_stats: list[dict[str, Any]], metrics: list[dict[s
     allocated = [s["master_allocated_bytes"] for s in metrics if "master_allocated_bytes" in s
                  and s.get("segment", 0) == last]
     out["shared_store_peak_bytes"] = int(max(allocated)) if allocated else None
-    return out
+    return {**out, **_anchor_figures(method_stats, last)}
+
+
+# What the methods' shared anchor pools moved through the tier (kvbench.methods.delta.shared_anchors),
+# summed over the servers: beside the caches' bytes above, the anchors' own.
+ANCHOR_FIGURES = {"puts": "shared_anchor_puts", "put_bytes": "shared_anchor_put_bytes",
+                  "remote_bytes": "shared_anchor_remote_bytes", "imported": "shared_anchors_imported",
+                  "rejected": "shared_anchors_rejected"}
+
+
+def _anchor_figures(method_stats: list[dict[str, Any]], segment: int) -> dict[str, Any]:
+    latest = {e["server_url"]: e["shared_state"] for e in method_stats
+              if e.get("kind") == "state" and e.get("shared_state") and e.get("segment", 0) == segment}
+    if not latest:
+        return {}
+    return {key: sum(int(s.get(name, 0)) for s in latest.values()) for name, key in ANCHOR_FIGURES.items()}
+
+
+def _mib(value: Any) -> float | None:
+    return None if value is None else float(value) / 2**20
 
 
 def shared_tier_table(runs: list[Any]) -> pd.DataFrame:
@@ -54,5 +73,8 @@ def shared_tier_table(runs: list[Any]) -> pd.DataFrame:
             "p90_shared_get_ms": s.get("p90_shared_get_ms"), "puts": puts, "put_mib": s["shared_put_bytes"] / 2**20,
             "ms_per_put": s["shared_put_ms_total"] / puts if puts else None,
             "remote_bytes_per_reused_token": s.get("shared_remote_bytes_per_reused_token"),
-            "shared_store_peak_mib": None if s.get("shared_store_peak_bytes") is None else s["shared_store_peak_bytes"] / 2**20})
+            "shared_store_peak_mib": None if s.get("shared_store_peak_bytes") is None else s["shared_store_peak_bytes"] / 2**20,
+            "anchor_put_mib": _mib(s.get("shared_anchor_put_bytes")),
+            "anchor_remote_mib": _mib(s.get("shared_anchor_remote_bytes")),
+            "anchors_imported": s.get("shared_anchors_imported"), "anchors_rejected": s.get("shared_anchors_rejected")})
     return pd.DataFrame(rows)

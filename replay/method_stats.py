@@ -62,6 +62,8 @@ class ServerState:
     poll_s: float = 0.0  # this poll's round trip (the engine answers it between two steps)
     # the shared tier's figures since the reset (rank 0's; kvbench.analysis.shared_tier), None without one
     shared_tier: dict[str, Any] | None = None
+    # what the method shared with other instances through it (anchor pools; rank 0's), None without
+    shared_state: dict[str, Any] | None = None
 
 
 # the request columns `MethodStatsCollector.apply` fills from the connector's stats
@@ -126,7 +128,7 @@ class MethodStatsCollector:
             method_state_bytes={name: sum(w.method_state_bytes.get(name, 0) for w in workers)
                                 for name in workers[0].method_state_bytes},
             deferred_s=max(float(w.extra.get("deferred_s", 0.0)) for w in workers), poll_s=round(poll_s, 6),
-            shared_tier=workers[0].extra.get("shared_tier"))
+            shared_tier=workers[0].extra.get("shared_tier"), shared_state=workers[0].extra.get("shared_state"))
         lines.append({"kind": "state", "segment": segment, "server_url": url, "t_s": round(t_s, 3),
                       **state.__dict__})
         with open(self.path, "a", encoding="utf-8") as journal:  # on disk before it is used

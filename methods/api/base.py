@@ -87,6 +87,13 @@ class CoreServices(Protocol):
         at a time: yields the rows each layer computed, returns the cache. `adapter`: the V-only
         LoRA adapter to run it with; `value_inputs` receives each layer's value-projection input."""
 
+    def shared_state(self, namespace: str) -> Any:
+        """A SharedState (kvbench.methods.core.shared_state) for method state under `namespace`,
+        shared with the other instances on this worker's shared tier, with `anchor_shape` and
+        `device` set for what it holds; None without a shared tier, or with several
+        tensor-parallel ranks (their decisions must agree, and one rank could see a peer's anchor
+        before another does)."""
+
     def adapter(self, name: str | None) -> VLora | None:
         """The served V-only adapter `name` (None for None); MethodConfigError for one the
         connector was not given (kv_connector_extra_config["adapters"])."""
@@ -228,6 +235,10 @@ class SharingMethod:
         """Work queued by after_load, run at the start of a later engine step, after the request's
         first token (outside its TTFT, inside E2E): a method keeps each item until
         `core.computed(ctx.req_id)`."""
+
+    def shared_report(self) -> dict[str, Any]:
+        """What its state shared between instances did: {"shared_state": counts}, or {} (WorkerStats.extra)."""
+        return {}
 
     def state_bytes(self) -> dict[str, int]:
         """Exact tensor bytes of the method's own state (anchor pools, references...)."""

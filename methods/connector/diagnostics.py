@@ -1,4 +1,5 @@
-"""Read-only views of the segment store for tests and analyses (worker RPCs)."""
+"""Views of a worker for the worker RPCs: what it runs, its stats, and read-only views of the
+segment store for tests and analyses."""
 
 from __future__ import annotations
 
@@ -8,8 +9,32 @@ from typing import Any, cast
 
 import torch
 
-from kvbench.contracts import CONTRACT_VERSION, FidelityRequest, LayerFidelity, SegmentFidelity
+from kvbench import __version__
+from kvbench.contracts import CONTRACT_VERSION, FidelityRequest, LayerFidelity, SegmentFidelity, ServerInfo, WorkerStats
 from kvbench.methods.core.store import SegmentStore
+
+
+def server_info(worker: Any) -> ServerInfo:
+    """What a worker (kvbench.methods.connector.worker.ConnectorWorker) runs."""
+    tier = worker.settings.shared_tier
+    return ServerInfo(method=worker.method.name, params=dict(worker.method.params),
+                      model_attached=worker.forward is not None, kvbench_version=__version__,
+                      shared_tier=tier.to_dict() if tier is not None else None)
+
+
+def worker_stats(worker: Any, clear: bool) -> WorkerStats:
+    """A worker's per-request method stats and its store's and method's state (`clear`: the
+    per-request stats start over)."""
+    store = worker.store
+    out = WorkerStats(
+        method=worker.method.name, params=dict(worker.method.params), requests=dict(worker.request_stats),
+        store_bytes=store.bytes, store_peak_bytes=store.peak_bytes, store_entries=len(store.entries),
+        store_evictions=store.evictions, store_refused=store.refused, method_state_bytes=worker.method.state_bytes(),
+        model_attached=worker.forward is not None,
+        extra={"deferred_s": worker.deferred_s, **store.report(), **worker.method.shared_report()})
+    if clear:
+        worker.request_stats.clear()
+    return out
 
 
 def kv_error(store: SegmentStore, key: str, reference: str, start: int = 0, stop: int | None = None) -> dict[str, Any]:

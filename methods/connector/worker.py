@@ -12,8 +12,7 @@ from typing import Any, cast
 
 import torch
 
-from kvbench import __version__
-from kvbench.contracts import LoadStats, ServerInfo, WorkerStats, vllm_prefill_stats
+from kvbench.contracts import LoadStats, vllm_prefill_stats
 from kvbench.methods.api.base import MethodConfigError, SharingMethod
 from kvbench.methods.connector.compute_tracker import ComputedRequests
 from kvbench.methods.connector.counters import ReuseCounters
@@ -157,6 +156,9 @@ class ConnectorWorker:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank() if self.tensor_parallel_size > 1 else 0
+
+    def shared_state(self, namespace: str) -> Any:
+        return self.store.shared_state(namespace)
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         if self.tensor_parallel_size == 1:
@@ -390,23 +392,6 @@ class ConnectorWorker:
         return self.reuse_counters.take(self.tensor_parallel_rank() if self.forward is not None else 0)
 
     # ---------------------------------------------------------------- worker RPCs
-    def info(self) -> ServerInfo:
-        tier = self.settings.shared_tier
-        return ServerInfo(method=self.method.name, params=dict(self.method.params), model_attached=self.forward is not None,
-                          kvbench_version=__version__, shared_tier=tier.to_dict() if tier is not None else None)
-
-    def stats(self, clear: bool) -> WorkerStats:
-        out = WorkerStats(
-            method=self.method.name, params=dict(self.method.params), requests=dict(self.request_stats),
-            store_bytes=self.store.bytes, store_peak_bytes=self.store.peak_bytes,
-            store_entries=len(self.store.entries), store_evictions=self.store.evictions,
-            store_refused=self.store.refused, method_state_bytes=self.method.state_bytes(),
-            model_attached=self.forward is not None,
-            extra={"deferred_s": self.deferred_s, **({"shared_tier": tier} if (tier := self.store.report()) else {})})
-        if clear:
-            self.request_stats.clear()
-        return out
-
     def set_params(self, params: dict[str, Any]) -> dict[str, Any]:
         """Replace the method (same name, new parameters, empty state): e.g. to tune tau on one server."""
         method = type(self.method)({**self.method.params, **params})
@@ -417,6 +402,7 @@ class ConnectorWorker:
         if self.forward is not None:
             method.bind(self)  # first: a method may size itself by the model (DroidSpeak's default group)
             self.check_method_fits(method)
+        self.method.reset()  # (what it shared with other instances withdrawn)
         self.method = method
         self.settings.params = dict(method.params)
         self.store.codec = params_codec(method.params)  # entries already held keep the codec they were kept with

@@ -30,7 +30,9 @@ class KVBenchWorkerExtension:
 
     def kvbench_info(self) -> dict[str, Any]:
         """What this server runs: method, parameters, kvbench and contract versions."""
-        return _worker().info().to_dict()
+        from kvbench.methods.connector.diagnostics import server_info
+
+        return server_info(_worker()).to_dict()
 
     def kvbench_attach_model(self) -> bool:
         """Hand the loaded model to the connector (the partial forward runs its modules)."""
@@ -39,7 +41,9 @@ class KVBenchWorkerExtension:
 
     def kvbench_stats(self, clear: str = "false") -> dict[str, Any]:
         """Per-request method stats, segment-store and method-state bytes of this worker."""
-        return _worker().stats(clear=_flag(clear)).to_dict()
+        from kvbench.methods.connector.diagnostics import worker_stats
+
+        return worker_stats(_worker(), clear=_flag(clear)).to_dict()
 
     def kvbench_memory(self, reset: str = "false") -> dict[str, Any]:
         """This worker's device memory (kvbench.contracts.DeviceMemory); `reset` starts a new peak.

@@ -161,7 +161,12 @@ class SegmentStore:
     def take_counts(self) -> dict[str, int]:
         return {}
 
-    def report(self) -> dict[str, Any] | None:
+    def report(self) -> dict[str, Any]:
+        """What a shared tier under the store did (WorkerStats.extra); {} without one."""
+        return {}
+
+    def shared_state(self, namespace: str) -> Any:
+        """Method state shared with other instances (kvbench.methods.core.shared_state); None without a shared tier."""
         return None
 
     def clear(self) -> None:

@@ -15,6 +15,7 @@ import torch
 from kvbench.methods.core.entry_bytes import EntryError, EntryShape, entry_from_bytes, entry_to_bytes
 from kvbench.methods.core.kv_codec import KVCodec
 from kvbench.methods.core.mooncake_tier import MooncakeTier, SharedTierSettings, shared_key
+from kvbench.methods.core.shared_state import SharedState
 from kvbench.methods.core.store import CompressedKV, SavedKV, SegmentStore
 
 logger = logging.getLogger("kvbench.connector")
@@ -31,6 +32,7 @@ class TieredStore(SegmentStore):
         self.rank, self.ranks = 0, 1  # this worker's tensor-parallel rank: its entries hold its heads
         self.shape: EntryShape | None = None  # what this model's entries hold: a fetched one is checked against it
         self._reported: dict[str, int] = {}
+        self.states: dict[str, SharedState] = {}  # method state shared beside the entries, by namespace
 
     def placed_on(self, device: torch.device | str, rank: int, ranks: int, shape: Any = None) -> None:
         self.device, self.rank, self.ranks, self.shape = device, rank, ranks, shape
@@ -112,8 +114,19 @@ class TieredStore(SegmentStore):
         return grown
 
     def report(self) -> dict[str, Any]:
-        """What the tier did since the last reset (WorkerStats.extra["shared_tier"])."""
-        return {**self.tier.counts.to_dict(), "segment_bytes": self.tier.settings.segment_bytes}
+        """What the tier did since the last reset: {"shared_tier": counts} (WorkerStats.extra)."""
+        return {"shared_tier": {**self.tier.counts.to_dict(), "segment_bytes": self.tier.settings.segment_bytes}}
+
+    def shared_state(self, namespace: str) -> SharedState | None:
+        """Method state shared beside this store's entries, one per namespace for the worker's life
+        (its writer number claimed once); None with several tensor-parallel ranks (their decisions
+        must agree, and one rank could see a peer's value before another does)."""
+        if self.ranks > 1 or self.shape is None:
+            logger.warning("kvbench: %s stays on this instance (%d tensor-parallel ranks)", namespace, self.ranks)
+            return None
+        if namespace not in self.states:
+            self.states[namespace] = SharedState(self.tier, self.model, namespace, shape=self.shape, device=self.device)
+        return self.states[namespace]
 
 
 def segment_store(max_bytes: int, codec: KVCodec | None, shared: SharedTierSettings | None, model: str) -> SegmentStore:

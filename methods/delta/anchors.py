@@ -94,6 +94,22 @@ class AnchorPool:
             self.anchors[anchor_id] = anchor
         anchor.deltas[edge] = (store(delta_k, rank_delta, dtype), store(delta_v, rank_delta, dtype))
 
+    def merge(self, anchor: Anchor) -> None:
+        """Another instance's anchor (kvbench.methods.delta.shared_anchors): a new id joins the pool
+        (evicting as `add` does); a known one gains the corrections it lacks, when its base is from
+        the same source (ValueError otherwise)."""
+        held = self.anchors.get(anchor.anchor_id)
+        if held is None:
+            while len(self.anchors) >= self.capacity:
+                self.evict()
+            self.anchors[anchor.anchor_id] = anchor
+            return
+        if held.source != anchor.source or held.length != anchor.length:
+            raise ValueError(f"anchor {anchor.anchor_id!r} here holds {held.source}'s {held.length} rows, the other "
+                             f"instance's {anchor.source}'s {anchor.length}")
+        for edge, correction in anchor.deltas.items():
+            held.deltas.setdefault(edge, correction)
+
     def evict(self) -> str:
         """Least frequently used among the oldest EVICTION_WINDOW anchors (ties: the oldest)."""
         window = list(self.anchors.values())[:EVICTION_WINDOW]

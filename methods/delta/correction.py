@@ -17,8 +17,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.contracts import Plan, PlanSegment
-from kvbench.methods.api.base import LoadContext, SegmentReuse, SharingMethod
+from kvbench.methods.api.base import CoreServices, LoadContext, SegmentReuse, SharingMethod
 from kvbench.methods.core.kv_codec import make_codec
+from kvbench.methods.delta.anchor_bytes import AnchorShape
 from kvbench.methods.delta.anchors import (
     Anchor,
     AnchorPool,
@@ -39,6 +40,7 @@ from kvbench.methods.delta.jobs import (
 )
 from kvbench.methods.delta.match_memo import MatchMemo, SegmentDistances, memoized_distances
 from kvbench.methods.delta.references import ContextFreeReferences, content_key
+from kvbench.methods.delta.shared_anchors import AnchorExchange
 from kvbench.methods.delta.stored import BaseCodec
 
 OUTPUT_SEGMENT_PREFIX = "out:"  # an agent's output segment (kvbench.tracegen.schema.OUT_PREFIX)
@@ -78,6 +80,28 @@ class DeltaCorrection(SharingMethod):
         self.pending: list[PendingAnchor] = []  # each waits until its request is computed
         self.open = OpenDecisions()
         self.peak_bytes: dict[str, int] = {}
+        self.exchange: AnchorExchange | None = None  # the pools shared with other instances, where there are some
+
+    def bind(self, core: CoreServices) -> None:
+        super().bind(core)
+        state = core.shared_state("anchors")
+        self.exchange = None if state is None else AnchorExchange(state, state.model)
+
+    def _sharing(self) -> AnchorExchange | None:
+        return self.exchange if self.params.get("anchor_sharing", "tier") == "tier" else None
+
+    def _pull(self, slot: str, pool: AnchorPool) -> int:
+        """The other instances' anchors of `slot` brought into its pool (before a decision)."""
+        exchange = self._sharing()
+        if exchange is None or exchange.state.shape is None:
+            return 0
+        shape = exchange.state.shape
+        try:
+            return exchange.pull(slot, pool, AnchorShape(shape.layers, shape.kv_heads * shape.head_dim),
+                                 exchange.state.device)
+        except Exception:  # the store unreachable: this pool decides with what it holds
+            logger.exception("kvbench: reading the other instances' anchors of %s failed", slot)
+            return 0
 
     # -------------------------------------------------------------- sources
     def _reads_producer(self, segment: PlanSegment) -> bool:
@@ -186,6 +210,7 @@ class DeltaCorrection(SharingMethod):
         """Accept (with the correction) or reject one segment of n source rows for this edge."""
         capacity = int(self.params.get("V", 1))
         pool = self.pools.setdefault(slot, AnchorPool(capacity))
+        self._pull(slot, pool)
         compatible = pool.compatible(edge, min_length=1)
         gate_mode = self.params.get("gate", "entropy")
         if gate_mode == "dense":
@@ -334,6 +359,14 @@ class DeltaCorrection(SharingMethod):
                                                job.source.segment.start).reshape(layers, rows, width)
         pool.add(job.anchor_id, job.edge, source_k, source_v, delta_k, target_v - source_v,
                  rank_base, rank_delta, torch.bfloat16, base_codec)
+        if (exchange := self._sharing()) is not None:
+            try:
+                exchange.publish(job.slot, pool, job.anchor_id)
+            except Exception:  # the store unreachable: the anchor serves this instance
+                logger.exception("kvbench: publishing anchor %s of %s failed", job.anchor_id, job.slot)
+
+    def shared_report(self) -> dict[str, Any]:
+        return {} if self.exchange is None else {"shared_state": self.exchange.state.report()}
 
     def _ready(self, items: list[Any]) -> tuple[list[Any], list[Any]]:
         """(items whose request vLLM has computed, items still waiting for theirs), order kept."""
@@ -385,6 +418,8 @@ class DeltaCorrection(SharingMethod):
         self.peak_bytes = dict(self._current_bytes())
 
     def reset(self) -> None:
+        if self.exchange is not None:
+            self.exchange.forget()
         self.pools.clear()
         self.references.entries.clear()
         self.pending.clear()

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from kvbench.methods.api.params import MethodParams
 
 GateMode = Literal["entropy", "dense", "accept"]
+AnchorSharing = Literal["tier", "instance"]
 
 # Two switches every matching delta method takes after its own parameters. Off their defaults the
 # method is a known one exactly (`kvbench check`): every segment dense is NonShared, every match
@@ -33,6 +34,12 @@ class DeltaParams(MethodParams):
     # distances; off: every edge matches its source at load time, inside its TTFT.
     prematch: bool = Field(False, description="match a saved source's segments right after its first token, "
                            "outside the consumers' TTFT (chained only)")
+    # With several instances on one shared tier (kvbench replay --instances N): `tier` shares every
+    # anchor an instance observes with the others (kvbench.methods.delta.shared_anchors), so each
+    # pool learns from every turn; `instance` keeps each pool to its own instance's turns.
+    anchor_sharing: AnchorSharing = Field("tier", description="with --instances N on a shared tier: tier: every "
+                                          "instance's anchors join every pool; instance: each pool learns from its "
+                                          "own instance's turns only")
     gate: GateMode = GATE_FIELD
     apply_corrections: bool = APPLY_CORRECTIONS_FIELD
 

@@ -246,7 +246,8 @@ class _Rotary(torch.nn.Module):
 class _FakeCore:
     tensor_parallel_size = 1
 
-    def __init__(self) -> None:
+    def __init__(self, shared: object = None) -> None:
+        self.shared = shared  # a SharedState: this core's instance shares its anchor pools
         self.aligner = RopeAligner(_Rotary())
         self.prefills = 0
         self.prefilled: list[torch.Tensor] = []  # the tokens of each context-free prefill
@@ -254,6 +255,9 @@ class _FakeCore:
 
     def computed(self, req_id: str) -> bool:
         return req_id not in self.uncomputed
+
+    def shared_state(self, namespace: str) -> object:
+        return self.shared
 
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         return partial

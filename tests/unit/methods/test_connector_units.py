@@ -11,6 +11,7 @@ import torch
 
 from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.api.base import MethodConfigError
+from kvbench.methods.connector.diagnostics import worker_stats
 from kvbench.methods.connector.loads import AsyncLoads, LoadJob, SyncLoads
 from kvbench.methods.connector.materialize import count_rows, find_candidates, served_entries
 from kvbench.methods.connector.settings import ConnectorSettings
@@ -271,7 +272,7 @@ def test_a_cache_no_later_turn_reads_is_not_kept(method: str) -> None:
         worker = ConnectorWorker(ConnectorSettings.from_extra_config({**method_keys(method)}), method_class(method)({}),
                                  block_size=16, static_forward_context={})
         worker.wait_for_save(KVBenchMetadata(saves=[save]))
-        stats = worker.stats(clear=False)
+        stats = worker_stats(worker, clear=False)
         assert stats.requests["run/t/A3.r0"]["local_tokens"] == 2 and "save_s" not in stats.requests["run/t/A3.r0"]
         assert stats.store_entries == 0 and worker.get_finished(set())[0] == {"a3"}  # its blocks: nothing copied
         assert worker.take_reuse_counts() == {"requests": 1, "claimed_requests": 0, "reused_tokens": 0,

@@ -159,6 +159,9 @@ class _Core:
     def sum_over_ranks(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
 
+    def shared_state(self, namespace: str) -> None:
+        return None  # one instance
+
     def computed(self, req_id: str) -> bool:
         return True  # each load here is computed before the next: deferred work runs at once
 

@@ -41,6 +41,6 @@ def test_store_codec_is_a_parameter_of_every_method() -> None:
     with pytest.raises(MethodConfigError, match="unknown KV codec 'zip'"):
         method_class("fullshared")({"store_codec": "zip"})
     assert [name for name, _, _ in method_class("kvcmas").Params.describe()] == [
-        "V", "tau", "r_c", "r_delta", "gate_tokens", "prematch", "gate",
+        "V", "tau", "r_c", "r_delta", "gate_tokens", "prematch", "anchor_sharing", "gate",
         "apply_corrections"]  # store_codec described once, in the docs
     assert [name for name, _, _ in method_class("polykv").Params.describe()] == ["store_codec"]  # its own default
