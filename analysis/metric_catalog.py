@@ -145,6 +145,9 @@ CATALOG: tuple[Metric, ...] = (
        "shared (token, layer) entries computed / all the method could have reused (1 - rho for plain reuse)"),
     _m("cold_start_dense_share", "share", "connector", "lower", "",
        "segment decisions sent dense only because the anchor pools held fewer than two anchors (a cold start)"),
+    _m("cold_start_trajectories", "trajectories", "connector", "lower", "",
+       "measured trajectories (in arrival order) up to the last one with such a decision: the warm-ups the "
+       "run lacked"),
     # -- memory --
     _m("method_state_mib", "MiB", "connector", "lower", "memory leaderboard sweep",
        "method state: segment-store peak + the method's own state (anchor pools, references)", record="report"),

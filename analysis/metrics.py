@@ -129,6 +129,24 @@ def cold_start_share(requests: pd.DataFrame) -> float | None:
     return sum(d in COLD_START_DECISIONS for d in decisions) / len(decisions) if decisions else None
 
 
+def cold_start_trajectories(requests: pd.DataFrame) -> int | None:
+    """Through how many measured trajectories (in arrival order) a decision still went dense for
+    want of anchors: the place of the last one that had such a decision (0: none had); None where
+    the method reports no decisions. As many more warm-ups would have filled the pools first."""
+    if "method_stats" not in requests or "trajectory_id" not in requests:
+        return None
+    order = requests.sort_values("scheduled_ns") if "scheduled_ns" in requests else requests
+    places = {t: i for i, t in enumerate(dict.fromkeys(order["trajectory_id"]), start=1)}
+    decided, last = False, 0
+    for trajectory, raw in zip(order["trajectory_id"], order["method_stats"]):
+        decisions = method_stats_of(pd.DataFrame({"method_stats": [raw]}))
+        kinds = [d.get("decision") for stats in decisions for d in stats.get("decisions", [])]
+        decided |= bool(kinds)
+        if any(kind in COLD_START_DECISIONS for kind in kinds):
+            last = max(last, places[trajectory])
+    return last if decided else None
+
+
 def recompute_share(requests: pd.DataFrame) -> float | None:
     """Shared (token, layer) entries computed / all the method could have served from reuse
     (realized rho's denominator, in every layer): 1 - rho where each reused row is served in
@@ -217,6 +235,7 @@ def summarize(requests: pd.DataFrame, duration_s: float, percentiles: list[float
     summary |= reuse_figures(ok)
     summary["recompute_share"] = recompute_share(ok)
     summary["cold_start_dense_share"] = cold_start_share(ok)
+    summary["cold_start_trajectories"] = cold_start_trajectories(ok)
     # What vLLM's own prefix cache served, what the method reused and what was computed, apart:
     # vLLM's `cached_tokens` also counts every token a connector claimed.
     for column in ("cached_tokens", "prefix_cached_tokens", "reused_tokens", "recomputed_tokens"):

@@ -1,8 +1,9 @@
 """Benchmark: one vLLM instance against two sharing caches through Mooncake Store (issue 53, item 6).
 
 For each method (FullShared: the transfer itself; KVCMAS: a corrected method, whose anchor pools
-stay per instance) it starts one instance on every core, two instances on half the cores each with
-a shared tier (a mooncake_master started here), and for FullShared two without one. Each is warmed
+the instances share through the tier, issue 68) it starts one instance on every core, two instances
+on half the cores each with a shared tier (a mooncake_master started here), for FullShared two
+without one, and for KVCMAS two whose anchor pools stay per instance (`anchor_sharing=instance`). Each is warmed
 up by two unmeasured runs (its first and last routing); then a role-recall trace on
 `kvbench:roles-transferable` is replayed per context, at QPS 0 and a loaded QPS, under each routing
 policy, after `--warmups` warm-up trajectories per instance of the two-instance setup in every
@@ -18,7 +19,9 @@ puts, and the store's memory; and per context:
 - FullShared's outputs under each routing on two instances against one instance (token identity);
 - the bytes a shared tier holds (one copy of each source) against every instance keeping its own
   copy of every source (N copies);
-- KVCMAS's reuse-turn accuracy and realized rho on one instance and on two.
+- KVCMAS's reuse-turn accuracy, realized rho and reuse-turn p50 TTFT on one instance and on two
+  (shared and per-instance pools) under agent routing, the two-instance p50 over the one-instance
+  p50 with a 95% bootstrap interval, and the tier's bytes for anchors beside those for caches.
 
     .venv/bin/python benchmarks/bench_instances.py [--contexts 2048,8192] [--trajectories 6]
         [--warmups 2] [--output-len N] [--loaded-qps 2048:1,8192:0.25] [--methods fullshared,kvcmas]
@@ -95,7 +98,8 @@ def figures(result_dir: Path, store_bytes: int | None) -> dict[str, Any]:
     keys = ("realized_rho", "p50_ttft_ms", "p90_ttft_ms", "workflow_throughput", "task_accuracy_reuse",
             "shared_local_hits", "shared_remote_hits", "shared_misses", "shared_rejected", "shared_remote_bytes",
             "shared_remote_bytes_per_reused_token", "p50_shared_get_ms", "p90_shared_get_ms", "shared_puts",
-            "shared_put_bytes", "shared_put_ms_total", "failed", "completed")
+            "shared_put_bytes", "shared_put_ms_total", "failed", "completed", "cold_start_dense_share",
+            "shared_anchor_put_bytes", "shared_anchor_remote_bytes", "shared_anchors_imported", "shared_anchors_rejected")
     out = {key: summary.get(key) for key in keys}
     out["p50_reader_ttft_ms"] = float(reuse["ttft_ms"].median()) if len(reuse) else None
     out["p90_reader_ttft_ms"] = float(reuse["ttft_ms"].quantile(0.9)) if len(reuse) else None
@@ -151,8 +155,11 @@ def main() -> None:
                    else ("trajectory", "agent"))]
         if method == "fullshared":
             setups.append(("2 instances, no shared tier", InstancePlan(instances=2, shared=False), ("agent",)))
+        else:  # its pools as before issue 68: each instance learns from its own turns
+            setups.append(("2 instances, per-instance pools", InstancePlan(instances=2), ("agent",)))
         for setup, plan, routings in setups:
-            config = method_server_config(resolve_method(method), model, max_model_len=max(contexts) + 2048)
+            params = {"anchor_sharing": "instance"} if "per-instance" in setup else {}
+            config = method_server_config(resolve_method(method, params), model, max_model_len=max(contexts) + 2048)
             folder = root / method / setup.replace(" ", "-").replace(",", "")
             print(f"starting {setup} ({method}) ...", file=sys.stderr, flush=True)
             with ServerGroup(config, plan, folder) as group:
@@ -210,15 +217,43 @@ def fullshared_figures(table: pd.DataFrame, context: int) -> dict[str, Any]:
         "every_instance_own_copy_bytes": None if store is None else 2 * store}
 
 
+def kvcmas_against_one(table: pd.DataFrame, context: int) -> dict[str, Any]:
+    """Per QPS, KVCMAS on two instances under agent routing (shared pools, per-instance pools)
+    against one instance: rho's difference and the reader turns' p50 TTFT ratio with its 95%
+    bootstrap interval over trajectories (paired: the same trajectories)."""
+    out: dict[str, Any] = {}
+    runs = table[(table.method == "kvcmas") & (table.context == context)]
+    for qps in sorted(set(runs.qps)):
+        at = runs[runs.qps == qps]
+        one = at[at.setup == "1 instance"]
+        if one.empty:
+            continue
+        one_requests = reader_turns(pd.read_parquet(Path(one.dir.iloc[0]) / "requests.parquet"))
+        for setup in ("2 instances, shared tier", "2 instances, per-instance pools"):
+            two = at[(at.setup == setup) & (at.routing == "agent")]
+            if two.empty:
+                continue
+            interval = p50_ratio_interval(reader_turns(pd.read_parquet(Path(two.dir.iloc[0]) / "requests.parquet")),
+                                          one_requests)
+            out[f"{setup}, qps {qps:g}"] = {
+                "rho_minus_one_instance": float(two.realized_rho.iloc[0]) - float(one.realized_rho.iloc[0]),
+                "reader_p50_ttft_over_one_instance": {"ratio": interval.ratio, "low": interval.low,
+                                                      "high": interval.high}}
+    return out
+
+
 def analyze(rows: list[dict[str, Any]], contexts: list[int], json_path: Path | None) -> None:
     """The per-context figures from the runs' rows; printed, and with the rows written to `json_path`."""
     table = pd.DataFrame(rows)
     result: dict[str, Any] = {"runs": rows, "per_context": {}}
     for context in contexts:
         figures_at = {**fullshared_figures(table, context), "kvcmas": {
-            f"{row['setup']}, {row['routing']}": {key: row[key] for key in (
-                "task_accuracy_reuse", "realized_rho", "p50_reader_ttft_ms", "shared_remote_hits")}
-            for row in rows if row["method"] == "kvcmas" and row["context"] == context and row["qps"] == 0}}
+            f"{row['setup']}, {row['routing']}, qps {row['qps']:g}": {key: row.get(key) for key in (
+                "task_accuracy_reuse", "realized_rho", "cold_start_dense_share", "p50_reader_ttft_ms",
+                "shared_remote_bytes", "shared_anchor_put_bytes", "shared_anchor_remote_bytes",
+                "shared_anchors_imported", "shared_anchors_rejected")}
+            for row in rows if row["method"] == "kvcmas" and row["context"] == context},
+            "kvcmas_two_over_one": kvcmas_against_one(table, context)}
         result["per_context"][context] = figures_at
         print(json.dumps({"context": context, **figures_at}, default=float), flush=True)
     if json_path:

@@ -201,7 +201,8 @@ def replay_command(trace_path: Path | None, method: str, interleave: bool, aa: b
             click.echo(f"stopped: the requests in flight are recorded as interrupted and the summary is written in "
                        f"{result_dir}; finish the run with --resume --result-dir {result_dir}", err=True)
         raise
-    print_summary(summary)
+    print_summary(summary, qps_given=click.get_current_context().get_parameter_source("qps")
+                  != click.core.ParameterSource.DEFAULT)
     if reference_dir is not None:
         from kvbench.replay.reference import comparison_caveats, read_run_config
 
@@ -260,14 +261,15 @@ def saturation_note(summary: dict[str, Any]) -> str:
 COLD_START_WARN_SHARE = 0.25  # of segment decisions: below it, warming up would change little
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: dict[str, Any], qps_given: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from kvbench.analysis.metric_catalog import console_rows
     from kvbench.analysis.metrics import percentile_key
 
-    table = Table(title=f"kvbench replay: {summary['method']} @ {summary['request_rate']:g} QPS", show_header=False)
+    qps = f"{summary['request_rate']:g} QPS" + ("" if qps_given else " (the default: --qps sets it)")
+    table = Table(title=f"kvbench replay: {summary['method']} @ {qps}", show_header=False)
     # the catalog's console metrics in its order (a family: the run's mean, median and percentiles)
     rows = console_rows(summary, ["mean", "median", *(percentile_key(p) for p in summary["config"]["metric_percentiles"])])
     if summary.get("goodput_slo"):
@@ -293,11 +295,20 @@ def cold_start_warning(summary: dict[str, Any]) -> str | None:
     if share is None or share < COLD_START_WARN_SHARE:
         return None
     config = summary.get("config") or {}
-    primed = config.get("prime_method_state") and config.get("num_warmups")
+    warmups = int(config.get("num_warmups") or 0)
+    primed = bool(config.get("prime_method_state")) and warmups > 0
     rho = summary.get("realized_rho")
-    return (f"{share:.0%} of the method's segment decisions went dense because its anchor pools were still empty "
-            f"(a cold start{', even after the primed warm-ups' if primed else ''}); realized rho "
-            f"{'-' if rho is None else f'{rho:.2f}'} is the cold-start figure. "
-            "--num-warmups N --prime-method-state measures the steady state (the paper's).")
+    needed = summary.get("cold_start_trajectories")
+    text = (f"{share:.0%} of the method's segment decisions went dense because its anchor pools were still empty "
+            f"(a cold start{f', even after {warmups} primed warm-ups' if primed else ''}); realized rho "
+            f"{'-' if rho is None else f'{rho:.2f}'} is the cold-start figure.")
+    if needed:  # what this run saw: the pools still empty through its `needed`-th measured trajectory
+        advice = f"--num-warmups {warmups + needed}" + ("" if config.get("prime_method_state") else " --prime-method-state")
+        text += (f" Decisions went dense for want of anchors up to measured trajectory {needed} (in arrival order), "
+                 f"so this trace needs about {warmups + needed} warm-ups: {advice} measures the steady state (the "
+                 "paper's).")
+    elif not primed:
+        text += " --num-warmups N --prime-method-state measures the steady state (the paper's)."
+    return text
 
 

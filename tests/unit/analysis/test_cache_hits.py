@@ -63,6 +63,34 @@ def test_a_cold_start_is_named_on_screen() -> None:
     assert cold_start_warning({"cold_start_dense_share": None}) is None
 
 
+def test_the_warm_up_advice_follows_from_the_run_not_the_flags_given() -> None:
+    """Issue 68: a run given --num-warmups 2 --prime-method-state was told to pass them. The advice
+    counts the measured trajectories whose decisions still went dense for want of anchors."""
+    import json
+
+    import pandas as pd
+
+    from kvbench.analysis.metrics import cold_start_trajectories
+    from kvbench.cli.replay import cold_start_warning
+
+    def stats(*kinds: str) -> str:
+        return json.dumps({"decisions": [{"decision": kind} for kind in kinds]})
+
+    requests = pd.DataFrame({"trajectory_id": ["t0", "t0", "t1", "t1", "t2", "t2"],
+                             "scheduled_ns": [1, 2, 3, 4, 5, 6],
+                             "method_stats": [stats("dense_few_anchors"), None, stats("accepted", "dense_few_anchors"),
+                                              stats("dense_gate"), stats("accepted"), stats("accepted")]})
+    assert cold_start_trajectories(requests) == 2  # t1's decisions were the last to find the pool empty
+    assert cold_start_trajectories(requests.iloc[4:]) == 0
+    assert cold_start_trajectories(requests.assign(method_stats=None)) is None
+    config = {"num_warmups": 2, "prime_method_state": True}
+    primed = cold_start_warning({"cold_start_dense_share": 0.5, "cold_start_trajectories": 2, "config": config})
+    assert primed is not None and "even after 2 primed warm-ups" in primed and "--num-warmups 4 measures" in primed
+    assert "--prime-method-state" not in primed  # given already
+    cold = cold_start_warning({"cold_start_dense_share": 0.5, "cold_start_trajectories": 3, "config": {}})
+    assert cold is not None and "--num-warmups 3 --prime-method-state" in cold
+
+
 def test_a_run_and_its_reference_that_differ_besides_the_method_are_named() -> None:
     """Issue 51: a compiled run compared with an eager reference, or one under load with a QPS 0
     reference, compares more than the method."""
