@@ -138,9 +138,8 @@ def cold_start_trajectories(requests: pd.DataFrame) -> int | None:
     order = requests.sort_values("scheduled_ns") if "scheduled_ns" in requests else requests
     places = {t: i for i, t in enumerate(dict.fromkeys(order["trajectory_id"]), start=1)}
     decided, last = False, 0
-    for trajectory, raw in zip(order["trajectory_id"], order["method_stats"]):
-        decisions = method_stats_of(pd.DataFrame({"method_stats": [raw]}))
-        kinds = [d.get("decision") for stats in decisions for d in stats.get("decisions", [])]
+    for trajectory, stats in zip(order["trajectory_id"], method_stats_of(order)):
+        kinds = [d.get("decision") for d in stats.get("decisions", [])]
         decided |= bool(kinds)
         if any(kind in COLD_START_DECISIONS for kind in kinds):
             last = max(last, places[trajectory])
