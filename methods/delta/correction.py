@@ -19,7 +19,6 @@ import torch
 from kvbench.contracts import Plan, PlanSegment
 from kvbench.methods.api.base import CoreServices, LoadContext, SegmentReuse, SharingMethod
 from kvbench.methods.core.kv_codec import make_codec
-from kvbench.methods.delta.anchor_bytes import AnchorShape
 from kvbench.methods.delta.anchors import (
     Anchor,
     AnchorPool,
@@ -85,23 +84,10 @@ class DeltaCorrection(SharingMethod):
     def bind(self, core: CoreServices) -> None:
         super().bind(core)
         state = core.shared_state("anchors")
-        self.exchange = None if state is None else AnchorExchange(state, state.model)
+        self.exchange = None if state is None else AnchorExchange.over(state)
 
     def _sharing(self) -> AnchorExchange | None:
         return self.exchange if self.params.get("anchor_sharing", "tier") == "tier" else None
-
-    def _pull(self, slot: str, pool: AnchorPool) -> int:
-        """The other instances' anchors of `slot` brought into its pool (before a decision)."""
-        exchange = self._sharing()
-        if exchange is None or exchange.state.shape is None:
-            return 0
-        shape = exchange.state.shape
-        try:
-            return exchange.pull(slot, pool, AnchorShape(shape.layers, shape.kv_heads * shape.head_dim),
-                                 exchange.state.device)
-        except Exception:  # the store unreachable: this pool decides with what it holds
-            logger.exception("kvbench: reading the other instances' anchors of %s failed", slot)
-            return 0
 
     # -------------------------------------------------------------- sources
     def _reads_producer(self, segment: PlanSegment) -> bool:
@@ -210,7 +196,8 @@ class DeltaCorrection(SharingMethod):
         """Accept (with the correction) or reject one segment of n source rows for this edge."""
         capacity = int(self.params.get("V", 1))
         pool = self.pools.setdefault(slot, AnchorPool(capacity))
-        self._pull(slot, pool)
+        if (exchange := self._sharing()) is not None:  # the other instances' anchors of the slot first
+            exchange.pull_safely(slot, pool)
         compatible = pool.compatible(edge, min_length=1)
         gate_mode = self.params.get("gate", "entropy")
         if gate_mode == "dense":
@@ -360,10 +347,7 @@ class DeltaCorrection(SharingMethod):
         pool.add(job.anchor_id, job.edge, source_k, source_v, delta_k, target_v - source_v,
                  rank_base, rank_delta, torch.bfloat16, base_codec)
         if (exchange := self._sharing()) is not None:
-            try:
-                exchange.publish(job.slot, pool, job.anchor_id)
-            except Exception:  # the store unreachable: the anchor serves this instance
-                logger.exception("kvbench: publishing anchor %s of %s failed", job.anchor_id, job.slot)
+            exchange.publish_safely(job.slot, pool, job.anchor_id)
 
     def shared_report(self) -> dict[str, Any]:
         return {} if self.exchange is None else {"shared_state": self.exchange.state.report()}

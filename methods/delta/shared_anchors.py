@@ -29,9 +29,32 @@ class AnchorExchange:
 
     state: SharedState
     model: str
+    expect: AnchorShape | None = None  # what an anchor of this worker's pools holds (state.shape's)
     own: dict[str, set[str]] = field(default_factory=dict)  # slot -> ids of anchors this worker observed
     published: dict[str, dict[str, int]] = field(default_factory=dict)  # slot -> anchor id -> version
     seen: dict[tuple[int, str, str], int] = field(default_factory=dict)  # (writer, slot, id) -> version taken
+
+    @classmethod
+    def over(cls, state: SharedState) -> AnchorExchange:
+        """The exchange of a worker's pools through `state`, checking what it reads against its caches."""
+        shape = state.shape
+        return cls(state, state.model, None if shape is None else AnchorShape(shape.layers, shape.kv_heads * shape.head_dim))
+
+    def pull_safely(self, slot: str, pool: AnchorPool) -> None:
+        """`pull` before a decision; a store that fails leaves the pool as it is (logged)."""
+        if self.expect is None:
+            return
+        try:
+            self.pull(slot, pool, self.expect, self.state.device)
+        except Exception:
+            logger.exception("kvbench: reading the other instances' anchors of %s failed", slot)
+
+    def publish_safely(self, slot: str, pool: AnchorPool, observed: str) -> None:
+        """`publish` after an observation; a store that fails keeps the anchor to this instance (logged)."""
+        try:
+            self.publish(slot, pool, observed)
+        except Exception:
+            logger.exception("kvbench: publishing anchor %s of %s failed", observed, slot)
 
     def publish(self, slot: str, pool: AnchorPool, observed: str) -> None:
         """After this worker observed anchor `observed` of `slot`: its anchors of the slot that are
