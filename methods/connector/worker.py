@@ -79,6 +79,7 @@ class ConnectorWorker:
         self.deferred_s = 0.0  # the method's deferred work (anchor building, prematching) since the reset
         self.reuse_counters = ReuseCounters()  # totals for vLLM's connector-stats path (/metrics)
         self._adapters: dict[str, VLora] = {}  # the served V-only adapters, once the model is attached
+        self._model: torch.nn.Module | None = None  # the model attached (once)
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -101,10 +102,15 @@ class ConnectorWorker:
                              EntryShape(len(kv_caches), row_k.shape[1], row_k.shape[2], row_k.dtype))
 
     def attach_model(self, model: torch.nn.Module) -> None:
-        """Called once per worker (kvbench's worker extension, over collective_rpc)."""
+        """Hand the worker its model (kvbench's worker extension, over collective_rpc). Clients call
+        it before every run (a server kvbench did not start has not had it yet): once attached, the
+        same model is not attached again, so the method keeps its binding and what it shared with
+        other instances stays on record (a re-bound method could not withdraw it at its reset)."""
         from kvbench.methods.core.forward import PartialForward
         from kvbench.methods.core.rope import RopeAligner
 
+        if self._model is model:
+            return
         inner = model.model
         layers = list(inner.layers)[inner.start_layer:inner.end_layer]
         names = [layer.self_attn.attn.layer_name for layer in layers]
@@ -113,6 +119,7 @@ class ConnectorWorker:
         self._adapters = self._load_adapters(layers[0].self_attn)
         self.method.bind(self)
         self.check_method_fits(self.method)
+        self._model = model
         logger.info("kvbench connector: model attached (%d layers)", len(layers))
 
     def _load_adapters(self, attention: torch.nn.Module) -> dict[str, VLora]:

@@ -36,7 +36,11 @@ class AnchorExchange:
 
     @classmethod
     def over(cls, state: SharedState) -> AnchorExchange:
-        """The exchange of a worker's pools through `state`, checking what it reads against its caches."""
+        """The exchange of a worker's pools through `state`, checking what it reads against its caches.
+        Its writer number is claimed now, before any request: a reader that looked for writers
+        before this one's first anchor would miss it while it trusts its list of writers
+        (shared_state.PEERS_REFRESH_S)."""
+        state.claim()
         shape = state.shape
         return cls(state, state.model, None if shape is None else AnchorShape(shape.layers, shape.kv_heads * shape.head_dim))
 
@@ -130,3 +134,4 @@ class AnchorExchange:
     @staticmethod
     def _name(slot: str, anchor_id: str) -> str:
         return f"{slot}/anchor/{anchor_id}"
+

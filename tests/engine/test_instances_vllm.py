@@ -47,6 +47,17 @@ def _outputs(run: Path) -> dict[tuple[str, str], list[int]]:
     return {(r.trajectory_id, r.turn_id): list(r.output_token_ids) for r in requests.itertuples()}
 
 
+def _decisions(run: Path) -> dict[str, list[tuple[str, str, int]]]:
+    """Each request's decisions on its segments: (segment, decision, anchors it saw), by request."""
+    decisions = {}
+    for line in (run / "method_stats.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "request":
+            name = record["request_id"].split("/", 1)[1]  # (the run's own prefix apart)
+            decisions[name] = [(d["id"], d["decision"], d.get("anchors")) for d in record["stats"].get("decisions", [])]
+    return decisions
+
+
 @contextlib.contextmanager
 def _two_instances(method: str, model: str, log_dir: Path) -> Iterator[dict]:
     """`kvbench serve --method METHOD --instances 2` up (what it printed: URLs, pids, the master);
@@ -114,6 +125,14 @@ def test_kvcmas_anchors_observed_on_one_instance_serve_the_other(default_model: 
                                                *urls, "--result-dir", str(tmp_path / sharing)])
             assert result.exit_code == 0, result.output
             summaries[sharing] = json.loads((tmp_path / sharing / "summary.json").read_text())
+            if sharing == "tier":  # a run after it starts from nothing it left in the tier: the first
+                # trajectory after the reset decides every segment with no anchor (each edge's first)
+                result = CliRunner().invoke(main, ["replay", "--trace", str(trace), "--method", "kvcmas", "--qps",
+                                                   "0", "--routing", "agent", "--num-trajectories", "1", *urls,
+                                                   "--result-dir", str(tmp_path / "after")])
+                assert result.exit_code == 0, result.output
+                after = [d for made in _decisions(tmp_path / "after").values() for d in made]
+                assert after and all(anchors == 0 for _, _, anchors in after), after
     shared, alone = summaries["tier"], summaries["instance"]
     assert shared["shared_anchors_imported"] > 0 and shared["shared_anchors_rejected"] == 0
     assert shared["shared_anchor_put_bytes"] > 0 and shared["shared_anchor_remote_bytes"] > 0
