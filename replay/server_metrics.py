@@ -71,7 +71,7 @@ def process_tree_rss(pid: int) -> int:
 @dataclass
 class MetricsSampler:
     servers: list[str]
-    pids: dict[str, int]  # server URL -> process id, for servers kvbench started
+    pids: dict[str, int]  # server URL -> process id, for local servers (kvbench's own, or found by port)
     interval_s: float = 1 / 3
     samples: list[dict[str, Any]] = field(default_factory=list)
     # What else the machine did meanwhile (replay/machine_load.py), sampled from start to stop too.

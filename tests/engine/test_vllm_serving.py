@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbench.methods.registry import resolve_method
-from kvbench.server.lifecycle import VLLMServer
+from kvbench.server.lifecycle import VLLMServer, wait_for_stopped_servers
 
 pytestmark = pytest.mark.engine
 
@@ -74,6 +74,7 @@ def test_a_normal_stop_leaves_no_traceback_in_the_log(default_model: str, tmp_pa
     from kvbench.server.config import method_server_config
 
     log = tmp_path / "server.log"
+    wait_for_stopped_servers()  # earlier tests' servers stopping beside this one starved its drain (two-rank ones)
     # A drain of a minute: an engine starved of CPU on a loaded runner missed vLLM's default 10 s
     # and was force-killed; only an engine that hangs outlasts this one.
     server = VLLMServer(method_server_config(resolve_method("fullshared"), default_model, max_model_len=1024, log_path=log,

@@ -14,7 +14,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from kvbench.cli import main
+from kvbench.replay.local_servers import listening_pids
 from kvbench.replay.machine_load import LOADED_SHARE, MachineLoadSampler, load_figures
+from kvbench.server.lifecycle import free_port
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 BUSY = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass\n"
@@ -51,6 +53,28 @@ def test_a_busy_process_outside_kvbench_counts_as_others_and_its_own_child_as_ou
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_local_server_the_run_did_not_start_is_found_by_its_port_and_counts_as_ours() -> None:
+    """`kvbench serve` in another shell, a benchmark's own instances: not the replay's children,
+    found by the port their URL names, so their CPU is the run's own, not a neighbour's."""
+    port = free_port()
+    server = ("import socket, time\ns = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen()\n"
+              + BUSY.format(s=4)).format(port=port)
+    outside = subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"{server}\" >/dev/null 2>&1 & echo $!"],
+                               stdout=subprocess.PIPE, text=True)
+    outsider = int(outside.communicate()[0].strip())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 10
+        while not (found := listening_pids([url, "http://192.0.2.1:8000"])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found == {url: outsider}  # (192.0.2.1: another machine, left out)
+        sampler = MachineLoadSampler(list(found.values()))
+        record = _sample_while(1.5, sampler)
+        assert record["ours_share"] >= 0.3 / record["cores"]
+    finally:
+        subprocess.run(["kill", str(outsider)], check=False, capture_output=True)
 
 
 def test_load_figures_weigh_samples_by_time_and_flag_a_loaded_run() -> None:
