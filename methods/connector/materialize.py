@@ -138,12 +138,18 @@ class Placement:
         self.at_check: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.seconds = 0.0  # building the placed rows, every layer: gathering, RoPE, correction, checks
         self.rope_seconds = 0.0  # of which re-rotating keys to their new positions
-        self.nonfinite: torch.Tensor | None = None  # non-finite placed values so far (on the cache's device)
+        # the largest |value| placed so far, on the cache's device: NaN or inf once any placed value
+        # is not finite (max propagates both; a reduction to one value per layer costs an eighth of
+        # counting the non-finite values: 0.95 against 7.4 ms for an 8K layer on one CPU core)
+        self.largest: torch.Tensor | None = None
 
     def raise_if_nonfinite(self) -> None:
         """Summed over tensor-parallel ranks (each holds other heads), so that all of them raise
         together: a rank falling back alone would leave the others waiting in a collective."""
-        if self.nonfinite is not None and float(self.worker.sum_over_ranks(self.nonfinite.float().reshape(1))) > 0:
+        if self.largest is None:
+            return
+        flagged = (~torch.isfinite(self.largest)).float().reshape(1)
+        if float(self.worker.sum_over_ranks(flagged)) > 0:
             raise FloatingPointError(f"non-finite K/V placed by method {self.method.name}")
 
     def all_computed(self, layer: int) -> bool:
@@ -171,11 +177,12 @@ class Placement:
         k_all, v_all = torch.cat(ks), torch.cat(vs)
         if self.poison:
             k_all.view(-1)[0] = float("nan")
-        # Counted on the device and read once, after the last layer (`raise_if_nonfinite`): a
+        # Reduced on the device and read once, after the last layer (`raise_if_nonfinite`): a
         # read per layer would stall a GPU's queue every layer. Rows placed before then are the
         # request's own and vLLM computes them again when the load falls back.
-        bad = (~torch.isfinite(k_all)).sum() + (~torch.isfinite(v_all)).sum()
-        self.nonfinite = bad if self.nonfinite is None else self.nonfinite + bad
+        if k_all.numel():
+            largest = torch.maximum(k_all.abs().amax(), v_all.abs().amax())
+            self.largest = largest if self.largest is None else torch.maximum(self.largest, largest)
         if layer in self.check_layers:  # written, then overwritten by the fresh rows: kept for the comparison
             self.at_check[layer] = (k_all, v_all)
         self.seconds += time.perf_counter() - started

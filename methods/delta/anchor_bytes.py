@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from kvbench.methods.core.entry_bytes import all_finite
 from kvbench.methods.delta.anchors import Anchor
 from kvbench.methods.delta.stored import FullRank, LowRank, Stored
 
@@ -84,7 +85,7 @@ def _stored(name: str, kind: Any, tensors: dict[str, torch.Tensor], expect: Anch
     else:
         raise AnchorError(f"{name}: unknown kind {kind!r}")
     for tensor in parts:
-        if not tensor.dtype.is_floating_point or not bool(torch.isfinite(tensor).all()):
+        if not tensor.dtype.is_floating_point or not all_finite(tensor):
             raise AnchorError(f"{name}: {tensor.dtype} values, not all finite floats")
     return stored
 

@@ -160,6 +160,8 @@ def test_a_shared_entry_is_placed_only_where_it_fits_the_readers_model() -> None
     assert entry_from_bytes(_forged(), "m", None, expect=SHAPE).num_tokens == n  # the honest entry passes
     nan_k = torch.randn(3, n, 2, 8)
     nan_k[1, 3, 0, 0] = float("nan")
+    inf_v = torch.randn(3, n, 2, 8)
+    inf_v[2, n - 1, 1, 7] = -float("inf")
     meta = {"layout": "kvbench-entry-1", "model": "m", "hidden_layer": None, "codec": None}
     forgeries = {
         "a JSON list header": _forged(header=[1, 2]),
@@ -169,6 +171,7 @@ def test_a_shared_entry_is_placed_only_where_it_fits_the_readers_model() -> None
         "another head size": _forged(k=torch.randn(3, n, 2, 16), v=torch.randn(3, n, 2, 16)),
         "other layers": _forged(k=torch.randn(5, n, 2, 8), v=torch.randn(5, n, 2, 8)),
         "NaN K": _forged(k=nan_k),
+        "infinite V": _forged(v=inf_v),
         "float64 K/V": _forged(k=torch.randn(3, n, 2, 8, dtype=torch.float64), v=torch.randn(3, n, 2, 8, dtype=torch.float64)),
         "float token ids": _forged(token_ids=torch.arange(n, dtype=torch.float32)),
         "negative token ids": _forged(token_ids=-torch.arange(n)),
