@@ -1,9 +1,9 @@
 """The local process behind a server URL, for servers a replay did not start (`kvbench serve` in
 another shell, a benchmark's own instances, `vllm serve`): the process listening on the URL's
 port. Their CPU then counts as the run's own rather than a neighbour's (machine_load: every run
-against such servers was flagged as on a loaded machine), and their memory is sampled
-(server_metrics), as for the servers a replay starts. Remote URLs, and listeners this user may
-not see, are left out."""
+against such servers was flagged as on a loaded machine). Their memory is not reported as a
+server's: the listener may be a port-forward to another machine. Remote URLs, and listeners this
+user may not see, are left out."""
 
 from __future__ import annotations
 

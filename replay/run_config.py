@@ -17,6 +17,7 @@ from typing import Any
 from kvbench import __version__
 from kvbench.methods.api.spec import ChosenMethod
 from kvbench.model.store import model_identity
+from kvbench.replay.local_servers import listening_pids
 from kvbench.replay.machine_load import describe_machine
 from kvbench.replay.reference import ReferenceRun, trajectory_digests
 from kvbench.replay.sampling import SamplingParams
@@ -109,6 +110,11 @@ class ServerBinding:
     def sampled_urls(self) -> list[str]:
         """Every URL whose /metrics page the run samples."""
         return self.base_urls + ([self.tier_url] if self.tier_url else [])
+
+    def found_pids(self) -> dict[str, int]:
+        """URL -> pid of each local server kvbench did not start (`kvbench serve` in another
+        shell), found by its port: its CPU is the run's own, not a neighbour's."""
+        return listening_pids([url for url in self.base_urls if url not in self.pids])
 
 
 _PARTS = {"load": LoadSettings, "quality": QualitySettings, "output": OutputSettings}

@@ -17,7 +17,6 @@ import aiohttp
 from kvbench import run_files
 from kvbench.replay.backend import CompletionsBackend
 from kvbench.replay.interrupts import Interrupted, on_stop_signals
-from kvbench.replay.local_servers import listening_pids
 from kvbench.replay.method_stats import STATS_FIELDS, MethodStatsCollector
 from kvbench.replay.progress import ReplayProgress
 from kvbench.replay.prompts import PromptBuilder, TurnPrompt
@@ -95,9 +94,7 @@ class Replayer:
                                 reference_outputs=cfg.quality.reference.outputs if cfg.quality.reference is not None else None,
                                 drop_shared=cfg.quality.drop_shared,
                                 keep_unread_caches=cfg.quality.save_prompt_ids, concurrent_sources=cfg.load.concurrent_sources)
-        # servers it did not start are found by their port (a neighbour's CPU is not theirs)
-        server_pids = {**listening_pids(cfg.servers.base_urls), **cfg.servers.pids}
-        sampler = MetricsSampler(cfg.servers.sampled_urls, server_pids, paused=self._idle)
+        sampler = MetricsSampler(cfg.servers.sampled_urls, cfg.servers.pids, cfg.servers.found_pids(), paused=self._idle)
         if self.method_info.uses_connector:
             self.stats = MethodStatsCollector(cfg.output.result_dir, cfg.servers.base_urls, self.servers.fetch_stats)
         self._loop = asyncio.get_running_loop()
@@ -139,7 +136,7 @@ class Replayer:
                         builder: PromptBuilder, sampler: MetricsSampler) -> None:
         cfg = self.config
         warmups, todo, kept, run_config = start.warmups, start.todo, start.kept, start.run_config
-        run_config.update(await self.servers.check(session), server_pids=sampler.pids)
+        run_config.update(await self.servers.check(session), server_pids=cfg.servers.pids)
         self.servers.refuse_unservable(cfg.trace)  # before anything is sent
         builder.shared_tier = self.servers.shared_tier  # sources on other servers are readable there
         # Only now does the run exist on disk: one that never reached a server leaves nothing

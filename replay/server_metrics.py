@@ -71,7 +71,10 @@ def process_tree_rss(pid: int) -> int:
 @dataclass
 class MetricsSampler:
     servers: list[str]
-    pids: dict[str, int]  # server URL -> process id, for local servers (kvbench's own, or found by port)
+    pids: dict[str, int]  # server URL -> process id, for servers kvbench started
+    # local servers it did not start, found by their port (replay/local_servers.py): their CPU is
+    # the run's own; their memory is not sampled (a port-forward's listener is no server)
+    found_pids: dict[str, int] = field(default_factory=dict)
     interval_s: float = 1 / 3
     samples: list[dict[str, Any]] = field(default_factory=list)
     # What else the machine did meanwhile (replay/machine_load.py), sampled from start to stop too.
@@ -82,7 +85,7 @@ class MetricsSampler:
     _started: float = 0.0
 
     def __post_init__(self) -> None:
-        self.machine = MachineLoadSampler(list(self.pids.values()))  # kvbench's own children count as ours too
+        self.machine = MachineLoadSampler([*self.pids.values(), *self.found_pids.values()])
 
     async def sample(self, session: aiohttp.ClientSession, phase: str) -> None:
         now = time.monotonic() - self._started

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from kvbench.cli import main
 from kvbench.replay.local_servers import listening_pids
 from kvbench.replay.machine_load import LOADED_SHARE, MachineLoadSampler, load_figures
+from kvbench.replay.run_config import ServerBinding
 from kvbench.server.lifecycle import free_port
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -67,9 +68,11 @@ def test_a_local_server_the_run_did_not_start_is_found_by_its_port_and_counts_as
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 10
-        while not (found := listening_pids([url, "http://192.0.2.1:8000"])) and time.monotonic() < deadline:
+        while not listening_pids([url]) and time.monotonic() < deadline:
             time.sleep(0.05)
+        found = ServerBinding([url, "http://192.0.2.1:8000"]).found_pids()
         assert found == {url: outsider}  # (192.0.2.1: another machine, left out)
+        assert ServerBinding([url], pids={url: outsider}).found_pids() == {}  # one kvbench started: known
         sampler = MachineLoadSampler(list(found.values()))
         record = _sample_while(1.5, sampler)
         assert record["ours_share"] >= 0.3 / record["cores"]
