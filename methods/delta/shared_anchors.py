@@ -134,4 +134,3 @@ class AnchorExchange:
     @staticmethod
     def _name(slot: str, anchor_id: str) -> str:
         return f"{slot}/anchor/{anchor_id}"
-
