@@ -24,6 +24,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
+from kvbench.analysis.metrics import method_stats_of
 from kvbench.cli import main
 
 pytestmark = pytest.mark.engine
@@ -45,17 +46,6 @@ def _outputs(run: Path) -> dict[tuple[str, str], list[int]]:
     requests = pd.read_parquet(run / "requests.parquet")
     assert requests["success"].all()
     return {(r.trajectory_id, r.turn_id): list(r.output_token_ids) for r in requests.itertuples()}
-
-
-def _decisions(run: Path) -> dict[str, list[tuple[str, str, int]]]:
-    """Each request's decisions on its segments: (segment, decision, anchors it saw), by request."""
-    decisions = {}
-    for line in (run / "method_stats.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("kind") == "request":
-            name = record["request_id"].split("/", 1)[1]  # (the run's own prefix apart)
-            decisions[name] = [(d["id"], d["decision"], d.get("anchors")) for d in record["stats"].get("decisions", [])]
-    return decisions
 
 
 @contextlib.contextmanager
@@ -131,8 +121,9 @@ def test_kvcmas_anchors_observed_on_one_instance_serve_the_other(default_model: 
                                                    "0", "--routing", "agent", "--num-trajectories", "1", *urls,
                                                    "--result-dir", str(tmp_path / "after")])
                 assert result.exit_code == 0, result.output
-                after = [d for made in _decisions(tmp_path / "after").values() for d in made]
-                assert after and all(anchors == 0 for _, _, anchors in after), after
+                stats = method_stats_of(pd.read_parquet(tmp_path / "after" / "requests.parquet"))
+                after = [d for made in stats for d in made.get("decisions", [])]
+                assert after and all(d["anchors"] == 0 for d in after), after
     shared, alone = summaries["tier"], summaries["instance"]
     assert shared["shared_anchors_imported"] > 0 and shared["shared_anchors_rejected"] == 0
     assert shared["shared_anchor_put_bytes"] > 0 and shared["shared_anchor_remote_bytes"] > 0
